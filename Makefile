@@ -1,0 +1,34 @@
+# Quick start: `make demo` and `make test`. Both create .venv on first use.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+STAMP  := $(VENV)/.installed
+PYTHON ?= python3
+
+.PHONY: setup demo test lint unit bench clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	# torch first: the pinned version is the machine's local CPU wheel; a bare `torch`
+	# pulled in by another package would download gigabytes of CUDA libraries.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(VENV)/bin/tidal demo
+
+lint: setup
+	$(VENV)/bin/ruff check tidal tests bench examples
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
+
+unit: setup
+	$(VENV)/bin/pytest -q
+
+test: lint unit
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

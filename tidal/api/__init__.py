@@ -1,0 +1,256 @@
+"""Wire types shared by every part of tidal, and the exception hierarchy.
+
+Everything that crosses a process boundary on the control plane is one of the pydantic models
+below, serialised as JSON. Models reject unknown fields (``extra="forbid"``) so a typo in a
+client is a 422 with a message, not a silently ignored value. This package imports nothing
+else of tidal (enforced by import-linter).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tidal.api.errors import (
+    ConfigError,
+    PermanentError,
+    RetryableError,
+    StaleRoundError,
+    TidalError,
+)
+
+__all__ = [
+    "MAX_BODY_BYTES",
+    "MAX_RECORDS_PER_REQUEST",
+    "ConfigError",
+    "Event",
+    "FinishRequest",
+    "JobSnapshot",
+    "JobState",
+    "JoinRequest",
+    "JoinResponse",
+    "LeaseRequest",
+    "LeaseResponse",
+    "PauseReport",
+    "PermanentError",
+    "RendezvousRequest",
+    "RendezvousResponse",
+    "ReportRequest",
+    "ReportResponse",
+    "ResourcePlan",
+    "RetryableError",
+    "ScaleRequest",
+    "Shard",
+    "ShardCounts",
+    "StaleRoundError",
+    "StatusResponse",
+    "StepRecord",
+    "TidalError",
+    "WorkerInfo",
+    "WorkerState",
+]
+
+# Control-plane limits: the master answers 413 above MAX_BODY_BYTES, 422 above the list limits.
+MAX_BODY_BYTES = 16 << 20
+MAX_RECORDS_PER_REQUEST = 65536
+_I64 = 2**63 - 1
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class WorkerState(StrEnum):
+    """Lifecycle of a worker process as the master sees it (transitions in tidal.master.membership)."""
+
+    LAUNCHING = "launching"  # process started by the backend, not yet registered
+    JOINED = "joined"  # registered, has not asked for a round yet
+    WAITING = "waiting"  # at the rendezvous, waiting for the next round
+    ACTIVE = "active"  # member of the current round, training
+    LEAVING = "leaving"  # told to leave (scale-in); exits cleanly
+    SUCCEEDED = "succeeded"  # exited 0
+    FAILED = "failed"  # exited non-zero, was killed, or missed its heartbeat lease
+
+
+class JobState(StrEnum):
+    RUNNING = "running"
+    FINISHING = "finishing"  # training loop done; waiting for processes to exit
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+
+class StepRecord(_Wire):
+    """The samples one worker contributed to one committed optimizer step: ``[start, end)``."""
+
+    step: int = Field(ge=0, le=_I64)
+    worker: int = Field(ge=0, le=_I64)
+    epoch: int = Field(ge=0, le=_I64)
+    start: int = Field(ge=0, le=_I64)
+    end: int = Field(ge=0, le=_I64)
+
+
+class Shard(_Wire):
+    """A lease on dataset indices ``[start, end)`` of one epoch, read in batches of ``batch_size``."""
+
+    epoch: int = Field(ge=0)
+    start: int = Field(ge=0)
+    end: int = Field(ge=0)
+    batch_size: int = Field(ge=1)
+
+
+class JoinRequest(_Wire):
+    worker_id: int = Field(ge=0, le=_I64)
+    pid: int = Field(ge=0, le=2**31)
+    host: str = Field(default="127.0.0.1", max_length=255)
+
+
+class JoinResponse(_Wire):
+    job_id: str
+    round: int
+    heartbeat_interval_s: float
+    collective_timeout_s: float
+
+
+class RendezvousRequest(_Wire):
+    """A worker asks to be placed in the next round.
+
+    ``after_round`` is the last round the worker trained in (-1 for none): a request whose
+    ``after_round`` is older than the current round is a re-poll for an assignment already made.
+    ``records`` are the step records the worker holds for steps the master has not yet
+    finalized; the member with the highest ``applied_step`` becomes the source of state and its
+    records are finalized when the round closes.
+    """
+
+    worker_id: int = Field(ge=0, le=_I64)
+    after_round: int = Field(ge=-1, le=_I64)
+    applied_step: int = Field(ge=-1, le=_I64)
+    records: list[StepRecord] = Field(default_factory=list, max_length=MAX_RECORDS_PER_REQUEST)
+
+
+class RendezvousResponse(_Wire):
+    status: Literal["waiting", "ready", "leave", "finished"]
+    round: int = -1
+    rank: int = -1
+    world_size: int = 0
+    store_host: str = ""
+    store_port: int = 0
+    source_rank: int = 0
+    sync_state: bool = False
+    applied_step: int = -1  # the step the round resumes after (the source's applied step)
+
+
+class PauseReport(_Wire):
+    round: int = Field(ge=0, le=_I64)
+    seconds: float = Field(ge=0, le=1e7)
+
+
+class ReportRequest(_Wire):
+    """Heartbeat, progress and the worker's own step records, sent every ~100 ms."""
+
+    worker_id: int = Field(ge=0, le=_I64)
+    round: int = Field(ge=-1, le=_I64)
+    applied_step: int = Field(ge=-1, le=_I64)
+    records: list[StepRecord] = Field(default_factory=list, max_length=MAX_RECORDS_PER_REQUEST)
+    compute_s_per_sample: float = Field(default=0.0, ge=0, le=1e6)
+    samples_per_s: float = Field(default=0.0, ge=0, le=1e12)
+    pauses: list[PauseReport] = Field(default_factory=list, max_length=64)
+
+
+class ReportResponse(_Wire):
+    round: int
+    reform: bool  # a new round is being formed: stop at the next step boundary
+    finalized_step: int  # every record of steps <= this is durable in the journal
+
+
+class LeaseRequest(_Wire):
+    worker_id: int = Field(ge=0, le=_I64)
+    round: int = Field(ge=0, le=_I64)
+    epoch: int = Field(ge=0, le=1_000_000)
+    dataset_size: int = Field(ge=1, le=_I64)
+    batch_size: int = Field(ge=1, le=1 << 24)
+    batches_per_shard: int = Field(default=16, ge=1, le=1 << 20)
+    shuffle: bool = True
+    seed: int = Field(default=0, ge=0, le=_I64)
+
+
+class LeaseResponse(_Wire):
+    status: Literal["ok", "empty"]  # empty: no TODO shard in this epoch now
+    shard: Shard | None = None
+
+
+class FinishRequest(_Wire):
+    worker_id: int = Field(ge=0, le=_I64)
+    metrics: dict[str, float] = Field(default_factory=dict, max_length=64)
+
+
+class ScaleRequest(_Wire):
+    workers: int = Field(ge=0, le=100_000)
+
+
+class WorkerInfo(_Wire):
+    worker_id: int
+    pid: int
+    state: WorkerState
+    rank: int
+    applied_step: int
+    samples_per_s: float
+    straggler: bool
+    exit_code: int | None = None
+
+
+class ShardCounts(_Wire):
+    epoch: int
+    todo: int
+    doing: int
+    done: int
+    samples_done: int
+    samples_total: int
+
+
+class Event(_Wire):
+    seq: int = 0  # increasing per job
+    time: float  # unix seconds
+    kind: str  # join | leave | failure | pause | straggler | scale | launch | crash | job
+    worker: int | None = None
+    message: str = ""
+    seconds: float | None = None  # pauses: how long training stood still
+    cause: str | None = None  # pauses: what caused the new round
+
+
+class StatusResponse(_Wire):
+    job_id: str
+    state: JobState
+    target_workers: int
+    min_workers: int
+    max_workers: int
+    round: int
+    reforming: bool
+    finalized_step: int
+    workers: list[WorkerInfo]
+    shards: list[ShardCounts]
+    events: list[Event]
+    metrics: dict[str, float]
+    error: str | None = None
+
+
+class ResourcePlan(_Wire):
+    """What a planner decides for one job. Only ``workers`` is acted on by the runtime so far."""
+
+    workers: int = Field(ge=0)
+    ps: int = Field(default=0, ge=0)
+    data_workers: int = Field(default=0, ge=0)
+    reason: str = ""
+
+
+class JobSnapshot(_Wire):
+    """What a planner may look at: the master builds it from its state, the simulator from its model."""
+
+    job_id: str
+    min_workers: int
+    max_workers: int
+    current_workers: int
+    samples_per_s: float = 0.0
+    applied_step: int = -1
+    stragglers: int = 0

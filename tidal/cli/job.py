@@ -1,0 +1,222 @@
+"""``tidal run``, ``tidal master``, ``tidal status``, ``tidal scale``, ``tidal demo``."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import typer
+
+from tidal.api import ConfigError, StatusResponse
+from tidal.cli import app, fail
+
+HOME_ENV = "TIDAL_HOME"
+
+
+def tidal_home() -> Path:
+    return Path(os.environ.get(HOME_ENV, ".tidal"))
+
+
+def parse_workers(text: str) -> tuple[int, int]:
+    try:
+        lo, _, hi = text.partition(":")
+        low, high = int(lo), int(hi or lo)
+    except ValueError:
+        raise ConfigError(f"--workers must be MIN:MAX or N, got {text!r}") from None
+    if low < 1:
+        raise ConfigError(f"--workers MIN must be at least 1, got {low}")
+    if low > high:
+        raise ConfigError(f"--workers MIN ({low}) is greater than MAX ({high})")
+    return low, high
+
+
+def check_ledger(path: Path | None) -> None:
+    if path is None:
+        return
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"cannot write ledger {path}: {exc.strerror}") from None
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def run(
+    ctx: typer.Context,
+    script: Path = typer.Argument(..., help="The training script (run with this Python)."),
+    workers: str = typer.Option("1:1", "--workers", "-w", help="MIN:MAX worker processes (or N)."),
+    initial: int | None = typer.Option(None, "--initial", help="Start with this many workers (default MAX)."),
+    ledger: Path | None = typer.Option(None, "--ledger", help="Write one JSON line per committed sample range."),
+    port: int = typer.Option(0, "--port", help="Control-plane port on 127.0.0.1 (0: any free port)."),
+    job_dir: Path | None = typer.Option(None, "--job-dir", help="Where the journal, logs and job.json go."),
+    heartbeat_timeout: float = typer.Option(5.0, help="Seconds without a heartbeat before a worker is replaced."),
+    max_restarts: int = typer.Option(20, help="Worker failures tolerated before the job fails."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Do not echo the workers' output."),
+) -> None:
+    """Run SCRIPT [ARGS...] as an elastic job of local worker processes.
+
+    A job master keeps MIN..MAX workers alive, replaces failed ones without restarting the
+    survivors, and hands out the dataset in shards so that every sample of every epoch is
+    trained exactly once. Change the worker count while it runs with `tidal scale N`; watch it
+    with `tidal status`. Exit status: 0 when the job succeeded, 1 when it failed, 2 on bad input.
+    """
+    from tidal.master.api import JobSpec
+    from tidal.master.job import new_token
+    from tidal.master.server import bind_socket, run_master
+
+    low, high = parse_workers(workers)
+    if not script.is_file():
+        raise fail(f"script {script} not found")
+    if initial is not None and not low <= initial <= high:
+        raise fail(f"--initial {initial} is outside --workers {low}:{high}")
+    check_ledger(ledger)
+    sock = bind_socket("127.0.0.1", port)
+    job_id = uuid.uuid4().hex[:8]
+    directory = (job_dir or tidal_home() / job_id).resolve()
+    directory.mkdir(parents=True, exist_ok=True)
+    spec = JobSpec(
+        job_id=job_id, argv=[sys.executable, str(script.resolve()), *ctx.args], min_workers=low,
+        max_workers=high, token=new_token(), job_dir=str(directory), port=sock.getsockname()[1],
+        ledger_path=str(ledger.resolve()) if ledger else None, initial_workers=initial,
+        heartbeat_timeout_s=heartbeat_timeout, max_restarts=max_restarts, cwd=os.getcwd(),
+    )
+    _point_current(directory)
+    typer.echo(f"tidal: job {job_id} on http://127.0.0.1:{spec.port} (job dir {directory})", err=True)
+    code, master = run_master(spec, directory / "journal.sqlite", sock=sock, follow_logs=not quiet)
+    _print_summary(master)
+    raise typer.Exit(code)
+
+
+@app.command()
+def master(
+    resume: Path = typer.Option(..., "--resume", help="The journal (job dir/journal.sqlite) of the job to take over."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Do not echo the workers' output."),
+) -> None:
+    """Restart a job's master from its journal; the running workers reconnect and carry on."""
+    from tidal.master.api import JobSpec
+    from tidal.master.journal import SqliteJournal
+    from tidal.master.server import bind_socket, run_master
+
+    journal = SqliteJournal(resume, create=False)
+    raw = journal.get_meta("spec")
+    journal.close()
+    if raw is None:
+        raise fail(f"{resume} is not a tidal journal")
+    spec = JobSpec.from_json(raw)
+    sock = bind_socket(spec.host, spec.port)
+    typer.echo(f"tidal: resuming job {spec.job_id} on http://{spec.host}:{spec.port}", err=True)
+    code, m = run_master(spec, resume, resume=True, sock=sock, follow_logs=not quiet)
+    _print_summary(m)
+    raise typer.Exit(code)
+
+
+def _point_current(directory: Path) -> None:
+    home = tidal_home()
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "current").write_text(str(directory))
+
+
+def _job_file(job_dir: Path | None) -> dict[str, Any]:
+    directory = job_dir
+    if directory is None:
+        pointer = tidal_home() / "current"
+        if not pointer.is_file():
+            raise ConfigError(f"no job found: pass --job-dir or run from the directory of `tidal run` ({pointer} missing)")
+        directory = Path(pointer.read_text().strip())
+    path = directory / "job.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from None
+
+
+def _request(job_dir: Path | None, method: str, path: str, body: Any = None) -> Any:
+    info = _job_file(job_dir)
+    try:
+        resp = httpx.request(method, info["url"] + path, json=body, timeout=10,
+                             headers={"Authorization": f"Bearer {info['token']}"})
+    except httpx.TransportError:
+        raise ConfigError(f"the master of job {info['job_id']} at {info['url']} is not answering") from None
+    if resp.status_code >= 400:
+        raise ConfigError(f"master refused: {resp.json().get('detail', resp.text)}")
+    return resp.json()
+
+
+@app.command()
+def status(
+    as_json: bool = typer.Option(False, "--json", help="Print the master's status document as JSON."),
+    job_dir: Path | None = typer.Option(None, "--job-dir", help="The job's directory (default: the latest job)."),
+) -> None:
+    """Workers (pid, state, step, samples/s), shards per epoch, membership round, recent events."""
+    data = _request(job_dir, "GET", "/v1/status")
+    if as_json:
+        typer.echo(json.dumps(data, indent=2))
+        return
+    st = StatusResponse.model_validate(data)
+    _render_status(st)
+
+
+@app.command()
+def scale(
+    workers: int = typer.Argument(..., help="The new number of workers (within the job's MIN:MAX)."),
+    job_dir: Path | None = typer.Option(None, "--job-dir", help="The job's directory (default: the latest job)."),
+) -> None:
+    """Change a running job's number of workers."""
+    data = _request(job_dir, "POST", "/v1/scale", {"workers": workers})
+    typer.echo(f"target: {data['target_workers']} workers")
+
+
+def _render_status(st: StatusResponse) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"job [bold]{st.job_id}[/]  state {st.state.value}  round {st.round}"
+                  f"{' (re-forming)' if st.reforming else ''}  target {st.target_workers} "
+                  f"({st.min_workers}:{st.max_workers})  committed step {st.finalized_step}")
+    if st.error:
+        console.print(f"[red]error:[/] {st.error}")
+    table = Table("worker", "pid", "state", "rank", "step", "samples/s", "straggler", "exit")
+    for w in st.workers:
+        table.add_row(str(w.worker_id), str(w.pid), w.state.value, str(w.rank) if w.rank >= 0 else "-",
+                      str(w.applied_step), f"{w.samples_per_s:.0f}", "yes" if w.straggler else "",
+                      "" if w.exit_code is None else str(w.exit_code))
+    console.print(table)
+    shards = Table("epoch", "todo", "doing", "done", "samples done")
+    for s in st.shards:
+        shards.add_row(str(s.epoch), str(s.todo), str(s.doing), str(s.done), f"{s.samples_done}/{s.samples_total}")
+    console.print(shards)
+    for ev in st.events[-15:]:
+        console.print(f"{time.strftime('%H:%M:%S', time.localtime(ev.time))} {ev.kind:9} {ev.message}")
+
+
+def _print_summary(master: Any) -> None:
+    pauses = master.pauses()
+    lines = [f"tidal: job {master.spec.job_id} {master.state.value}" + (f": {master.error}" if master.error else "")]
+    for ev in pauses:
+        lines.append(f"tidal:   pause {ev.seconds:.3f}s  ({ev.cause})")
+    for key, value in sorted(master.metrics.items()):
+        lines.append(f"tidal:   {key} = {value:.4f}")
+    typer.echo("\n".join(lines), err=True)
+
+
+@app.command()
+def demo(
+    samples: int = typer.Option(400_000, help="Training samples per epoch."),
+    epochs: int = typer.Option(2, help="Epochs."),
+    keep: Path | None = typer.Option(None, "--keep", help="Keep the job directory and ledger here."),
+) -> None:
+    """An elastic job on this machine: 1 worker, scale out to 2, SIGKILL one, recover, finish.
+
+    Prints samples/s, every pause with its cause, the final AUC against the known ceiling of
+    the synthetic data, and the exactly-once audit of the ledger.
+    """
+    from tidal.cli.demo import run_demo
+
+    raise typer.Exit(run_demo(samples=samples, epochs=epochs, keep=keep))

@@ -1,0 +1,1 @@
+"""tidal.data: reserved for later issues (see DESIGN.md section 2)."""

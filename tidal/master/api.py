@@ -1,0 +1,73 @@
+"""The job master's configuration and errors.
+
+Errors map to HTTP statuses in tidal.master.service: each carries its own ``status``, so a
+handler never invents one and nothing the master raises on purpose becomes a 500.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tidal.api import ConfigError, PermanentError, StaleRoundError, TidalError
+
+
+class MasterError(TidalError):
+    status = 400
+
+
+class BadRequestError(MasterError, ConfigError):
+    status = 400
+
+
+class UnknownWorkerError(MasterError, PermanentError):
+    status = 404
+
+
+class WorkerGoneError(MasterError, PermanentError):
+    """The worker was declared failed or told to leave; it must exit."""
+
+    status = 410
+
+
+class StaleRoundMasterError(MasterError, StaleRoundError):
+    status = 409
+
+
+class JobNotRunningError(MasterError, PermanentError):
+    status = 409
+
+
+@dataclass
+class JobSpec:
+    """Everything needed to run (and, from the journal, to resume) one job."""
+
+    job_id: str
+    argv: list[str]  # the worker command: python, script, args
+    min_workers: int
+    max_workers: int
+    token: str
+    job_dir: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    ledger_path: str | None = None
+    initial_workers: int | None = None  # start below MAX (the demo starts with 1 of 1:2)
+    planner: str = "max"
+    heartbeat_interval_s: float = 0.5
+    heartbeat_timeout_s: float = 5.0
+    start_timeout_s: float = 180.0
+    start_grace_s: float = 5.0  # how long the first round waits for slow starters once MIN joined
+    collective_timeout_s: float = 60.0
+    max_restarts: int = 20
+    crash_loop_limit: int = 3  # consecutive workers dying before they ever trained
+    straggler_factor: float = 2.0  # slower per sample than the peers' median by this much ...
+    straggler_window_s: float = 2.0  # ... for this long
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> JobSpec:
+        return cls(**data)

@@ -1,0 +1,741 @@
+"""The job master's state machine: membership rounds, rendezvous, step commits, shards, workers.
+
+Everything here runs on one thread (the master's event loop), reads time only through the
+injected ``clock`` and does I/O only through the injected journal and backend, so tests drive
+it directly with a fake clock and the HTTP service is a thin layer over it.
+
+Commit protocol (DESIGN.md section 4, "Data, exactly once"):
+
+* Every step each worker all-gathers ``(samples, epoch, start, end)`` with its peers before the
+  gradient reduction, so every worker that applies step ``s`` knows every range of step ``s``.
+* Workers report their own records asynchronously. The records of step ``s`` are *final* when
+  every member of the round has reported ``applied_step >= s``: then every survivor, whoever
+  dies next, holds a model that includes step ``s``. Only final records reach the shard table,
+  the journal and the ledger.
+* When a round ends (failure, scale), the member with the highest ``applied_step`` becomes the
+  source of state for the next round and its records of not-yet-final steps are finalized; the
+  others are discarded (a dead worker may have applied a step no survivor applied: those samples
+  go back to TODO). Then every DOING shard returns to TODO from its first uncommitted index.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import statistics
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TextIO
+
+from tidal.api import (
+    Event,
+    FinishRequest,
+    JobSnapshot,
+    JobState,
+    JoinRequest,
+    JoinResponse,
+    LeaseRequest,
+    LeaseResponse,
+    RendezvousRequest,
+    RendezvousResponse,
+    ReportRequest,
+    ReportResponse,
+    ShardCounts,
+    StatusResponse,
+    StepRecord,
+    WorkerInfo,
+    WorkerState,
+)
+from tidal.backends.api import Backend, WorkerSpec
+from tidal.brain.api import Planner
+from tidal.master.api import (
+    BadRequestError,
+    JobSpec,
+    StaleRoundMasterError,
+    UnknownWorkerError,
+    WorkerGoneError,
+)
+from tidal.master.journal import Journal
+from tidal.master.membership import ALIVE, WorkerRecord
+from tidal.master.shards import CommittedRange, DatasetConfig, ShardManager
+
+log = logging.getLogger(__name__)
+W = WorkerState
+
+
+class JobMaster:
+    def __init__(
+        self,
+        spec: JobSpec,
+        journal: Journal,
+        backend: Backend,
+        planner: Planner,
+        clock: Callable[[], float],
+        store_port: int,
+        on_change: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.spec = spec
+        self.journal = journal
+        self.backend = backend
+        self.planner = planner
+        self.clock = clock
+        self.store_port = store_port
+        self._on_change = on_change  # wakes long-polling rendezvous requests
+
+        self.state = JobState.RUNNING
+        self.error: str | None = None
+        self.target = spec.initial_workers or spec.max_workers
+        self.target_override: int | None = spec.initial_workers
+        self.workers: dict[int, WorkerRecord] = {}
+        self.next_worker_id = 0
+        self.shards = ShardManager()
+        self.events: deque[Event] = deque(maxlen=500)
+        self.event_seq = 0
+        self.metrics: dict[str, float] = {}
+
+        # membership rounds
+        self.round = -1
+        self.members: list[int] = []
+        self.reforming = False
+        self.reform_cause = ""
+        self.waiting: dict[int, RendezvousRequest] = {}
+        self.waiting_since: dict[int, float] = {}
+        self.assignments: dict[int, RendezvousResponse] = {}
+        self.round_causes: dict[int, str] = {}
+        self.pause_events: dict[int, Event] = {}
+
+        # step commits
+        self.finalized_step = -1
+        self.tentative: dict[int, list[StepRecord]] = {}
+        self.reported: dict[int, int] = {}
+
+        self.restarts = 0
+        self.start_failures = 0
+        self._launch_seq = 0
+        self._next_launch_at = 0.0
+        self._ledger: TextIO | None = None
+
+    # ================================================================== lifecycle
+    def open_ledger(self, rewrite: bool = False) -> None:
+        """Open the ledger file. On resume it is rewritten from the journal (the truth)."""
+        path = self.spec.ledger_path
+        if not path:
+            return
+        try:
+            if rewrite:
+                with open(path, "w") as out:
+                    for row in self.journal.load_ledger():
+                        out.write(_ledger_line(row))
+            self._ledger = open(path, "a")
+        except OSError as exc:
+            raise BadRequestError(f"cannot write ledger {path}: {exc.strerror}") from exc
+
+    def start(self) -> None:
+        with self.journal.transaction():
+            self.journal.put_meta("spec", self.spec.to_json())
+            self._save_meta()
+        self.open_ledger()
+        self._event("job", f"job {self.spec.job_id} started: workers {self.spec.min_workers}:{self.spec.max_workers}")
+
+    def resume(self) -> None:
+        """Rebuild from the journal and adopt the workers that are still running."""
+        j = self.journal
+        meta = j.get_meta("state", {})
+        self.state = JobState(meta.get("job_state", "running"))
+        self.round = meta.get("round", -1)
+        self.members = list(meta.get("members", []))
+        self.finalized_step = meta.get("finalized_step", -1)
+        self.target = meta.get("target", self.target)
+        self.target_override = meta.get("target_override")
+        self.next_worker_id = meta.get("next_worker_id", 0)
+        self.restarts = meta.get("restarts", 0)
+        self.error = meta.get("error")
+        self.assignments = {int(k): RendezvousResponse(**v) for k, v in meta.get("assignments", {}).items()}
+        dataset = meta.get("dataset")
+        self.shards.restore(DatasetConfig(**dataset) if dataset else None, j.load_shards())
+        now = self.clock()
+        for worker_id, row in j.load_workers().items():
+            rec = WorkerRecord.from_row(worker_id, row)
+            rec.last_seen = now
+            self.workers[worker_id] = rec
+            if rec.alive and not self.backend.adopt(worker_id, rec.pid, rec.create_time):
+                self._worker_failed(rec, None, "gone while the master was down")
+        for rec in self.workers.values():
+            if rec.alive:
+                # the new master's store replaces the old one for rounds to come
+                rec.last_seen = now
+        if self.round >= 0:
+            for a in self.assignments.values():
+                if a.status == "ready":
+                    a.store_port = self.store_port
+        self.open_ledger(rewrite=True)
+        self._event("job", f"master resumed from journal at round {self.round}, step {self.finalized_step}")
+        self._persist()
+
+    def close(self) -> None:
+        if self._ledger:
+            self._ledger.close()
+            self._ledger = None
+
+    @property
+    def done(self) -> bool:
+        return self.state in (JobState.SUCCEEDED, JobState.FAILED) and not self._alive_ids()
+
+    # ================================================================== requests
+    def join(self, req: JoinRequest) -> JoinResponse:
+        rec = self._worker(req.worker_id)
+        now = self.clock()
+        rec.pid = req.pid or rec.pid
+        rec.last_seen = now
+        if rec.state is W.LAUNCHING:
+            rec.move(W.JOINED, now)
+            self._event("join", f"worker {rec.worker_id} joined (pid {rec.pid})", worker=rec.worker_id)
+            self._persist_worker(rec)
+        return JoinResponse(
+            job_id=self.spec.job_id, round=self.round,
+            heartbeat_interval_s=self.spec.heartbeat_interval_s,
+            collective_timeout_s=self.spec.collective_timeout_s,
+        )
+
+    def rendezvous(self, req: RendezvousRequest) -> RendezvousResponse:
+        rec = self._worker(req.worker_id)
+        now = self.clock()
+        rec.last_seen = now
+        if self.state is not JobState.RUNNING:
+            return RendezvousResponse(status="finished")
+        if req.after_round > self.round:
+            raise StaleRoundMasterError(f"round {req.after_round} is ahead of the master's round {self.round}")
+        assigned = self.assignments.get(req.worker_id)
+        if assigned is not None and req.after_round < self.round and assigned.round == self.round:
+            return assigned  # a re-poll for an assignment already made
+        if assigned is not None and assigned.status == "leave":
+            return assigned
+        if rec.state is W.LEAVING:
+            return RendezvousResponse(status="leave")
+        if req.worker_id in self.members and req.after_round == self.round and not self.reforming:
+            self._start_reform(f"worker {req.worker_id} left the collective")
+        if rec.state in (W.JOINED, W.ACTIVE):
+            rec.move(W.WAITING, now)
+        self.waiting[req.worker_id] = req
+        self.waiting_since.setdefault(req.worker_id, now)
+        rec.applied_step = max(rec.applied_step, req.applied_step)
+        self._try_close_round()
+        assigned = self.assignments.get(req.worker_id)
+        if assigned is not None and assigned.round == self.round and req.worker_id not in self.waiting:
+            return assigned
+        if assigned is not None and assigned.status == "leave":
+            return assigned
+        return RendezvousResponse(status="waiting", round=self.round)
+
+    def report(self, req: ReportRequest) -> ReportResponse:
+        rec = self._worker(req.worker_id)
+        now = self.clock()
+        rec.last_seen = now
+        if req.round >= 0 and req.round != self.round:
+            raise StaleRoundMasterError(f"round {req.round} is not the current round {self.round}")
+        rec.samples_per_s = req.samples_per_s
+        if req.compute_s_per_sample > 0:
+            rec.compute_s_per_sample = req.compute_s_per_sample
+        if req.round == self.round and req.worker_id in self.members and rec.state in (W.ACTIVE, W.WAITING):
+            rec.applied_step = max(rec.applied_step, req.applied_step)
+            for r in req.records:
+                if r.worker != req.worker_id:
+                    raise BadRequestError("a report may only carry the worker's own records")
+                if r.step > req.applied_step:
+                    raise BadRequestError(f"record of step {r.step} is beyond applied_step {req.applied_step}")
+                if r.step > self.finalized_step:
+                    bucket = self.tentative.setdefault(r.step, [])
+                    if r not in bucket:
+                        bucket.append(r)
+                elif not self.shards.is_committed(r.epoch, r.start, r.end):
+                    # a step was finalized without this record: a protocol bug, never silent
+                    self._event("error", f"late record of final step {r.step} from worker {r.worker}")
+                    log.error("job %s: late record %s", self.spec.job_id, r)
+            self.reported[req.worker_id] = max(self.reported.get(req.worker_id, -1), req.applied_step)
+            self._finalize_reported()
+        for pause in req.pauses:
+            self._record_pause(pause.round, pause.seconds)
+        return ReportResponse(round=self.round, reform=self.reforming, finalized_step=self.finalized_step)
+
+    def lease(self, req: LeaseRequest) -> LeaseResponse:
+        rec = self._worker(req.worker_id)
+        rec.last_seen = self.clock()
+        if req.round != self.round or req.worker_id not in self.members:
+            raise StaleRoundMasterError(f"worker {req.worker_id} is not in round {req.round} (current {self.round})")
+        first = self.shards.config is None
+        self.shards.configure(DatasetConfig(req.dataset_size, req.batch_size, req.batches_per_shard, req.shuffle, req.seed))
+        shard = self.shards.lease(req.worker_id, req.epoch, rec.size_factor)
+        with self.journal.transaction():
+            self.journal.save_shards(self.shards.dirty())
+            if first:
+                self._save_meta()
+        if shard is None:
+            return LeaseResponse(status="empty")
+        return LeaseResponse(status="ok", shard=shard)
+
+    def finish(self, req: FinishRequest) -> None:
+        self._worker(req.worker_id)
+        self.metrics.update(req.metrics)
+        if self.state is JobState.RUNNING:
+            self.state = JobState.FINISHING
+            self._event("job", f"training finished (reported by worker {req.worker_id})")
+            self._persist()
+            self._on_change()
+
+    def scale(self, workers: int) -> int:
+        if self.state is not JobState.RUNNING:
+            raise BadRequestError(f"job is {self.state.value}; cannot scale")
+        if not self.spec.min_workers <= workers <= self.spec.max_workers:
+            raise BadRequestError(
+                f"{workers} workers is outside this job's range {self.spec.min_workers}:{self.spec.max_workers}"
+            )
+        self.target_override = workers
+        self._event("scale", f"target set to {workers} workers (was {self.target})")
+        self.target = workers
+        self._persist()
+        self.tick()
+        return workers
+
+    # ================================================================== periodic work
+    def tick(self) -> None:
+        """Process exits, heartbeat leases, the planner's target, launches and the rendezvous."""
+        now = self.clock()
+        for ev in self.backend.poll_events():
+            rec = self.workers.get(ev.worker_id)
+            if rec is not None:
+                self._process_exited(rec, ev.exit_code)
+        for rec in list(self.workers.values()):
+            if rec.state in (W.JOINED, W.WAITING, W.ACTIVE) and now - rec.last_seen > self.spec.heartbeat_timeout_s:
+                self._worker_failed(rec, None, f"missed heartbeats for {now - rec.last_seen:.1f}s")
+                self.backend.terminate([rec.worker_id], f"hb-{rec.worker_id}")
+            elif rec.state is W.LAUNCHING and now - rec.launched_at > self.spec.start_timeout_s:
+                self._worker_failed(rec, None, f"did not join within {self.spec.start_timeout_s:.0f}s")
+                self.backend.terminate([rec.worker_id], f"start-{rec.worker_id}")
+        if self.state is JobState.RUNNING:
+            self._detect_stragglers()
+            self._apply_plan()
+            self._launch_missing(now)
+            self._maybe_start_reform()
+            self._try_close_round()
+        elif self.state is JobState.FINISHING and not self._alive_ids():
+            finished = any(r.state is W.SUCCEEDED and r.ever_active for r in self.workers.values())
+            if not finished:
+                self.error = "no worker finished its script"
+            self._set_state(JobState.SUCCEEDED if finished else JobState.FAILED)
+        elif self.state is JobState.FAILED:
+            alive = self._alive_ids()
+            if alive:
+                self.backend.terminate(alive, "job-failed")
+
+    def _apply_plan(self) -> None:
+        if self.target_override is not None:
+            return
+        plan = self.planner.plan(self.snapshot())
+        target = min(max(plan.workers, self.spec.min_workers), self.spec.max_workers)
+        if target != self.target:
+            self._event("scale", f"planner {self.planner.name}: {self.target} -> {target} workers ({plan.reason})")
+            self.target = target
+            self._persist()
+
+    def _launch_missing(self, now: float) -> None:
+        alive = [r for r in self.workers.values() if r.alive]
+        missing = self.target - len(alive)
+        if missing <= 0 or now < self._next_launch_at:
+            return
+        specs = []
+        for _ in range(missing):
+            worker_id = self.next_worker_id
+            self.next_worker_id += 1
+            rec = WorkerRecord(worker_id, W.LAUNCHING, launched_at=now, last_seen=now)
+            rec.history.append((now, W.LAUNCHING.value))
+            self.workers[worker_id] = rec
+            specs.append(self._worker_spec(worker_id))
+        self._launch_seq += 1
+        errors = self.backend.launch(specs, f"{self.spec.job_id}-launch-{self._launch_seq}")
+        failed_ids = {e.worker_id for e in errors}
+        pids = self.backend.pids()
+        for spec in specs:
+            rec = self.workers[spec.worker_id]
+            if spec.worker_id in failed_ids:
+                msg = next(e.message for e in errors if e.worker_id == spec.worker_id)
+                self._worker_failed(rec, None, msg)
+                continue
+            rec.pid, rec.create_time = pids.get(spec.worker_id, (0, None))
+            self._event("launch", f"launched worker {spec.worker_id} (pid {rec.pid})", worker=spec.worker_id)
+        self._persist()
+
+    def _worker_spec(self, worker_id: int) -> WorkerSpec:
+        env = {
+            "TIDAL_MASTER_URL": f"http://{self.spec.host}:{self.spec.port}",
+            "TIDAL_TOKEN": self.spec.token,
+            "TIDAL_JOB_ID": self.spec.job_id,
+            "TIDAL_WORKER_ID": str(worker_id),
+            "PYTHONUNBUFFERED": "1",
+            **self.spec.env,
+        }
+        log_path = str(Path(self.spec.job_dir) / "logs" / f"worker-{worker_id}.log")
+        return WorkerSpec(worker_id, list(self.spec.argv), env, self.spec.cwd, log_path)
+
+    # ================================================================== rounds
+    def _maybe_start_reform(self) -> None:
+        if self.round < 0 or self.reforming:
+            return
+        members = [m for m in self.members if self.workers[m].alive]
+        newcomers = [w for w in self.waiting if w not in self.members]
+        if len(members) > self.target:
+            self._start_reform(f"scale-in to {self.target}")
+        elif newcomers and len(members) < self.target:
+            self._start_reform(f"scale-out to {min(self.target, len(members) + len(newcomers))}")
+
+    def _start_reform(self, cause: str) -> None:
+        if not self.reforming:
+            self.reforming = True
+            self.reform_cause = cause
+            log.info("job %s: re-forming round %d: %s", self.spec.job_id, self.round, cause)
+
+    def _try_close_round(self) -> None:
+        """Form the next round when everyone it needs is at the rendezvous."""
+        if self.state is not JobState.RUNNING or not self.waiting:
+            return
+        now = self.clock()
+        members = [m for m in self.members if self.workers[m].alive]
+        if self.round >= 0 and not self.reforming:
+            return
+        if any(m not in self.waiting for m in members):
+            return  # survivors still training; they see ``reform`` in their next report
+        newcomers = sorted(w for w in self.waiting if w not in self.members)
+        if self.round < 0 or not members:
+            # The first round (or a restart from nothing) waits for every launched worker,
+            # or for MIN of them and a grace period.
+            pending = [w for w, r in self.workers.items() if r.state in (W.LAUNCHING, W.JOINED)]
+            oldest = min(self.waiting_since.get(w, now) for w in self.waiting)
+            enough = len(newcomers) >= min(self.target, self.spec.min_workers)
+            if pending and not (enough and now - oldest >= self.spec.start_grace_s):
+                return
+        candidates = members + newcomers
+        if len(candidates) < self.spec.min_workers:
+            return
+        chosen = self._choose_members(members, newcomers)
+        self._close_round(chosen, candidates, now)
+
+    def _choose_members(self, members: list[int], newcomers: list[int]) -> list[int]:
+        keep = list(members)
+        if len(keep) > self.target:
+            # scale-in: stragglers leave first, then the most recent ranks
+            keep.sort(key=lambda w: (self.workers[w].straggler, self.workers[w].rank))
+            keep = sorted(keep[: self.target], key=lambda w: self.workers[w].rank)
+        room = max(0, self.target - len(keep))
+        return keep + newcomers[:room]
+
+    def _close_round(self, chosen: list[int], candidates: list[int], now: float) -> None:
+        prev_round = self.round
+        reqs = {w: self.waiting[w] for w in chosen}
+        with_state = [w for w in chosen if reqs[w].applied_step >= 0]
+        # the source: the highest applied step; ties go to the lowest previous rank
+        if not with_state and self.finalized_step >= 0:
+            self._fail_job(
+                f"every worker holding the model was lost after step {self.finalized_step}; "
+                "there is no survivor to take the state from"
+            )
+            return
+        if with_state:
+            source = max(with_state, key=lambda w: (reqs[w].applied_step, -self._old_rank(w)))
+        else:
+            source = chosen[0]
+        resume_step = reqs[source].applied_step
+        resume_step = max(resume_step, self.finalized_step) if with_state else self.finalized_step
+        sync = (
+            prev_round < 0
+            or any(w not in self.members for w in chosen)
+            or len({reqs[w].applied_step for w in chosen}) > 1
+        )
+        # finalize what the source applied, discard every other tentative record
+        committed = self._commit_records(
+            [r for r in reqs[source].records if self.finalized_step < r.step <= reqs[source].applied_step]
+        )
+        if reqs[source].applied_step > self.finalized_step and with_state:
+            self.finalized_step = reqs[source].applied_step
+        self.tentative.clear()
+        self.reported = {}
+        self.shards.release()
+
+        self.round = prev_round + 1
+        cause = self.reform_cause or ("start" if prev_round < 0 else "re-form")
+        self.round_causes[self.round] = cause
+        self.members = chosen
+        self.reforming = False
+        self.reform_cause = ""
+        self.assignments = {}
+        source_rank = chosen.index(source)
+        for rank, w in enumerate(chosen):
+            rec = self.workers[w]
+            rec.rank = rank
+            rec.move(W.ACTIVE, now)
+            self.assignments[w] = RendezvousResponse(
+                status="ready", round=self.round, rank=rank, world_size=len(chosen),
+                store_host=self.spec.host, store_port=self.store_port, source_rank=source_rank,
+                sync_state=sync, applied_step=resume_step,
+            )
+        for w in candidates:
+            if w not in chosen:
+                rec = self.workers[w]
+                rec.move(W.LEAVING, now)
+                rec.rank = -1
+                self.assignments[w] = RendezvousResponse(status="leave", round=self.round)
+                self._event("leave", f"worker {w} leaves (scale-in)", worker=w)
+        self.waiting.clear()
+        self.waiting_since.clear()
+        self._write_commits(committed, extra_meta=True)
+        self._event(
+            "round",
+            f"round {self.round}: {len(chosen)} workers {chosen}, resume after step {resume_step} ({cause})",
+        )
+        self._on_change()
+
+    def _old_rank(self, worker_id: int) -> int:
+        return self.workers[worker_id].rank if worker_id in self.members else 1 << 30
+
+    # ================================================================== commits
+    def _finalize_reported(self) -> None:
+        # every live member counts, also one already waiting at the rendezvous: a step is final
+        # only when no survivor can be without it
+        members = [m for m in self.members if self.workers[m].state in (W.ACTIVE, W.WAITING)]
+        if not members or any(m not in self.reported for m in members):
+            return
+        upto = min(self.reported[m] for m in members)
+        if upto <= self.finalized_step:
+            return
+        records = [r for step in sorted(self.tentative) if step <= upto for r in self.tentative[step]]
+        for step in [s for s in self.tentative if s <= upto]:
+            del self.tentative[step]
+        committed = self._commit_records(records)
+        self.finalized_step = upto
+        self._write_commits(committed)
+
+    def _commit_records(self, records: list[StepRecord]) -> list[CommittedRange]:
+        out = []
+        for r in sorted(records, key=lambda r: (r.step, r.worker)):
+            if r.end <= r.start:
+                continue
+            if self.shards.commit(r.epoch, r.start, r.end):
+                out.append(CommittedRange(r.epoch, r.start, r.end, r.step, r.worker))
+        return out
+
+    def _write_commits(self, committed: list[CommittedRange], extra_meta: bool = False) -> None:
+        with self.journal.transaction():
+            self.journal.save_shards(self.shards.dirty())
+            self.journal.append_ledger(committed)
+            self._save_meta()
+            if extra_meta:
+                for rec in self.workers.values():
+                    self.journal.save_worker(rec.worker_id, rec.to_row())
+        if self._ledger and committed:
+            self._ledger.write("".join(_ledger_line(c) for c in committed))
+            self._ledger.flush()
+
+    # ================================================================== failures
+    def _process_exited(self, rec: WorkerRecord, code: int | None) -> None:
+        rec.exit_code = code if code is not None else rec.exit_code
+        if not rec.alive and rec.state is not W.LEAVING:
+            self._persist_worker(rec)
+            return
+        now = self.clock()
+        if code == 0 or rec.state is W.LEAVING:
+            was_member = rec.worker_id in self.members and rec.state is W.ACTIVE
+            rec.move(W.SUCCEEDED, now)
+            self.waiting.pop(rec.worker_id, None)
+            self._event("exit", f"worker {rec.worker_id} exited (code {code})", worker=rec.worker_id)
+            if was_member and self.state is JobState.RUNNING:
+                # the script ended its training loop on its own: the job is finishing
+                self.state = JobState.FINISHING
+                self._event("job", f"worker {rec.worker_id} finished its script")
+            self._persist_worker(rec)
+            return
+        self._worker_failed(rec, code, f"exited with code {code}" if code is not None else "process gone")
+
+    def _worker_failed(self, rec: WorkerRecord, code: int | None, why: str) -> None:
+        now = self.clock()
+        if not rec.alive:
+            return
+        was_member = rec.worker_id in self.members and rec.state in (W.ACTIVE, W.WAITING)
+        rec.move(W.FAILED, now)
+        rec.exit_code = code if code is not None else rec.exit_code
+        self.waiting.pop(rec.worker_id, None)
+        self.waiting_since.pop(rec.worker_id, None)
+        self._event("failure", f"worker {rec.worker_id} failed: {why}", worker=rec.worker_id)
+        log.warning("job %s: worker %d failed: %s", self.spec.job_id, rec.worker_id, why)
+        if self.state is not JobState.RUNNING:
+            self._persist_worker(rec)
+            return
+        self.restarts += 1
+        if not rec.ever_active:
+            self.start_failures += 1
+            self._next_launch_at = now + min(5.0, 0.5 * 2 ** self.start_failures)
+        if was_member:
+            self.reforming = False  # restart the reform with the cause that matters
+            self._start_reform(f"worker {rec.worker_id} failed")
+        if self.start_failures >= self.spec.crash_loop_limit:
+            tail = self._log_tail(rec.worker_id)
+            self._fail_job(
+                f"worker script crashed {self.start_failures} times before training "
+                f"(last exit code {rec.exit_code}){': ' + tail if tail else ''}"
+            )
+        elif self.restarts > self.spec.max_restarts:
+            self._fail_job(f"more than {self.spec.max_restarts} worker failures")
+        self._persist()
+
+    def _fail_job(self, message: str) -> None:
+        self.error = message
+        self._set_state(JobState.FAILED)
+        alive = self._alive_ids()
+        if alive:
+            self.backend.terminate(alive, "job-failed")
+
+    def _set_state(self, state: JobState) -> None:
+        if self.state is state:
+            return
+        self.state = state
+        self._event("job", f"job {state.value}" + (f": {self.error}" if self.error else ""))
+        self._persist()
+        self._on_change()
+
+    def _log_tail(self, worker_id: int) -> str:
+        path = Path(self.spec.job_dir) / "logs" / f"worker-{worker_id}.log"
+        try:
+            lines = [ln.strip() for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+        except OSError:
+            return ""
+        return lines[-1][:300] if lines else ""
+
+    # ================================================================== stragglers
+    def _detect_stragglers(self) -> None:
+        """DLRover-RM 5.1: a worker much slower than its peers gets smaller shards and batches."""
+        active = [self.workers[m] for m in self.members if self.workers[m].state is W.ACTIVE]
+        if len(active) < 2:
+            return
+        for rec in active:
+            others = [r.compute_s_per_sample for r in active if r is not rec and r.compute_s_per_sample > 0]
+            if not others or rec.compute_s_per_sample <= 0:
+                continue
+            peer = statistics.median(others)
+            ratio = rec.compute_s_per_sample / peer
+            now = self.clock()
+            if ratio <= self.spec.straggler_factor:
+                rec.slow_since = None
+            elif rec.slow_since is None:
+                rec.slow_since = now
+            # only a lasting slowness counts: one noisy report on a shared core is no straggler
+            slow = rec.slow_since is not None and now - rec.slow_since >= self.spec.straggler_window_s
+            if not rec.straggler and slow:
+                rec.straggler = True
+                rec.size_factor = max(0.25, min(1.0, 1.0 / ratio))
+                self._event(
+                    "straggler",
+                    f"worker {rec.worker_id} is a straggler ({ratio:.1f}x slower per sample than its peers); "
+                    f"shards and batches scaled to {rec.size_factor:.2f}",
+                    worker=rec.worker_id,
+                )
+            elif rec.straggler and ratio < 1.2:
+                rec.straggler = False
+                rec.size_factor = 1.0
+                self._event("straggler", f"worker {rec.worker_id} caught up", worker=rec.worker_id)
+
+    # ================================================================== views
+    def snapshot(self) -> JobSnapshot:
+        active = [self.workers[m] for m in self.members if self.workers[m].state is W.ACTIVE]
+        return JobSnapshot(
+            job_id=self.spec.job_id, min_workers=self.spec.min_workers, max_workers=self.spec.max_workers,
+            current_workers=len(active), samples_per_s=sum(r.samples_per_s for r in active),
+            applied_step=self.finalized_step, stragglers=sum(r.straggler for r in active),
+        )
+
+    def status(self) -> StatusResponse:
+        return StatusResponse(
+            job_id=self.spec.job_id, state=self.state, target_workers=self.target,
+            min_workers=self.spec.min_workers, max_workers=self.spec.max_workers, round=self.round,
+            reforming=self.reforming, finalized_step=self.finalized_step,
+            workers=[
+                WorkerInfo(
+                    worker_id=r.worker_id, pid=r.pid, state=r.state, rank=r.rank if r.state is W.ACTIVE else -1,
+                    applied_step=r.applied_step, samples_per_s=round(r.samples_per_s, 1),
+                    straggler=r.straggler, exit_code=r.exit_code,
+                )
+                for r in sorted(self.workers.values(), key=lambda r: r.worker_id)
+            ],
+            shards=[ShardCounts(epoch=e, todo=t, doing=d, done=dn, samples_done=sd, samples_total=st)
+                    for e, t, d, dn, sd, st in self.shards.counts()],
+            events=list(self.events)[-50:],
+            metrics=dict(self.metrics),
+            error=self.error,
+        )
+
+    def _record_pause(self, round_: int, seconds: float) -> None:
+        ev = self.pause_events.get(round_)
+        cause = self.round_causes.get(round_, "re-form")
+        if ev is None:
+            self.event_seq += 1
+            ev = Event(seq=self.event_seq, time=self.clock(), kind="pause", message=f"training paused {seconds:.3f}s ({cause})",
+                       seconds=round(seconds, 4), cause=cause)
+            self.pause_events[round_] = ev
+            self.events.append(ev)
+        elif ev.seconds is not None and seconds > ev.seconds:
+            ev.seconds = round(seconds, 4)
+            ev.message = f"training paused {seconds:.3f}s ({cause})"
+
+    def pauses(self) -> list[Event]:
+        return [self.pause_events[r] for r in sorted(self.pause_events)]
+
+    def _event(self, kind: str, message: str, worker: int | None = None) -> None:
+        self.event_seq += 1
+        self.events.append(Event(seq=self.event_seq, time=self.clock(), kind=kind, worker=worker, message=message))
+        log.info("job %s: %s", self.spec.job_id, message)
+
+    # ================================================================== helpers
+    def _worker(self, worker_id: int) -> WorkerRecord:
+        rec = self.workers.get(worker_id)
+        if rec is None:
+            raise UnknownWorkerError(f"unknown worker {worker_id}")
+        if rec.state is W.FAILED:
+            raise WorkerGoneError(f"worker {worker_id} was declared failed; it must exit")
+        if rec.state is W.SUCCEEDED:
+            raise WorkerGoneError(f"worker {worker_id} has exited")
+        return rec
+
+    def _alive_ids(self) -> list[int]:
+        return [w for w, r in self.workers.items() if r.state in ALIVE or r.state is W.LEAVING]
+
+    def _save_meta(self) -> None:
+        cfg = self.shards.config
+        self.journal.put_meta("state", {
+            "job_state": self.state.value, "round": self.round, "members": self.members,
+            "finalized_step": self.finalized_step, "target": self.target,
+            "target_override": self.target_override, "next_worker_id": self.next_worker_id,
+            "restarts": self.restarts, "error": self.error,
+            "assignments": {str(k): v.model_dump() for k, v in self.assignments.items()},
+            "dataset": None if cfg is None else {
+                "size": cfg.size, "batch_size": cfg.batch_size, "batches_per_shard": cfg.batches_per_shard,
+                "shuffle": cfg.shuffle, "seed": cfg.seed,
+            },
+        })
+
+    def _persist(self) -> None:
+        with self.journal.transaction():
+            self._save_meta()
+            for rec in self.workers.values():
+                self.journal.save_worker(rec.worker_id, rec.to_row())
+
+    def _persist_worker(self, rec: WorkerRecord) -> None:
+        self.journal.save_worker(rec.worker_id, rec.to_row())
+
+
+def _ledger_line(c: CommittedRange) -> str:
+    return f'{{"epoch": {c.epoch}, "start": {c.start}, "end": {c.end}, "step": {c.step}, "worker": {c.worker}}}\n'
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(24)
+
+
+def as_dict(obj: Any) -> Any:
+    return obj.model_dump() if hasattr(obj, "model_dump") else obj

@@ -1,0 +1,74 @@
+"""Worker records and their state machine (STYLE.md 3: a transition table and a history)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tidal.api import WorkerState
+
+W = WorkerState
+
+ALLOWED_TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
+    W.LAUNCHING: frozenset({W.JOINED, W.FAILED, W.SUCCEEDED}),
+    W.JOINED: frozenset({W.WAITING, W.LEAVING, W.FAILED, W.SUCCEEDED}),
+    W.WAITING: frozenset({W.ACTIVE, W.LEAVING, W.FAILED, W.SUCCEEDED}),
+    W.ACTIVE: frozenset({W.WAITING, W.LEAVING, W.FAILED, W.SUCCEEDED}),
+    W.LEAVING: frozenset({W.SUCCEEDED, W.FAILED}),
+    W.SUCCEEDED: frozenset(),
+    W.FAILED: frozenset(),
+}
+
+ALIVE = frozenset({W.LAUNCHING, W.JOINED, W.WAITING, W.ACTIVE})
+REGISTERED = frozenset({W.JOINED, W.WAITING, W.ACTIVE})
+
+
+@dataclass
+class WorkerRecord:
+    worker_id: int
+    state: WorkerState
+    launched_at: float
+    pid: int = 0
+    create_time: float | None = None
+    rank: int = -1
+    last_seen: float = 0.0
+    applied_step: int = -1
+    compute_s_per_sample: float = 0.0
+    samples_per_s: float = 0.0
+    straggler: bool = False
+    size_factor: float = 1.0  # < 1: the worker gets smaller shards and batches
+    slow_since: float | None = None  # since when it has been slower than its peers
+    exit_code: int | None = None
+    ever_active: bool = False
+    history: list[tuple[float, str]] = field(default_factory=list)
+
+    def move(self, new: WorkerState, now: float) -> bool:
+        """Apply a transition; returns False (and changes nothing) if the table forbids it."""
+        if new is self.state:
+            return True
+        if new not in ALLOWED_TRANSITIONS[self.state]:
+            return False
+        self.state = new
+        self.history.append((now, new.value))
+        if new is W.ACTIVE:
+            self.ever_active = True
+        return True
+
+    @property
+    def alive(self) -> bool:
+        return self.state in ALIVE
+
+    def to_row(self) -> dict[str, Any]:
+        return {
+            "state": self.state.value, "launched_at": self.launched_at, "pid": self.pid,
+            "create_time": self.create_time, "rank": self.rank, "applied_step": self.applied_step,
+            "exit_code": self.exit_code, "ever_active": self.ever_active,
+        }
+
+    @classmethod
+    def from_row(cls, worker_id: int, row: dict[str, Any]) -> WorkerRecord:
+        return cls(
+            worker_id=worker_id, state=WorkerState(row["state"]), launched_at=row["launched_at"],
+            pid=row["pid"], create_time=row["create_time"], rank=row["rank"],
+            applied_step=row["applied_step"], exit_code=row["exit_code"], ever_active=row["ever_active"],
+        )

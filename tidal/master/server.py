@@ -1,0 +1,162 @@
+"""Runs a job master: the HTTP service, the store for torch.distributed, the reconcile loop.
+
+``run_master`` is what ``tidal run``, ``tidal master --resume`` and ``tidal demo`` call. It
+returns the job's exit status: 0 succeeded, 1 failed, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any, TextIO
+
+import uvicorn
+
+from tidal.api import ConfigError, JobState
+from tidal.backends import get as get_backend
+from tidal.brain import planners
+from tidal.master.api import JobSpec
+from tidal.master.job import JobMaster
+from tidal.master.journal import SqliteJournal
+from tidal.master.logs import LogFollower
+from tidal.master.service import ChangeNotifier, create_app
+
+log = logging.getLogger(__name__)
+
+TICK_S = 0.02
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind the control-plane port now, so a port in use is a one-line error, not a traceback."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
+    sock.listen(2048)
+    sock.set_inheritable(False)
+    return sock
+
+
+def write_job_file(spec: JobSpec, journal_path: Path) -> None:
+    """``job.json`` tells ``tidal status`` and ``tidal scale`` where the master is (mode 0600)."""
+    path = Path(spec.job_dir) / "job.json"
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        json.dump({"job_id": spec.job_id, "url": f"http://{spec.host}:{spec.port}", "token": spec.token,
+                   "journal": str(journal_path), "master_pid": os.getpid()}, out)
+    os.replace(tmp, path)
+
+
+Scenario = Callable[[JobMaster], Coroutine[Any, Any, None]]
+
+
+def run_master(
+    spec: JobSpec,
+    journal_path: Path,
+    *,
+    resume: bool = False,
+    sock: socket.socket | None = None,
+    follow_logs: bool = True,
+    out: TextIO | None = None,
+    scenario: Scenario | None = None,
+) -> tuple[int, JobMaster]:
+    """Serve the job until it ends. ``scenario`` (the demo) runs beside the master."""
+    out = out or sys.stdout
+    Path(spec.job_dir, "logs").mkdir(parents=True, exist_ok=True)
+    sock = sock or bind_socket(spec.host, spec.port)
+    spec.port = sock.getsockname()[1]
+    journal = SqliteJournal(journal_path, create=not resume)
+    backend = get_backend("local")
+
+    # torch.distributed's rendezvous store for the workers' process groups; a new one per master
+    # (a resumed master publishes its new port in the next round's assignments).
+    from torch.distributed import TCPStore
+
+    store = TCPStore(spec.host, 0, is_master=True, wait_for_workers=False)
+    notifier_box: list[ChangeNotifier] = []
+    master = JobMaster(
+        spec, journal, backend, planners.get(spec.planner), time.time, store.port,
+        on_change=lambda: notifier_box[0].notify() if notifier_box else None,
+    )
+    if resume:
+        master.resume()
+    else:
+        master.start()
+    write_job_file(spec, journal_path)
+    follower = LogFollower(Path(spec.job_dir) / "logs", out) if follow_logs else None
+
+    async def main() -> int:
+        notifier_box.append(ChangeNotifier())
+        app = create_app(master, spec.token, notifier_box[0])
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                timeout_keep_alive=30, backlog=2048)
+        server = uvicorn.Server(config)
+        serve_task = asyncio.create_task(server.serve(sockets=[sock]))
+        scenario_task = asyncio.create_task(scenario(master)) if scenario else None
+        printed = 0
+        interrupted = False
+        try:
+            while not master.done:
+                if serve_task.done():
+                    interrupted = True  # uvicorn exits on SIGINT / SIGTERM
+                    break
+                master.tick()
+                printed = _print_events(master, out, printed)
+                if follower:
+                    follower.poll()
+                await asyncio.sleep(TICK_S)
+            if interrupted:
+                master.error = "interrupted"
+                master._fail_job("interrupted")
+                deadline = time.time() + 5
+                while not master.done and time.time() < deadline:
+                    master.tick()
+                    await asyncio.sleep(TICK_S)
+            _print_events(master, out, printed)
+            if follower:
+                follower.poll()
+        finally:
+            if scenario_task:
+                scenario_task.cancel()
+                with contextlib.suppress(BaseException):
+                    await scenario_task
+            server.should_exit = True
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(serve_task, 5)
+        if interrupted:
+            return 130
+        return 0 if master.state is JobState.SUCCEEDED else 1
+
+    try:
+        code = asyncio.run(main())
+    finally:
+        master.close()
+        backend.close()
+        journal.close()
+        sock.close()
+    return code, master
+
+
+def _print_events(master: JobMaster, out: TextIO, printed: int) -> int:
+    """Print events newer than sequence number ``printed``; returns the newest printed."""
+    for ev in list(master.events):
+        if ev.seq <= printed:
+            continue
+        printed = ev.seq
+        if ev.kind == "pause":
+            continue  # pauses are summarised at the end (their length is refined as reports arrive)
+        stamp = time.strftime("%H:%M:%S", time.localtime(ev.time))
+        print(f"tidal {stamp} {ev.message}", file=out, flush=True)
+    return printed

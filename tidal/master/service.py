@@ -1,0 +1,178 @@
+"""The master's HTTP control plane: FastAPI over a JobMaster, bearer token, size limits.
+
+Every route requires ``Authorization: Bearer <job token>`` (401 otherwise, the OpenAPI document
+included). Bodies over ``MAX_BODY_BYTES`` get 413 before they are parsed. Domain errors carry
+their HTTP status (tidal.master.api); validation errors are FastAPI's 422. Nothing the master
+raises on purpose becomes a 500; tests/test_control_plane.py runs schemathesis to keep it so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from tidal.api import (
+    MAX_BODY_BYTES,
+    FinishRequest,
+    JoinRequest,
+    JoinResponse,
+    LeaseRequest,
+    LeaseResponse,
+    RendezvousRequest,
+    RendezvousResponse,
+    ReportRequest,
+    ReportResponse,
+    ScaleRequest,
+    StatusResponse,
+    TidalError,
+)
+from tidal.master.api import MasterError
+from tidal.master.job import JobMaster
+from tidal.master.shards import ShardConflictError
+
+RENDEZVOUS_POLL_S = 1.0
+
+
+class ChangeNotifier:
+    """Wakes every coroutine waiting for the master's state to change (rendezvous long-polls)."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def notify(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def wait(self, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(self._event.wait(), timeout)
+        except TimeoutError:
+            pass
+
+
+class GuardMiddleware:
+    """Bearer token and body-size checks, before routing (plain ASGI, so it also guards /docs)."""
+
+    def __init__(self, app: Any, token: str, max_body: int = MAX_BODY_BYTES) -> None:
+        self.app = app
+        self.expected = f"Bearer {token}".encode()
+        self.max_body = max_body
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+            await _reply(send, 401, "missing or wrong bearer token", [(b"www-authenticate", b"Bearer")])
+            return
+        length = headers.get(b"content-length")
+        if length is not None:
+            try:
+                if int(length) > self.max_body:
+                    await _reply(send, 413, f"body over {self.max_body} bytes")
+                    return
+            except ValueError:
+                await _reply(send, 400, "bad content-length")
+                return
+        body = bytearray()
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            if len(body) > self.max_body:
+                await _reply(send, 413, f"body over {self.max_body} bytes")
+                return
+            more = message.get("more_body", False)
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+async def _reply(send: Any, status: int, detail: str, extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    payload = json.dumps({"detail": detail}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers + (extra or [])})
+    await send({"type": "http.response.body", "body": payload})
+
+
+def create_app(master: JobMaster, token: str, notifier: ChangeNotifier) -> FastAPI:
+    app = FastAPI(
+        title="tidal job master",
+        version="1",
+        description="Control plane of one elastic training job. Every request needs the job's bearer token.",
+    )
+
+    @app.exception_handler(MasterError)
+    async def _master_error(_: Request, exc: MasterError) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=exc.status)
+
+    @app.exception_handler(ShardConflictError)
+    async def _conflict(_: Request, exc: ShardConflictError) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=409)
+
+    @app.exception_handler(TidalError)
+    async def _tidal_error(_: Request, exc: TidalError) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=400)
+
+    @app.post("/v1/workers/join", response_model=JoinResponse, responses={404: {}, 410: {}})
+    async def join(req: JoinRequest) -> JoinResponse:
+        """A launched worker registers itself."""
+        return master.join(req)
+
+    @app.post("/v1/rendezvous", response_model=RendezvousResponse, responses={404: {}, 409: {}, 410: {}})
+    async def rendezvous(req: RendezvousRequest) -> RendezvousResponse:
+        """Ask for a place in the next round; long-polls up to a second while the round forms."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + RENDEZVOUS_POLL_S
+        while True:
+            resp = master.rendezvous(req)
+            remaining = deadline - loop.time()
+            if resp.status != "waiting" or remaining <= 0:
+                return resp
+            await notifier.wait(remaining)
+
+    @app.post("/v1/report", response_model=ReportResponse, responses={400: {}, 404: {}, 409: {}, 410: {}})
+    async def report(req: ReportRequest) -> ReportResponse:
+        """Heartbeat, progress and the worker's step records."""
+        return master.report(req)
+
+    @app.post("/v1/shards/lease", response_model=LeaseResponse, responses={400: {}, 404: {}, 409: {}, 410: {}})
+    async def lease(req: LeaseRequest) -> LeaseResponse:
+        """Lease the next TODO shard of an epoch."""
+        return master.lease(req)
+
+    @app.post("/v1/finish", responses={404: {}, 410: {}})
+    async def finish(req: FinishRequest) -> dict[str, str]:
+        """The training loop is done; ``metrics`` (e.g. the final AUC) go into the job summary."""
+        master.finish(req)
+        return {"state": master.state.value}
+
+    @app.post("/v1/scale", responses={400: {}})
+    async def scale(req: ScaleRequest) -> dict[str, int]:
+        """Set the target number of workers (within the job's MIN:MAX)."""
+        return {"target_workers": master.scale(req.workers)}
+
+    @app.get("/v1/status", response_model=StatusResponse)
+    async def status() -> StatusResponse:
+        return master.status()
+
+    @app.get("/v1/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"state": master.state.value}
+
+    return GuardMiddleware(app, token)  # type: ignore[return-value]

@@ -1,0 +1,1 @@
+"""tidal.ps: reserved for later issues (see DESIGN.md section 2)."""

@@ -1,0 +1,1 @@
+"""Discrete-event simulators that drive the brain's planners over traces."""

@@ -1,0 +1,133 @@
+"""Collectives of one membership round: the step header exchange, gradient reduction, state sync.
+
+A round with one worker has no process group at all (every collective is the identity). Any
+failure inside a collective (a peer killed, a peer that left) surfaces as ``CollectiveError``:
+the worker then re-forms through the master instead of dying.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+
+import torch
+import torch.distributed as dist
+
+from tidal.worker.api import CollectiveError
+from tidal.worker.state import pack_state, unpack_state
+
+log = logging.getLogger(__name__)
+
+# Step header, one row per worker: samples, reform flag, epoch, start, end, worker id.
+HEADER_FIELDS = 6
+N, REFORM, EPOCH, START, END, WORKER = range(HEADER_FIELDS)
+
+
+class RoundComm:
+    """The process group of one round."""
+
+    def __init__(self, rank: int, world_size: int, backend: str, device: torch.device) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.backend = backend
+        self.device = device
+        self.group: dist.ProcessGroup | None = None
+        self._flat: torch.Tensor | None = None
+
+    @classmethod
+    def connect(cls, *, host: str, port: int, prefix: str, rank: int, world_size: int, backend: str,
+                device: torch.device, timeout_s: float) -> RoundComm:
+        comm = cls(rank, world_size, backend, device)
+        if world_size == 1:
+            return comm
+        timeout = datetime.timedelta(seconds=timeout_s)
+        try:
+            store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+            dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank,
+                                    world_size=world_size, timeout=timeout)
+        except (RuntimeError, ValueError) as exc:
+            raise CollectiveError(f"cannot form the process group: {exc}") from exc
+        comm.group = dist.group.WORLD
+        return comm
+
+    def close(self) -> None:
+        if self.group is not None:
+            try:
+                dist.destroy_process_group()
+            except (RuntimeError, ValueError, AssertionError) as exc:
+                log.debug("destroying the process group: %s", exc)
+            self.group = None
+
+    # -------------------------------------------------------------------- collectives
+    def exchange_headers(self, row: list[int]) -> torch.Tensor:
+        """All-gather one int64 row per worker; returns ``[world_size, HEADER_FIELDS]``."""
+        mine = torch.tensor(row, dtype=torch.int64)
+        if self.group is None:
+            return mine.reshape(1, -1)
+        mine = mine.to(self.device)
+        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        try:
+            dist.all_gather(out, mine)
+        except (RuntimeError, ValueError) as exc:
+            raise CollectiveError(f"step header exchange failed: {exc}") from exc
+        return torch.stack(out).cpu()
+
+    def reduce_gradients(self, params: list[torch.nn.Parameter], weight: float) -> None:
+        """Sum ``weight * grad`` over the workers into every parameter's ``.grad``.
+
+        With ``weight = samples_here / samples_in_step`` the result is the gradient of the mean
+        loss over the global batch, whatever the split (uneven batches, idle workers) was.
+        Parameters without a gradient count as zeros, so every worker ends with the same grads.
+        """
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        total = sum(g.numel() for g in grads)
+        dtype = grads[0].dtype if grads else torch.float32
+        if self._flat is None or self._flat.numel() != total or self._flat.dtype != dtype:
+            self._flat = torch.empty(total, dtype=dtype, device=self.device)
+        flat = self._flat
+        offset = 0
+        for g in grads:
+            n = g.numel()
+            flat[offset:offset + n].copy_(g.reshape(-1))
+            offset += n
+        if weight != 1.0:
+            flat.mul_(weight)
+        if self.group is not None:
+            try:
+                dist.all_reduce(flat)
+            except (RuntimeError, ValueError) as exc:
+                raise CollectiveError(f"gradient all-reduce failed: {exc}") from exc
+        offset = 0
+        for p, g in zip(params, grads, strict=True):
+            n = g.numel()
+            view = flat[offset:offset + n].view_as(p)
+            if p.grad is None:
+                p.grad = view.clone()
+            else:
+                p.grad.copy_(view)
+            offset += n
+
+    def broadcast_state(self, tree: object | None, source: int) -> object:
+        """Send the source's state to every member; returns the state as received."""
+        if self.group is None:
+            return tree
+        try:
+            if self.rank == source:
+                header, flat = pack_state(tree)
+                sizes = torch.tensor([len(header), flat.numel()], dtype=torch.int64)
+            else:
+                sizes = torch.zeros(2, dtype=torch.int64)
+            dist.broadcast(sizes, src=source)
+            n_header, n_flat = int(sizes[0]), int(sizes[1])
+            header_t = (torch.frombuffer(bytearray(header), dtype=torch.uint8) if self.rank == source
+                        else torch.empty(n_header, dtype=torch.uint8))
+            dist.broadcast(header_t, src=source)
+            if self.rank != source:
+                flat = torch.empty(n_flat, dtype=torch.uint8)
+            if n_flat:
+                dist.broadcast(flat, src=source)
+        except (RuntimeError, ValueError) as exc:
+            raise CollectiveError(f"state broadcast failed: {exc}") from exc
+        if self.rank == source:
+            return tree
+        return unpack_state(bytes(header_t.numpy()), flat)

@@ -1,0 +1,395 @@
+"""A training process's side of an elastic job: join, rounds, steps, commits, re-forms.
+
+The script's loop stays an ordinary loop::
+
+    job = tidal.worker.init()
+    state = job.state(model, optimizer)
+    for batch in job.loader(dataset, batch_size=512, epochs=2):
+        optimizer.zero_grad()
+        loss_fn(model(batch)).backward()
+        job.step()                      # reduce gradients, optimizer.step(), commit
+
+Re-forms happen inside ``for`` and ``job.step()``: on a broken collective or the master's
+notice, the process leaves the round, rendezvous again, restores (or receives) the committed
+state in place and carries on; the loop never sees an exception. Without ``TIDAL_MASTER_URL`` in
+the environment the same script runs as one local worker with no master (for debugging).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tidal.api import (
+    FinishRequest,
+    JoinRequest,
+    JoinResponse,
+    PauseReport,
+    RendezvousRequest,
+    RendezvousResponse,
+    ReportRequest,
+    ReportResponse,
+    StaleRoundError,
+    StepRecord,
+    TidalError,
+)
+from tidal.worker.api import CollectiveError, UsageError, WorkerGoneError
+from tidal.worker.client import MasterClient
+from tidal.worker.comm import END, EPOCH, REFORM, START, WORKER, N, RoundComm
+from tidal.worker.state import State
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PendingStep:
+    """The step whose batch the script is computing: headers of every worker, this worker's part."""
+
+    step: int
+    headers: torch.Tensor
+    total: int
+    mine: int
+    started: float
+    collective_s: float
+
+
+class Job:
+    """Membership in an elastic job (or a local single-worker run when ``client`` is None)."""
+
+    def __init__(self, client: MasterClient | None, worker_id: int, job_id: str, backend: str | None = None) -> None:
+        self.client = client
+        self.worker_id = worker_id
+        self.job_id = job_id
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        self.round = -1
+        self.rank = 0
+        self.world_size = 1
+        self.generation = 0  # bumped on every new round; loaders reset their leases
+        self._state: State | None = None
+        self._comm: RoundComm | None = None
+        self._in_round = False
+        self._pending: PendingStep | None = None
+        self._reform_notice = False
+        self._pause_from: float | None = None
+        self._last_step_end = time.monotonic()
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._records: dict[int, list[StepRecord]] = {}  # every worker's records of applied, unacked steps
+        self._unsent: list[StepRecord] = []  # this worker's records not yet sent
+        self._acked = -1
+        self._pauses: list[PauseReport] = []
+        self._samples_per_s = 0.0
+        self._compute_per_sample = 0.0
+        self.collective_timeout_s = 60.0
+        self.heartbeat_interval_s = 0.5
+        self._stop = threading.Event()
+        self._reporter: threading.Thread | None = None
+        self._gone: str | None = None
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def is_local(self) -> bool:
+        return self.client is None
+
+    def state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, **extras: Any) -> State:
+        """Register what is committed, restored and sent to new workers."""
+        if self._state is not None:
+            raise UsageError("job.state() was already called")
+        self._state = State(model, optimizer, **extras)
+        return self._state
+
+    def loader(self, dataset: Any, batch_size: int, epochs: int = 1, **options: Any) -> Any:
+        from tidal.worker.loader import ElasticDataLoader
+
+        return ElasticDataLoader(self, dataset, batch_size=batch_size, epochs=epochs, **options)
+
+    @property
+    def applied_step(self) -> int:
+        return self._state.applied_step if self._state else -1
+
+    def step(self) -> bool:
+        """Reduce gradients over the round, ``optimizer.step()``, commit. False if the step was
+        dropped by a re-form (its samples go back to the queue; the loop just continues)."""
+        state = self._require_state()
+        pending = self._pending
+        if pending is None:
+            raise UsageError("job.step() called without a batch from the elastic loader")
+        self._pending = None
+        t0 = time.monotonic()
+        try:
+            self._reduce(state, pending)
+        except CollectiveError as exc:
+            self._broken(exc)
+            return False
+        reduce_s = time.monotonic() - t0
+        if state.optimizer is not None:
+            state.optimizer.step()
+        self._applied(state, pending, pending.collective_s + reduce_s)
+        return True
+
+    def finish(self, **metrics: float) -> None:
+        """Tell the master training is over; ``metrics`` (e.g. ``auc=0.79``) go into its summary."""
+        if self.client is not None:
+            self._flush_reports()  # the last steps' records, before anything else
+            self.client.post_raw("/v1/finish", FinishRequest(worker_id=self.worker_id,
+                                                             metrics={k: float(v) for k, v in metrics.items()}))
+        self._leave_round()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._reporter is not None:
+            self._reporter.join(timeout=2)
+        self._leave_round()
+
+    # ------------------------------------------------------------------ step internals
+    def _require_state(self) -> State:
+        if self._state is None:
+            raise UsageError("call job.state(model, optimizer) before iterating the loader")
+        return self._state
+
+    def _exchange(self, epoch: int, start: int, end: int) -> tuple[torch.Tensor, float]:
+        """The step header all-gather; its reform column carries the master's notice to everyone."""
+        assert self._comm is not None
+        t0 = time.monotonic()
+        row = [end - start, int(self._reform_notice), epoch, start, end, self.worker_id]
+        headers = self._comm.exchange_headers(row)
+        return headers, time.monotonic() - t0
+
+    def _begin_step(self, epoch: int, start: int, end: int) -> PendingStep | None:
+        """Exchange headers for the next step. None: the step will not happen (re-form)."""
+        state = self._require_state()
+        self._check_gone()
+        started = time.monotonic()
+        try:
+            headers, collective_s = self._exchange(epoch, start, end)
+        except CollectiveError as exc:
+            self._broken(exc)
+            return None
+        if bool(headers[:, REFORM].any()):
+            self._leave_for_rendezvous("re-form requested by the master")
+            return None
+        total = int(headers[:, N].sum())
+        return PendingStep(state.applied_step + 1, headers, total, end - start, started, collective_s)
+
+    def _reduce(self, state: State, pending: PendingStep) -> None:
+        assert self._comm is not None
+        params = [p for p in state.model.parameters() if p.requires_grad]
+        self._comm.reduce_gradients(params, pending.mine / pending.total)
+
+    def _empty_step(self, pending: PendingStep) -> bool:
+        """Take part in a step with no samples of our own (others still have data)."""
+        state = self._require_state()
+        if state.optimizer is not None:
+            state.optimizer.zero_grad(set_to_none=True)
+        t0 = time.monotonic()
+        try:
+            self._reduce(state, pending)
+        except CollectiveError as exc:
+            self._broken(exc)
+            return False
+        if state.optimizer is not None:
+            state.optimizer.step()
+        self._applied(state, pending, pending.collective_s + time.monotonic() - t0)
+        return True
+
+    def _applied(self, state: State, pending: PendingStep, collective_s: float) -> None:
+        now = time.monotonic()
+        wall = now - pending.started
+        if pending.mine:
+            rate = pending.mine / max(wall, 1e-9)
+            compute = max(wall - collective_s, 0.0) / pending.mine
+            a = 0.2 if self._samples_per_s else 1.0
+            self._samples_per_s = (1 - a) * self._samples_per_s + a * rate
+            self._compute_per_sample = (1 - a) * self._compute_per_sample + a * compute
+        records = [
+            StepRecord(step=pending.step, worker=int(h[WORKER]), epoch=int(h[EPOCH]), start=int(h[START]), end=int(h[END]))
+            for h in pending.headers if int(h[N]) > 0
+        ]
+        with self._lock:  # the reporter must never see the step without its records
+            state.applied_step = pending.step
+            if records:
+                self._records[pending.step] = records
+            self._unsent.extend(r for r in records if r.worker == self.worker_id)
+            if self._pause_from is not None:
+                self._pauses.append(PauseReport(round=max(self.round, 0), seconds=now - self._pause_from))
+                self._pause_from = None
+        state.commit()
+        self._last_step_end = now
+
+    # ------------------------------------------------------------------ rounds
+    def ensure_round(self) -> None:
+        """Block until this worker is a member of a round with its state in place."""
+        if self._in_round:
+            return
+        state = self._require_state()
+        if self.client is None:
+            self._comm = RoundComm(0, 1, self.backend, self.device)
+            self._in_round = True
+            self.round += 1
+            self.generation += 1
+            return
+        while not self._in_round:
+            assignment = self._rendezvous(state)
+            try:
+                self._enter_round(state, assignment)
+            except CollectiveError as exc:
+                log.warning("worker %d: round %d failed to form: %s", self.worker_id, assignment.round, exc)
+                self._leave_round()
+
+    def _rendezvous(self, state: State) -> RendezvousResponse:
+        assert self.client is not None
+        with self._lock:
+            records = [r for step in sorted(self._records) if step > self._acked for r in self._records[step]]
+        req = RendezvousRequest(worker_id=self.worker_id, after_round=self.round,
+                                applied_step=state.applied_step, records=records)
+        while True:
+            self._check_gone()
+            try:
+                resp = self.client.post("/v1/rendezvous", req, RendezvousResponse)
+            except StaleRoundError:
+                # a restarted master lost a round it never journaled; start over from it
+                req.after_round = -1
+                continue
+            if resp.status == "ready":
+                return resp
+            if resp.status in ("leave", "finished"):
+                why = "scaled in" if resp.status == "leave" else "the job has finished"
+                log.info("worker %d exits: %s", self.worker_id, why)
+                print(f"tidal: worker {self.worker_id} exits: {why}", file=sys.stderr, flush=True)
+                self.close()
+                raise SystemExit(0)
+
+    def _enter_round(self, state: State, a: RendezvousResponse) -> None:
+        self._leave_round()
+        self._comm = RoundComm.connect(
+            host=a.store_host, port=a.store_port, prefix=f"tidal/{self.job_id}/round{a.round}/",
+            rank=a.rank, world_size=a.world_size, backend=self.backend, device=self.device,
+            timeout_s=self.collective_timeout_s,
+        )
+        self.round, self.rank, self.world_size = a.round, a.rank, a.world_size
+        if a.sync_state:
+            if a.rank == a.source_rank:
+                state.restore()
+            tree = self._comm.broadcast_state(state.to_tree() if a.rank == a.source_rank else None, a.source_rank)
+            if a.rank != a.source_rank:
+                state.load_tree(tree)  # type: ignore[arg-type]
+        else:
+            state.restore()
+        with self._lock:
+            # the master finalized every step up to the source's: nothing local is pending any more
+            self._acked = max(self._acked, a.applied_step)
+            self._unsent = []
+            self._records.clear()
+        self._reform_notice = False
+        self._in_round = True
+        self.generation += 1
+        log.info("worker %d: round %d rank %d/%d from step %d", self.worker_id, a.round, a.rank,
+                 a.world_size, state.applied_step)
+
+    def _broken(self, exc: Exception) -> None:
+        log.info("worker %d: collective broke in round %d: %s", self.worker_id, self.round, exc)
+        self._leave_for_rendezvous(str(exc))
+
+    def _leave_for_rendezvous(self, why: str) -> None:
+        if self._pause_from is None:
+            self._pause_from = self._last_step_end
+        self._pending = None
+        self._leave_round()
+        if self._state is not None:
+            self._state.restore()
+
+    def _leave_round(self) -> None:
+        self._in_round = False
+        if self._comm is not None:
+            self._comm.close()
+            self._comm = None
+
+    # ------------------------------------------------------------------ reporting
+    def start_reporter(self) -> None:
+        self._reporter = threading.Thread(target=self._report_loop, name="tidal-reporter", daemon=True)
+        self._reporter.start()
+
+    def _report_loop(self) -> None:
+        last = 0.0
+        while not self._stop.wait(0.05):
+            now = time.monotonic()
+            with self._lock:
+                have = bool(self._unsent or self._pauses)
+            if have or now - last >= self.heartbeat_interval_s:
+                self._send_report()
+                last = now
+
+    def _send_report(self) -> None:
+        with self._send_lock:  # a flush waits for the reporter's request in flight
+            self._send_report_locked()
+
+    def _send_report_locked(self) -> None:
+        assert self.client is not None
+        with self._lock:
+            unsent, self._unsent = self._unsent, []
+            pauses, self._pauses = self._pauses, []
+            applied = self.applied_step
+        # records belong to the round they were made in, even after the worker left it
+        req = ReportRequest(
+            worker_id=self.worker_id, round=self.round, applied_step=applied,
+            records=unsent, compute_s_per_sample=self._compute_per_sample,
+            samples_per_s=self._samples_per_s, pauses=pauses,
+        )
+        try:
+            resp = self.client.post("/v1/report", req, ReportResponse, patience_s=0.5)
+        except StaleRoundError:
+            return  # the round moved on; these records were settled at the rendezvous
+        except WorkerGoneError as exc:
+            self._gone = str(exc)
+            return
+        except TidalError as exc:
+            log.debug("report failed: %s", exc)
+            with self._lock:  # keep them for the next try (a restarted master needs them)
+                self._unsent = unsent + self._unsent
+                self._pauses = pauses + self._pauses
+            return
+        with self._lock:
+            if resp.round == self.round and resp.reform and self._in_round:
+                self._reform_notice = True
+            if resp.finalized_step > self._acked and resp.round == self.round:
+                self._acked = resp.finalized_step
+                for s in [s for s in self._records if s <= self._acked]:
+                    del self._records[s]
+
+    def _flush_reports(self) -> None:
+        if self.client is not None:
+            self._send_report()
+
+    def _check_gone(self) -> None:
+        if self._gone:
+            print(f"tidal: worker {self.worker_id}: {self._gone}", file=sys.stderr, flush=True)
+            os._exit(3)
+
+
+def init(backend: str | None = None) -> Job:
+    """Join the job named by the ``TIDAL_*`` environment, or start a local single-worker job.
+
+    Raises:
+        tidal.worker.api.MasterUnreachableError: the master did not answer in time.
+    """
+    url = os.environ.get("TIDAL_MASTER_URL")
+    if not url:
+        return Job(None, 0, "local", backend)
+    token = os.environ.get("TIDAL_TOKEN", "")
+    worker_id = int(os.environ.get("TIDAL_WORKER_ID", "0"))
+    patience = float(os.environ.get("TIDAL_MASTER_TIMEOUT", "120"))
+    client = MasterClient(url, token, patience_s=patience)
+    job = Job(client, worker_id, os.environ.get("TIDAL_JOB_ID", "job"), backend)
+    info = client.post("/v1/workers/join", JoinRequest(worker_id=worker_id, pid=os.getpid()), JoinResponse)
+    job.collective_timeout_s = info.collective_timeout_s
+    job.heartbeat_interval_s = info.heartbeat_interval_s
+    job.start_reporter()
+    return job

@@ -1,0 +1,138 @@
+"""The elastic data loader: batches from shards leased from the master, one step at a time.
+
+Each iteration (1) leases a shard when the current one is used up, (2) exchanges the step
+header with the round's other workers (samples, range, the master's re-form notice), and
+(3) yields the batch. A worker whose shards ran out while others still have data takes part
+in the step with zero samples (gradients are weighted by samples), and when no worker has any
+data left the epoch ends for all of them at the same step. A re-form in the middle drops the
+uncommitted batch: the master puts its range back in the TODO queue.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from tidal.api import LeaseRequest, LeaseResponse, Shard, StaleRoundError
+from tidal.api.sharding import shard_starts
+from tidal.worker.api import UsageError
+
+if TYPE_CHECKING:
+    from tidal.worker.job import Job
+
+
+class ElasticDataLoader:
+    """Iterate batches of ``dataset`` for ``epochs`` epochs, elastically.
+
+    Args:
+        dataset: ``get_range(start, end)`` builds a batch from an index range (fast path);
+            otherwise ``dataset[i]`` items are combined by ``collate_fn``.
+        batch_size: samples per worker per step (a straggler may get fewer).
+        batches_per_shard: shard size in batches (DLRover-RM uses 64 to 256 at cluster scale).
+        shuffle, seed: shuffle the order of shards in each epoch, reproducibly.
+    """
+
+    def __init__(self, job: Job, dataset: Any, batch_size: int, epochs: int = 1, *, shuffle: bool = True,
+                 seed: int = 0, batches_per_shard: int = 16, collate_fn: Callable[[list[Any]], Any] | None = None) -> None:
+        if batch_size < 1 or epochs < 0 or batches_per_shard < 1:
+            raise UsageError("batch_size and batches_per_shard must be >= 1 and epochs >= 0")
+        self.job = job
+        self.dataset = dataset
+        self.size = len(dataset)
+        if self.size < 1:
+            raise UsageError("the dataset is empty")
+        self.batch_size = batch_size
+        self.epochs = epochs
+        self.shuffle = shuffle
+        self.seed = seed
+        self.batches_per_shard = batches_per_shard
+        self.collate_fn = collate_fn
+        self._generation = -1
+        self._shard: Shard | None = None
+        self._pos = 0
+        self._empty_epoch = -1
+        self._local_queue: list[int] = []
+        self._local_epoch = -1
+
+    @property
+    def epoch(self) -> int:
+        return self.job._require_state().epoch
+
+    def __iter__(self) -> Iterator[Any]:
+        job = self.job
+        state = job._require_state()
+        while True:
+            job.ensure_round()
+            if self._generation != job.generation:
+                self._generation = job.generation
+                self._shard, self._empty_epoch, self._local_epoch = None, -1, -1
+            epoch = state.epoch
+            if epoch >= self.epochs:
+                job.finish()
+                return
+            if job._pending is not None:
+                raise UsageError("call job.step() once for every batch of the elastic loader")
+            span = self._next_range(epoch)
+            if span is None:
+                continue  # the round went stale while leasing: re-form
+            start, end = span
+            pending = job._begin_step(epoch, start, end)
+            if pending is None:
+                continue
+            if pending.total == 0:
+                state.epoch += 1  # nobody has data left: every worker moves on at this step
+                state.commit()
+                continue
+            if pending.mine == 0:
+                job._empty_step(pending)
+                continue
+            job._pending = pending
+            yield self._fetch(start, end)
+            if job._pending is pending:
+                raise UsageError("call job.step() once for every batch of the elastic loader")
+
+    def _next_range(self, epoch: int) -> tuple[int, int] | None:
+        """The next batch's ``[start, end)`` ((0, 0) when this worker has no data this epoch)."""
+        if self._shard is None or self._pos >= self._shard.end:
+            self._shard = None
+            if self._empty_epoch == epoch:
+                return (0, 0)
+            try:
+                shard = self._lease(epoch)
+            except StaleRoundError:
+                self.job._leave_for_rendezvous("stale round while leasing")
+                return None
+            if shard is None:
+                self._empty_epoch = epoch
+                return (0, 0)
+            self._shard, self._pos = shard, shard.start
+        assert self._shard is not None
+        start = self._pos
+        end = min(start + self._shard.batch_size, self._shard.end)
+        self._pos = end
+        return (start, end)
+
+    def _lease(self, epoch: int) -> Shard | None:
+        job = self.job
+        shard_size = self.batch_size * self.batches_per_shard
+        if job.client is None:
+            if self._local_epoch != epoch:
+                self._local_epoch = epoch
+                self._local_queue = shard_starts(self.size, shard_size, self.shuffle, self.seed, epoch)[::-1]
+            if not self._local_queue:
+                return None
+            start = self._local_queue.pop()
+            return Shard(epoch=epoch, start=start, end=min(start + shard_size, self.size), batch_size=self.batch_size)
+        req = LeaseRequest(worker_id=job.worker_id, round=job.round, epoch=epoch, dataset_size=self.size,
+                           batch_size=self.batch_size, batches_per_shard=self.batches_per_shard,
+                           shuffle=self.shuffle, seed=self.seed)
+        resp = job.client.post("/v1/shards/lease", req, LeaseResponse)
+        return resp.shard if resp.status == "ok" else None
+
+    def _fetch(self, start: int, end: int) -> Any:
+        if hasattr(self.dataset, "get_range"):
+            return self.dataset.get_range(start, end)
+        from torch.utils.data import default_collate
+
+        collate = self.collate_fn or default_collate
+        return collate([self.dataset[i] for i in range(start, end)])

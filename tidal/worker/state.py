@@ -1,0 +1,162 @@
+"""The state a worker commits and restores: model, optimizer, user extras, data position.
+
+``commit()`` runs after every applied step. Parameters and optimizer state change only inside
+``optimizer.step()``, which runs only after a successful reduction, so a failed step leaves them
+as committed; what a forward pass may have changed since (module buffers such as BatchNorm
+statistics) and the user's extras are snapshotted and put back by ``restore()``. That keeps a
+commit cheap (no copy of the parameters) while giving Horovod-style commit/restore semantics.
+
+A new worker gets the whole state from the round's source over the process group:
+``pack_state`` turns it into a JSON header plus one flat byte buffer, ``unpack_state`` checks
+every dtype against a whitelist and every size against the buffer before touching it. No
+pickle crosses a socket.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import torch
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8,
+    "uint8": torch.uint8, "bool": torch.bool,
+}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+MAX_STATE_HEADER = 64 << 20
+
+
+class State:
+    """Model, optimizer and user extras, committed after each step and restored on a re-form.
+
+    ``extras`` are the user's own values (JSON types or tensors), read and written as
+    ``state.extras["key"]``; they follow the commit/restore rules of the model.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 **extras: Any) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.extras: dict[str, Any] = dict(extras)
+        self.applied_step = -1  # global optimizer steps applied (the first is step 0)
+        self.epoch = 0  # the elastic loader's epoch
+        self._committed: dict[str, Any] = {}
+        self.commit()
+
+    def commit(self) -> None:
+        self._committed = {
+            "buffers": {k: b.detach().clone() for k, b in self.model.named_buffers()},
+            "extras": copy.deepcopy(self.extras),
+            "applied_step": self.applied_step,
+            "epoch": self.epoch,
+        }
+
+    def restore(self) -> None:
+        snap = self._committed
+        with torch.no_grad():
+            for name, buf in self.model.named_buffers():
+                if name in snap["buffers"]:
+                    buf.copy_(snap["buffers"][name])
+        self.extras = copy.deepcopy(snap["extras"])
+        self.applied_step = snap["applied_step"]
+        self.epoch = snap["epoch"]
+
+    def to_tree(self) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "extras": self.extras,
+            "applied_step": self.applied_step,
+            "epoch": self.epoch,
+        }
+
+    def load_tree(self, tree: dict[str, Any]) -> None:
+        self.model.load_state_dict(tree["model"])
+        if self.optimizer is not None and tree["optimizer"] is not None:
+            self.optimizer.load_state_dict(tree["optimizer"])
+        self.extras = tree["extras"]
+        self.applied_step = int(tree["applied_step"])
+        self.epoch = int(tree["epoch"])
+        self.commit()
+
+
+# ---------------------------------------------------------------------------- packing
+def pack_state(tree: Any) -> tuple[bytes, torch.Tensor]:
+    """Nested dicts/lists/tuples of tensors and JSON scalars -> (JSON header, flat uint8 buffer)."""
+    tensors: list[torch.Tensor] = []
+    offset = 0
+
+    def enc(obj: Any) -> Any:
+        nonlocal offset
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach().cpu().contiguous()
+            if t.dtype not in _NAMES:
+                raise TypeError(f"cannot send tensors of dtype {t.dtype}")
+            nbytes = t.numel() * t.element_size()
+            spec = {"T": _NAMES[t.dtype], "shape": list(t.shape), "offset": offset, "nbytes": nbytes}
+            tensors.append(t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8))
+            offset += nbytes
+            return spec
+        if isinstance(obj, dict):
+            return {"D": [[_key(k), enc(v)] for k, v in obj.items()]}
+        if isinstance(obj, tuple):
+            return {"U": [enc(v) for v in obj]}
+        if isinstance(obj, list):
+            return {"L": [enc(v) for v in obj]}
+        if obj is None or isinstance(obj, bool | int | float | str):
+            return {"V": obj}
+        raise TypeError(f"cannot send a {type(obj).__name__} in the training state (use tensors or JSON types)")
+
+    header = json.dumps(enc(tree)).encode()
+    flat = torch.cat(tensors) if tensors else torch.empty(0, dtype=torch.uint8)
+    return header, flat
+
+
+def unpack_state(header: bytes, flat: torch.Tensor) -> Any:
+    """Inverse of ``pack_state``; validates dtypes, shapes and offsets against the buffer."""
+    if len(header) > MAX_STATE_HEADER:
+        raise ValueError("state header too large")
+    total = flat.numel()
+
+    def dec(node: Any) -> Any:
+        if not isinstance(node, dict) or len(node) == 0:
+            raise ValueError("malformed state header")
+        if "T" in node:
+            dtype = _DTYPES.get(node["T"])
+            if dtype is None:
+                raise ValueError(f"dtype {node['T']!r} not allowed")
+            shape = [int(s) for s in node["shape"]]
+            if any(s < 0 for s in shape):
+                raise ValueError("negative dimension")
+            numel = 1
+            for s in shape:
+                numel *= s
+            nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+            start = int(node["offset"])
+            if nbytes != int(node["nbytes"]) or start < 0 or start + nbytes > total:
+                raise ValueError("tensor size does not match the buffer")
+            return flat[start:start + nbytes].clone().view(dtype).reshape(shape)
+        if "D" in node:
+            return {_unkey(k): dec(v) for k, v in node["D"]}
+        if "U" in node:
+            return tuple(dec(v) for v in node["U"])
+        if "L" in node:
+            return [dec(v) for v in node["L"]]
+        if "V" in node:
+            return node["V"]
+        raise ValueError("malformed state header")
+
+    return dec(json.loads(header))
+
+
+def _key(k: Any) -> Any:
+    if isinstance(k, bool) or not isinstance(k, int | str):
+        raise TypeError(f"state dict keys must be str or int, not {type(k).__name__}")
+    return k if isinstance(k, str) else {"i": k}
+
+
+def _unkey(k: Any) -> Any:
+    return int(k["i"]) if isinstance(k, dict) else str(k)
