@@ -156,12 +156,14 @@ class ReportRequest(_Wire):
     compute_s_per_sample: float = Field(default=0.0, ge=0, le=1e6)
     samples_per_s: float = Field(default=0.0, ge=0, le=1e12)
     pauses: list[PauseReport] = Field(default_factory=list, max_length=64)
+    incarnation: str = Field(default="", max_length=64)  # the master these records are complete for
 
 
 class ReportResponse(_Wire):
     round: int
     reform: bool  # a new round is being formed: stop at the next step boundary
     finalized_step: int  # every record of steps <= this is durable in the journal
+    incarnation: str = ""  # changes when the master restarts: workers then resend unfinalized records
 
 
 class LeaseRequest(_Wire):

@@ -84,6 +84,7 @@ class JobMaster:
         self._on_change = on_change  # wakes long-polling rendezvous requests
 
         self.state = JobState.RUNNING
+        self.incarnation = secrets.token_hex(4)  # this master process, as workers see it
         self.error: str | None = None
         self.target = spec.initial_workers or spec.max_workers
         self.target_override: int | None = spec.initial_workers
@@ -252,11 +253,14 @@ class JobMaster:
                     # a step was finalized without this record: a protocol bug, never silent
                     self._event("error", f"late record of final step {r.step} from worker {r.worker}")
                     log.error("job %s: late record %s", self.spec.job_id, r)
-            self.reported[req.worker_id] = max(self.reported.get(req.worker_id, -1), req.applied_step)
-            self._finalize_reported()
+            if req.incarnation == self.incarnation:
+                # only a worker that knows this master has resent what a predecessor lost
+                self.reported[req.worker_id] = max(self.reported.get(req.worker_id, -1), req.applied_step)
+                self._finalize_reported()
         for pause in req.pauses:
             self._record_pause(pause.round, pause.seconds)
-        return ReportResponse(round=self.round, reform=self.reforming, finalized_step=self.finalized_step)
+        return ReportResponse(round=self.round, reform=self.reforming, finalized_step=self.finalized_step,
+                              incarnation=self.incarnation)
 
     def lease(self, req: LeaseRequest) -> LeaseResponse:
         rec = self._worker(req.worker_id)
@@ -275,7 +279,7 @@ class JobMaster:
         return LeaseResponse(status="ok", shard=shard)
 
     def finish(self, req: FinishRequest) -> None:
-        self._worker(req.worker_id)
+        self._worker(req.worker_id).finished = True
         self.metrics.update(req.metrics)
         if self.state is JobState.RUNNING:
             self.state = JobState.FINISHING
@@ -306,7 +310,8 @@ class JobMaster:
             if rec is not None:
                 self._process_exited(rec, ev.exit_code)
         for rec in list(self.workers.values()):
-            if rec.state in (W.JOINED, W.WAITING, W.ACTIVE) and now - rec.last_seen > self.spec.heartbeat_timeout_s:
+            if (rec.state in (W.JOINED, W.WAITING, W.ACTIVE) and not rec.finished
+                    and now - rec.last_seen > self.spec.heartbeat_timeout_s):
                 self._worker_failed(rec, None, f"missed heartbeats for {now - rec.last_seen:.1f}s")
                 self.backend.terminate([rec.worker_id], f"hb-{rec.worker_id}")
             elif rec.state is W.LAUNCHING and now - rec.launched_at > self.spec.start_timeout_s:
@@ -541,7 +546,7 @@ class JobMaster:
             self._persist_worker(rec)
             return
         now = self.clock()
-        if code == 0 or rec.state is W.LEAVING:
+        if code == 0 or rec.state is W.LEAVING or (code is None and rec.finished):
             was_member = rec.worker_id in self.members and rec.state is W.ACTIVE
             rec.move(W.SUCCEEDED, now)
             self.waiting.pop(rec.worker_id, None)

@@ -40,6 +40,7 @@ class WorkerRecord:
     slow_since: float | None = None  # since when it has been slower than its peers
     exit_code: int | None = None
     ever_active: bool = False
+    finished: bool = False  # its training loop ended: exiting, no heartbeats expected
     history: list[tuple[float, str]] = field(default_factory=list)
 
     def move(self, new: WorkerState, now: float) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,17 +22,24 @@ log = logging.getLogger(__name__)
 # Step header, one row per worker: samples, reform flag, epoch, start, end, worker id.
 HEADER_FIELDS = 6
 N, REFORM, EPOCH, START, END, WORKER = range(HEADER_FIELDS)
+FORM_TIMEOUT_S = 10.0
 
 
 class RoundComm:
-    """The process group of one round."""
+    """The process group of one round.
+
+    The group is a standalone backend object (``ProcessGroupGloo`` / ``ProcessGroupNCCL``), not
+    torch.distributed's global default group: a process lives through many rounds with
+    different peers, and the global registry names groups by a per-process counter, so two
+    processes with different histories would never find each other in the store.
+    """
 
     def __init__(self, rank: int, world_size: int, backend: str, device: torch.device) -> None:
         self.rank = rank
         self.world_size = world_size
         self.backend = backend
         self.device = device
-        self.group: dist.ProcessGroup | None = None
+        self.group: Any = None
         self._flat: torch.Tensor | None = None
 
     @classmethod
@@ -40,22 +48,29 @@ class RoundComm:
         comm = cls(rank, world_size, backend, device)
         if world_size == 1:
             return comm
-        timeout = datetime.timedelta(seconds=timeout_s)
+        # Every member is already waiting at the rendezvous when a round closes, so forming the
+        # group takes well under a second; a short timeout bounds the stall when a member dies
+        # in between. Collectives then get the job's (longer) timeout.
+        connect = datetime.timedelta(seconds=min(FORM_TIMEOUT_S, timeout_s))
         try:
-            store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
-            dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank,
-                                    world_size=world_size, timeout=timeout)
+            store = dist.PrefixStore(prefix, dist.TCPStore(host, port, is_master=False, timeout=connect))
+            if backend == "nccl":
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = datetime.timedelta(seconds=timeout_s)
+                comm.group = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+            else:
+                comm.group = dist.ProcessGroupGloo(store, rank, world_size, connect)
+                comm.group._set_default_timeout(datetime.timedelta(seconds=timeout_s))
         except (RuntimeError, ValueError) as exc:
             raise CollectiveError(f"cannot form the process group: {exc}") from exc
-        comm.group = dist.group.WORLD
         return comm
 
     def close(self) -> None:
         if self.group is not None:
             try:
-                dist.destroy_process_group()
-            except (RuntimeError, ValueError, AssertionError) as exc:
-                log.debug("destroying the process group: %s", exc)
+                self.group.shutdown()
+            except (RuntimeError, ValueError, AttributeError) as exc:
+                log.debug("shutting down the process group: %s", exc)
             self.group = None
 
     # -------------------------------------------------------------------- collectives
@@ -67,10 +82,19 @@ class RoundComm:
         mine = mine.to(self.device)
         out = [torch.empty_like(mine) for _ in range(self.world_size)]
         try:
-            dist.all_gather(out, mine)
+            self.group.allgather([out], [mine]).wait()
         except (RuntimeError, ValueError) as exc:
             raise CollectiveError(f"step header exchange failed: {exc}") from exc
         return torch.stack(out).cpu()
+
+    def _broadcast(self, tensor: torch.Tensor, source: int) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = source
+        opts.rootTensor = 0
+        on_device = tensor.to(self.device)  # a no-op for gloo; nccl needs device tensors
+        self.group.broadcast([on_device], opts).wait()
+        if on_device is not tensor:
+            tensor.copy_(on_device.cpu())
 
     def reduce_gradients(self, params: list[torch.nn.Parameter], weight: float) -> None:
         """Sum ``weight * grad`` over the workers into every parameter's ``.grad``.
@@ -94,7 +118,7 @@ class RoundComm:
             flat.mul_(weight)
         if self.group is not None:
             try:
-                dist.all_reduce(flat)
+                self.group.allreduce([flat]).wait()
             except (RuntimeError, ValueError) as exc:
                 raise CollectiveError(f"gradient all-reduce failed: {exc}") from exc
         offset = 0
@@ -117,15 +141,15 @@ class RoundComm:
                 sizes = torch.tensor([len(header), flat.numel()], dtype=torch.int64)
             else:
                 sizes = torch.zeros(2, dtype=torch.int64)
-            dist.broadcast(sizes, src=source)
+            self._broadcast(sizes, source)
             n_header, n_flat = int(sizes[0]), int(sizes[1])
             header_t = (torch.frombuffer(bytearray(header), dtype=torch.uint8) if self.rank == source
                         else torch.empty(n_header, dtype=torch.uint8))
-            dist.broadcast(header_t, src=source)
+            self._broadcast(header_t, source)
             if self.rank != source:
                 flat = torch.empty(n_flat, dtype=torch.uint8)
             if n_flat:
-                dist.broadcast(flat, src=source)
+                self._broadcast(flat, source)
         except (RuntimeError, ValueError) as exc:
             raise CollectiveError(f"state broadcast failed: {exc}") from exc
         if self.rank == source:

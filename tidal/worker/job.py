@@ -85,6 +85,7 @@ class Job:
         self._records: dict[int, list[StepRecord]] = {}  # every worker's records of applied, unacked steps
         self._unsent: list[StepRecord] = []  # this worker's records not yet sent
         self._acked = -1
+        self._incarnation = ""
         self._pauses: list[PauseReport] = []
         self._samples_per_s = 0.0
         self._compute_per_sample = 0.0
@@ -269,12 +270,15 @@ class Job:
 
     def _enter_round(self, state: State, a: RendezvousResponse) -> None:
         self._leave_round()
+        # from here on this worker belongs to round ``a.round``: if forming it fails, the next
+        # rendezvous names it, and the master re-forms instead of handing out the same round
+        self.round = a.round
         self._comm = RoundComm.connect(
             host=a.store_host, port=a.store_port, prefix=f"tidal/{self.job_id}/round{a.round}/",
             rank=a.rank, world_size=a.world_size, backend=self.backend, device=self.device,
             timeout_s=self.collective_timeout_s,
         )
-        self.round, self.rank, self.world_size = a.round, a.rank, a.world_size
+        self.rank, self.world_size = a.rank, a.world_size
         if a.sync_state:
             if a.rank == a.source_rank:
                 state.restore()
@@ -341,7 +345,7 @@ class Job:
         req = ReportRequest(
             worker_id=self.worker_id, round=self.round, applied_step=applied,
             records=unsent, compute_s_per_sample=self._compute_per_sample,
-            samples_per_s=self._samples_per_s, pauses=pauses,
+            samples_per_s=self._samples_per_s, pauses=pauses, incarnation=self._incarnation,
         )
         try:
             resp = self.client.post("/v1/report", req, ReportResponse, patience_s=0.5)
@@ -357,6 +361,12 @@ class Job:
                 self._pauses = pauses + self._pauses
             return
         with self._lock:
+            if self._incarnation and resp.incarnation != self._incarnation:
+                # a restarted master lost the records it had not finalized: send ours again
+                own = [r for step in sorted(self._records) if step > resp.finalized_step
+                       for r in self._records[step] if r.worker == self.worker_id]
+                self._unsent = own + [r for r in self._unsent if r not in own]
+            self._incarnation = resp.incarnation
             if resp.round == self.round and resp.reform and self._in_round:
                 self._reform_notice = True
             if resp.finalized_step > self._acked and resp.round == self.round:

@@ -1,0 +1,150 @@
+"""Drive real ``tidal run`` jobs from tests: start, watch over HTTP, kill, audit, clean up."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from tidal.master.audit import LedgerAudit, audit_ledger
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "ctr" / "train.py"
+TIDAL = str(Path(sys.executable).with_name("tidal"))
+
+
+class Job:
+    """One ``tidal run`` subprocess and its job directory."""
+
+    def __init__(self, tmp: Path, workers: str, script_args: list[str], *, run_args: list[str] | None = None,
+                 script: Path = EXAMPLE, name: str = "job") -> None:
+        self.dir = tmp / name
+        self.ledger = tmp / f"{name}.ledger"
+        self.out = tmp / f"{name}.out"
+        self.argv = [TIDAL, "run", "-q", "--workers", workers, "--job-dir", str(self.dir),
+                     "--ledger", str(self.ledger), *(run_args or []), str(script), *script_args]
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.masters: list[subprocess.Popen[bytes]] = []
+        self.seen_pids: set[int] = set()
+        self._info: dict[str, Any] | None = None
+
+    def start(self) -> Job:
+        self.proc = self._spawn(self.argv)
+        return self
+
+    def _spawn(self, argv: list[str]) -> subprocess.Popen[bytes]:
+        out = open(self.out, "ab")
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+                                env={**os.environ, "TIDAL_HOME": str(self.dir.parent / ".tidal")})
+        out.close()
+        self.masters.append(proc)
+        return proc
+
+    def resume_master(self) -> subprocess.Popen[bytes]:
+        self.proc = self._spawn([TIDAL, "master", "--resume", str(self.dir / "journal.sqlite"), "-q"])
+        return self.proc
+
+    # ------------------------------------------------------------------ observing
+    def info(self) -> dict[str, Any]:
+        if self._info is None:
+            wait_for(lambda: (self.dir / "job.json").is_file(), 60, "job.json")
+            self._info = json.loads((self.dir / "job.json").read_text())
+        return self._info
+
+    def status(self) -> dict[str, Any]:
+        info = self.info()
+        resp = httpx.get(info["url"] + "/v1/status", headers={"Authorization": f"Bearer {info['token']}"}, timeout=5)
+        resp.raise_for_status()
+        data = resp.json()
+        self.seen_pids.update(w["pid"] for w in data["workers"] if w["pid"])
+        return data
+
+    def try_status(self) -> dict[str, Any] | None:
+        try:
+            return self.status()
+        except (httpx.HTTPError, OSError):
+            return None
+
+    def active(self) -> list[dict[str, Any]]:
+        st = self.try_status()
+        return [w for w in st["workers"] if w["state"] == "active"] if st else []
+
+    def wait_status(self, pred: Callable[[dict[str, Any]], bool], timeout: float, what: str) -> dict[str, Any]:
+        box: dict[str, Any] = {}
+
+        def check() -> bool:
+            st = self.try_status()
+            if st is not None and pred(st):
+                box["st"] = st
+                return True
+            return False
+
+        wait_for(check, timeout, what, self)
+        return box["st"]
+
+    def wait_step(self, step: int, timeout: float = 90) -> dict[str, Any]:
+        return self.wait_status(lambda s: s["finalized_step"] >= step, timeout, f"step {step}")
+
+    def scale(self, n: int) -> None:
+        info = self.info()
+        httpx.post(info["url"] + "/v1/scale", json={"workers": n}, timeout=5,
+                   headers={"Authorization": f"Bearer {info['token']}"}).raise_for_status()
+
+    def wait(self, timeout: float = 180) -> int:
+        assert self.proc is not None
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"job did not finish in {timeout}s:\n{self.output()[-3000:]}") from None
+
+    def output(self) -> str:
+        return self.out.read_text(errors="replace") if self.out.exists() else ""
+
+    def audit(self, size: int, epochs: int) -> LedgerAudit:
+        return audit_ledger(self.ledger.read_text().splitlines(), size, epochs)
+
+    def events(self, kind: str | None = None) -> list[dict[str, Any]]:
+        st = self.try_status()
+        evs = st["events"] if st else []
+        return [e for e in evs if kind is None or e["kind"] == kind]
+
+    # ------------------------------------------------------------------ cleanup
+    def kill_all(self) -> None:
+        for proc in self.masters:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        job_id = self._info["job_id"] if self._info else None
+        for pid in self.seen_pids:
+            try:
+                p = psutil.Process(pid)
+                if job_id and p.environ().get("TIDAL_JOB_ID") == job_id:
+                    p.kill()
+            except psutil.Error:
+                pass
+
+
+def wait_for(pred: Callable[[], bool], timeout: float, what: str, job: Job | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.1)
+    tail = job.output()[-3000:] if job else ""
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{tail}")
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
