@@ -1,0 +1,229 @@
+"""The job master's state machine, driven directly with an injected clock and a hand-written backend."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tidal.api import (
+    JobState,
+    JoinRequest,
+    LeaseRequest,
+    RendezvousRequest,
+    ReportRequest,
+    StepRecord,
+    WorkerState,
+)
+from tidal.backends.api import BackendEvent, LaunchError, WorkerSpec
+from tidal.brain.planners import MaxWorkersPlanner
+from tidal.master.api import BadRequestError, JobSpec, StaleRoundMasterError
+from tidal.master.job import JobMaster
+from tidal.master.journal import MemoryJournal
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeBackend:
+    """Implements tidal.backends.api.Backend without processes: launches are recorded."""
+
+    def __init__(self) -> None:
+        self.launched: list[WorkerSpec] = []
+        self.terminated: list[int] = []
+        self.events: list[BackendEvent] = []
+        self._requests: set[str] = set()
+
+    def launch(self, specs: list[WorkerSpec], request_id: str) -> list[LaunchError]:
+        if request_id not in self._requests:
+            self._requests.add(request_id)
+            self.launched.extend(specs)
+        return []
+
+    def terminate(self, worker_ids: list[int], request_id: str) -> None:
+        for w in worker_ids:
+            if w not in self.terminated:
+                self.terminated.append(w)
+                self.events.append(BackendEvent(w, -9, 0.0))
+
+    def adopt(self, worker_id: int, pid: int, create_time: float | None) -> bool:
+        return True
+
+    def pids(self) -> dict[int, tuple[int, float]]:
+        return {s.worker_id: (10_000 + s.worker_id, 1.0) for s in self.launched}
+
+    def poll_events(self) -> list[BackendEvent]:
+        out, self.events = self.events, []
+        return out
+
+    def exit(self, worker_id: int, code: int) -> None:
+        self.events.append(BackendEvent(worker_id, code, 0.0))
+
+    def close(self) -> None:
+        pass
+
+
+def make_master(tmp_path: Path, workers: str = "2:2", **spec_args: object) -> tuple[JobMaster, FakeClock, FakeBackend]:
+    low, high = (int(x) for x in workers.split(":"))
+    options: dict[str, object] = {"start_grace_s": 60.0, "heartbeat_timeout_s": 5.0, **spec_args}
+    spec = JobSpec(job_id="t", argv=["python", "x.py"], min_workers=low, max_workers=high, token="tok",
+                   job_dir=str(tmp_path), ledger_path=str(tmp_path / "ledger.jsonl"), **options)  # type: ignore[arg-type]
+    clock, backend = FakeClock(), FakeBackend()
+    master = JobMaster(spec, MemoryJournal(), backend, MaxWorkersPlanner(), clock, store_port=1)
+    master.start()
+    return master, clock, backend
+
+
+def form_round(master: JobMaster, ids: list[int], applied: int = -1) -> None:
+    for w in ids:
+        master.join(JoinRequest(worker_id=w, pid=10_000 + w))
+    for w in ids:
+        master.rendezvous(RendezvousRequest(worker_id=w, after_round=master.round, applied_step=applied))
+    master.tick()
+
+
+def lease(master: JobMaster, w: int, epoch: int = 0) -> tuple[int, int]:
+    resp = master.lease(LeaseRequest(worker_id=w, round=master.round, epoch=epoch, dataset_size=100,
+                                     batch_size=10, batches_per_shard=2, shuffle=False))
+    assert resp.shard is not None
+    return resp.shard.start, resp.shard.end
+
+
+def report(master: JobMaster, w: int, applied: int, records: list[StepRecord]) -> None:
+    master.report(ReportRequest(worker_id=w, round=master.round, applied_step=applied, records=records,
+                                incarnation=master.incarnation))
+
+
+def test_first_round_waits_for_slow_starters_for_the_grace_period(tmp_path: Path) -> None:
+    master, clock, _ = make_master(tmp_path, "1:2", start_grace_s=5.0)
+    master.tick()
+    form_round(master, [0])
+    assert master.round == -1
+    clock.now += 5.0
+    master.tick()
+    assert master.round == 0 and master.members == [0]  # MIN joined, the grace period is over
+
+
+def test_first_round_forms_when_every_launched_worker_waits(tmp_path: Path) -> None:
+    master, _, backend = make_master(tmp_path)
+    master.tick()
+    assert [s.worker_id for s in backend.launched] == [0, 1]
+    master.join(JoinRequest(worker_id=0, pid=1))
+    master.rendezvous(RendezvousRequest(worker_id=0, after_round=-1, applied_step=-1))
+    assert master.round == -1  # worker 1 has not joined
+    form_round(master, [1])
+    assert master.round == 0
+    a0 = master.rendezvous(RendezvousRequest(worker_id=0, after_round=-1, applied_step=-1))
+    assert (a0.status, a0.rank, a0.world_size, a0.sync_state) == ("ready", 0, 2, True)
+
+
+def test_missed_heartbeats_fail_the_worker_and_launch_a_replacement(tmp_path: Path) -> None:
+    master, clock, backend = make_master(tmp_path)
+    master.tick()
+    form_round(master, [0, 1])
+    clock.now += 4.0
+    report(master, 0, -1, [])
+    clock.now += 2.0  # worker 1 silent for 6 s > 5 s
+    master.tick()
+    assert master.workers[1].state is WorkerState.FAILED
+    assert backend.terminated == [1]
+    assert master.reforming
+    master.tick()
+    assert [s.worker_id for s in backend.launched] == [0, 1, 2]
+
+
+def test_records_are_final_only_when_every_member_applied_the_step(tmp_path: Path) -> None:
+    master, _, _ = make_master(tmp_path)
+    master.tick()
+    form_round(master, [0, 1])
+    a, b = lease(master, 0), lease(master, 1)
+    r0 = [StepRecord(step=s, worker=0, epoch=0, start=a[0] + 10 * s, end=a[0] + 10 * s + 10) for s in range(2)]
+    r1 = [StepRecord(step=s, worker=1, epoch=0, start=b[0] + 10 * s, end=b[0] + 10 * s + 10) for s in range(2)]
+    report(master, 0, 1, r0)
+    assert master.finalized_step == -1
+    report(master, 1, 0, r1[:1])
+    assert master.finalized_step == 0
+    report(master, 1, 1, r1[1:])
+    assert master.finalized_step == 1
+    lines = (tmp_path / "ledger.jsonl").read_text().splitlines()
+    assert len(lines) == 4
+
+
+def test_a_step_only_the_dead_worker_applied_goes_back_to_todo(tmp_path: Path) -> None:
+    master, _, backend = make_master(tmp_path, "1:2")
+    master.tick()
+    form_round(master, [0, 1])
+    a, b = lease(master, 0), lease(master, 1)
+    step0 = [StepRecord(step=0, worker=0, epoch=0, start=a[0], end=a[0] + 10),
+             StepRecord(step=0, worker=1, epoch=0, start=b[0], end=b[0] + 10)]
+    step1 = [StepRecord(step=1, worker=0, epoch=0, start=a[0] + 10, end=a[0] + 20),
+             StepRecord(step=1, worker=1, epoch=0, start=b[0] + 10, end=b[0] + 20)]
+    # worker 1 applied step 1 and reported it; worker 0 never finished step 1
+    report(master, 1, 1, [r for r in step0 + step1 if r.worker == 1])
+    backend.exit(1, -9)
+    master.tick()
+    assert master.reforming
+    # the survivor is at step 0 and carries both workers' records of step 0
+    master.rendezvous(RendezvousRequest(worker_id=0, after_round=0, applied_step=0, records=step0))
+    assert master.round == 1 and master.finalized_step == 0
+    ledger = (tmp_path / "ledger.jsonl").read_text().splitlines()
+    assert len(ledger) == 2  # step 0 of both workers; worker 1's step 1 was discarded
+    # its range is leasable again from where step 0 ended
+    assert lease(master, 0) == (a[0] + 10, a[1])
+    assert lease(master, 0) == (b[0] + 10, b[1])
+
+
+def test_crash_loop_fails_the_job_with_the_scripts_error(tmp_path: Path) -> None:
+    master, clock, backend = make_master(tmp_path, "1:1")
+    (tmp_path / "logs").mkdir()
+    for _ in range(3):
+        master.tick()
+        worker = backend.launched[-1].worker_id
+        (tmp_path / "logs" / f"worker-{worker}.log").write_text("Traceback...\nValueError: bad config\n")
+        backend.exit(worker, 1)
+        master.tick()
+        clock.now += 10
+    assert master.state is JobState.FAILED
+    assert master.error is not None and "bad config" in master.error
+    assert len(backend.launched) == 3
+
+
+def test_scale_outside_the_range_is_refused(tmp_path: Path) -> None:
+    master, _, _ = make_master(tmp_path, "1:3")
+    with pytest.raises(BadRequestError):
+        master.scale(4)
+    with pytest.raises(BadRequestError):
+        master.scale(0)
+    assert master.scale(2) == 2
+
+
+def test_stale_rounds_are_refused(tmp_path: Path) -> None:
+    master, _, _ = make_master(tmp_path)
+    master.tick()
+    form_round(master, [0, 1])
+    with pytest.raises(StaleRoundMasterError):
+        master.report(ReportRequest(worker_id=0, round=7, applied_step=-1))
+    with pytest.raises(StaleRoundMasterError):
+        master.lease(LeaseRequest(worker_id=0, round=3, epoch=0, dataset_size=10, batch_size=1))
+
+
+def test_straggler_needs_lasting_slowness_and_gets_smaller_shards(tmp_path: Path) -> None:
+    master, clock, _ = make_master(tmp_path)
+    master.tick()
+    form_round(master, [0, 1])
+    for _ in range(4):
+        master.report(ReportRequest(worker_id=0, round=0, applied_step=-1, compute_s_per_sample=1e-4))
+        master.report(ReportRequest(worker_id=1, round=0, applied_step=-1, compute_s_per_sample=4e-4))
+        master.tick()
+        clock.now += 0.5
+    assert not master.workers[1].straggler  # 1.5 s of slowness is not yet enough
+    clock.now += 1.0
+    master.tick()
+    assert master.workers[1].straggler and master.workers[1].size_factor == pytest.approx(0.25)
+    start, end = lease(master, 1)
+    assert end - start < 20  # a split shard
