@@ -1,0 +1,1 @@
+"""The job master: membership rounds, shards, journal, control plane (see job.py)."""
