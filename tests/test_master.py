@@ -227,3 +227,38 @@ def test_straggler_needs_lasting_slowness_and_gets_smaller_shards(tmp_path: Path
     assert master.workers[1].straggler and master.workers[1].size_factor == pytest.approx(0.25)
     start, end = lease(master, 1)
     assert end - start < 20  # a split shard
+
+
+def test_a_dead_member_holds_finalization_back_until_the_round_settles(tmp_path: Path) -> None:
+    master, _, backend = make_master(tmp_path, "1:2")
+    master.tick()
+    form_round(master, [0, 1])
+    a, b = lease(master, 0), lease(master, 1)
+    recs = {w: [StepRecord(step=s, worker=w, epoch=0, start=base + 10 * s, end=base + 10 * s + 10) for s in range(2)]
+            for w, base in ((0, a[0]), (1, b[0]))}
+    report(master, 0, 1, recs[0])
+    report(master, 1, 0, recs[1][:1])
+    assert master.finalized_step == 0
+    backend.exit(1, -9)  # worker 1 applied step 1 too, but died before reporting it
+    master.tick()
+    assert master.finalized_step == 0  # worker 0's report alone must not finalize step 1
+    master.rendezvous(RendezvousRequest(worker_id=0, after_round=0, applied_step=1, records=recs[0] + recs[1]))
+    assert master.finalized_step == 1
+    assert len((tmp_path / "ledger.jsonl").read_text().splitlines()) == 4
+
+
+def test_member_progress_minimum() -> None:
+    from tidal.master.progress import MemberProgress
+
+    p = MemberProgress([1, 2, 3])
+    p.update(1, 5)
+    p.update(2, 7)
+    assert p.minimum() is None  # 3 has not reported
+    p.update(3, 6)
+    assert p.minimum() == 5
+    p.update(1, 9)
+    assert p.minimum() == 6
+    p.remove(3)
+    assert p.minimum() == 7
+    p.update(4, 0)  # not a member: ignored
+    assert p.minimum() == 7

@@ -58,6 +58,7 @@ from tidal.master.api import (
 )
 from tidal.master.journal import Journal
 from tidal.master.membership import ALIVE, WorkerRecord
+from tidal.master.progress import MemberProgress
 from tidal.master.shards import CommittedRange, DatasetConfig, ShardManager
 
 log = logging.getLogger(__name__)
@@ -108,8 +109,11 @@ class JobMaster:
 
         # step commits
         self.finalized_step = -1
-        self.tentative: dict[int, list[StepRecord]] = {}
-        self.reported: dict[int, int] = {}
+        # step -> (worker, start) -> record: reported, not yet final
+        self.tentative: dict[int, dict[tuple[int, int], StepRecord]] = {}
+        self.progress = MemberProgress()
+        self._next_plan_at = 0.0
+        self._next_straggler_check = 0.0
 
         self.restarts = 0
         self.start_failures = 0
@@ -246,16 +250,14 @@ class JobMaster:
                 if r.step > req.applied_step:
                     raise BadRequestError(f"record of step {r.step} is beyond applied_step {req.applied_step}")
                 if r.step > self.finalized_step:
-                    bucket = self.tentative.setdefault(r.step, [])
-                    if r not in bucket:
-                        bucket.append(r)
+                    self.tentative.setdefault(r.step, {})[(r.worker, r.start)] = r
                 elif not self.shards.is_committed(r.epoch, r.start, r.end):
                     # a step was finalized without this record: a protocol bug, never silent
                     self._event("error", f"late record of final step {r.step} from worker {r.worker}")
                     log.error("job %s: late record %s", self.spec.job_id, r)
             if req.incarnation == self.incarnation:
                 # only a worker that knows this master has resent what a predecessor lost
-                self.reported[req.worker_id] = max(self.reported.get(req.worker_id, -1), req.applied_step)
+                self.progress.update(req.worker_id, req.applied_step)
                 self._finalize_reported()
         for pause in req.pauses:
             self._record_pause(pause.round, pause.seconds)
@@ -281,6 +283,10 @@ class JobMaster:
     def finish(self, req: FinishRequest) -> None:
         self._worker(req.worker_id).finished = True
         self.metrics.update(req.metrics)
+        # its records were flushed before it said so: it no longer holds finalization back
+        # (a member that *fails* keeps holding it back until the next round settles its steps)
+        self.progress.remove(req.worker_id)
+        self._finalize_reported()
         if self.state is JobState.RUNNING:
             self.state = JobState.FINISHING
             self._event("job", f"training finished (reported by worker {req.worker_id})")
@@ -318,8 +324,12 @@ class JobMaster:
                 self._worker_failed(rec, None, f"did not join within {self.spec.start_timeout_s:.0f}s")
                 self.backend.terminate([rec.worker_id], f"start-{rec.worker_id}")
         if self.state is JobState.RUNNING:
-            self._detect_stragglers()
-            self._apply_plan()
+            if now >= self._next_straggler_check:
+                self._next_straggler_check = now + 0.5
+                self._detect_stragglers()
+            if now >= self._next_plan_at:
+                self._next_plan_at = now + 1.0
+                self._apply_plan()
             self._launch_missing(now)
             self._maybe_start_reform()
             self._try_close_round()
@@ -462,7 +472,7 @@ class JobMaster:
         if reqs[source].applied_step > self.finalized_step and with_state:
             self.finalized_step = reqs[source].applied_step
         self.tentative.clear()
-        self.reported = {}
+        self.progress = MemberProgress(chosen)
         self.shards.release()
 
         self.round = prev_round + 1
@@ -504,16 +514,11 @@ class JobMaster:
     # ================================================================== commits
     def _finalize_reported(self) -> None:
         # every live member counts, also one already waiting at the rendezvous: a step is final
-        # only when no survivor can be without it
-        members = [m for m in self.members if self.workers[m].state in (W.ACTIVE, W.WAITING)]
-        if not members or any(m not in self.reported for m in members):
+        # only when no survivor can be without it (members that failed or exited are removed)
+        upto = self.progress.minimum()
+        if upto is None or upto <= self.finalized_step:
             return
-        upto = min(self.reported[m] for m in members)
-        if upto <= self.finalized_step:
-            return
-        records = [r for step in sorted(self.tentative) if step <= upto for r in self.tentative[step]]
-        for step in [s for s in self.tentative if s <= upto]:
-            del self.tentative[step]
+        records = [r for step in sorted(self.tentative) if step <= upto for r in self.tentative.pop(step).values()]
         committed = self._commit_records(records)
         self.finalized_step = upto
         self._write_commits(committed)
@@ -619,13 +624,21 @@ class JobMaster:
         active = [self.workers[m] for m in self.members if self.workers[m].state is W.ACTIVE]
         if len(active) < 2:
             return
+        speeds = [r.compute_s_per_sample for r in active if r.compute_s_per_sample > 0]
+        if len(speeds) < 2:
+            return
+        # the peers' median; with three or more workers the median of all is close enough and
+        # keeps this O(n log n) for thousands of workers
+        median = statistics.median(speeds)
+        now = self.clock()
         for rec in active:
-            others = [r.compute_s_per_sample for r in active if r is not rec and r.compute_s_per_sample > 0]
-            if not others or rec.compute_s_per_sample <= 0:
+            if rec.compute_s_per_sample <= 0:
                 continue
-            peer = statistics.median(others)
+            if len(speeds) > 2:
+                peer = median
+            else:
+                peer = next(r.compute_s_per_sample for r in active if r is not rec and r.compute_s_per_sample > 0)
             ratio = rec.compute_s_per_sample / peer
-            now = self.clock()
             if ratio <= self.spec.straggler_factor:
                 rec.slow_since = None
             elif rec.slow_since is None:
