@@ -44,6 +44,7 @@ from tidal.api import (
     ShardCounts,
     StatusResponse,
     StepRecord,
+    TidalError,
     WorkerInfo,
     WorkerState,
 )
@@ -220,6 +221,7 @@ class JobMaster:
             return RendezvousResponse(status="leave")
         if req.worker_id in self.members and req.after_round == self.round and not self.reforming:
             self._start_reform(f"worker {req.worker_id} left the collective")
+        self._check_records(req)
         if rec.state in (W.JOINED, W.ACTIVE):
             rec.move(W.WAITING, now)
         self.waiting[req.worker_id] = req
@@ -232,6 +234,22 @@ class JobMaster:
         if assigned is not None and assigned.status == "leave":
             return assigned
         return RendezvousResponse(status="waiting", round=self.round)
+
+    def _check_records(self, req: RendezvousRequest) -> None:
+        """Records a rendezvous carries must be committable: anything else is a 400 now, not a
+        crash when the round closes."""
+        if not req.records:
+            return
+        cfg = self.shards.config
+        if cfg is None:
+            raise BadRequestError("records before any shard was leased")
+        for r in req.records:
+            if r.step > req.applied_step:
+                raise BadRequestError(f"record of step {r.step} is beyond applied_step {req.applied_step}")
+            if not r.start < r.end <= cfg.size:
+                raise BadRequestError(f"record range [{r.start}, {r.end}) is not inside the dataset")
+            if r.worker not in self.members:
+                raise BadRequestError(f"record of worker {r.worker}, not a member of round {self.round}")
 
     def report(self, req: ReportRequest) -> ReportResponse:
         rec = self._worker(req.worker_id)
@@ -528,8 +546,12 @@ class JobMaster:
         for r in sorted(records, key=lambda r: (r.step, r.worker)):
             if r.end <= r.start:
                 continue
-            if self.shards.commit(r.epoch, r.start, r.end):
-                out.append(CommittedRange(r.epoch, r.start, r.end, r.step, r.worker))
+            try:
+                if self.shards.commit(r.epoch, r.start, r.end):
+                    out.append(CommittedRange(r.epoch, r.start, r.end, r.step, r.worker))
+            except TidalError as exc:  # a protocol bug must show, and must not stop the master
+                self._event("error", f"cannot commit step {r.step} of worker {r.worker}: {exc}")
+                log.error("job %s: cannot commit %s: %s", self.spec.job_id, r, exc)
         return out
 
     def _write_commits(self, committed: list[CommittedRange], extra_meta: bool = False) -> None:

@@ -11,10 +11,11 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Generator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -102,17 +103,21 @@ def run_master(
         app = create_app(master, spec.token, notifier_box[0])
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                 timeout_keep_alive=30, backlog=2048)
-        server = uvicorn.Server(config)
+        server = _Server(config)
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
         serve_task = asyncio.create_task(server.serve(sockets=[sock]))
         scenario_task = asyncio.create_task(scenario(master)) if scenario else None
         printed = 0
         interrupted = False
         try:
             while not master.done:
-                if serve_task.done():
-                    interrupted = True  # uvicorn exits on SIGINT / SIGTERM
+                if stop.is_set() or serve_task.done():
+                    interrupted = True
                     break
-                master.tick()
+                _guarded_tick(master)
                 printed = _print_events(master, out, printed)
                 if follower:
                     follower.poll()
@@ -122,7 +127,7 @@ def run_master(
                 master._fail_job("interrupted")
                 deadline = time.time() + 5
                 while not master.done and time.time() < deadline:
-                    master.tick()
+                    _guarded_tick(master)
                     await asyncio.sleep(TICK_S)
             _print_events(master, out, printed)
             if follower:
@@ -147,6 +152,23 @@ def run_master(
         journal.close()
         sock.close()
     return code, master
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: on Ctrl-C or SIGTERM the master must first stop
+    the workers (they run in sessions of their own and would outlive it), then exit with 130."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+def _guarded_tick(master: JobMaster) -> None:
+    """One bad request must not take the master down: log a failed tick and carry on."""
+    try:
+        master.tick()
+    except Exception:
+        log.exception("job %s: reconcile step failed", master.spec.job_id)
 
 
 def _print_events(master: JobMaster, out: TextIO, printed: int) -> int:

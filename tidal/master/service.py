@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from tidal.api import (
@@ -110,12 +111,20 @@ async def _reply(send: Any, status: int, detail: str, extra: list[tuple[bytes, b
     await send({"type": "http.response.body", "body": payload})
 
 
-def create_app(master: JobMaster, token: str, notifier: ChangeNotifier) -> FastAPI:
+def create_app(master: JobMaster, token: str, notifier: ChangeNotifier) -> Any:
+    """The ASGI application: FastAPI routes behind the guard middleware."""
     app = FastAPI(
         title="tidal job master",
         version="1",
         description="Control plane of one elastic training job. Every request needs the job's bearer token.",
     )
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI echoes the offending input, which cannot be JSON when it is NaN or Infinity
+        errors = [{"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
+                  for e in exc.errors()]
+        return JSONResponse({"detail": errors}, status_code=422)
 
     @app.exception_handler(MasterError)
     async def _master_error(_: Request, exc: MasterError) -> JSONResponse:

@@ -26,6 +26,8 @@ from enum import StrEnum
 from tidal.api import ConfigError, PermanentError, Shard
 from tidal.api.sharding import shard_starts
 
+MAX_SHARDS_PER_EPOCH = 1_000_000
+
 
 class ShardState(StrEnum):
     TODO = "todo"
@@ -120,13 +122,14 @@ class ShardManager:
         if self.config is None:
             if config.size <= 0:
                 raise ConfigError("dataset size must be positive")
+            shards = -(-config.size // config.shard_size)
+            if shards > MAX_SHARDS_PER_EPOCH:
+                raise ConfigError(f"{shards} shards per epoch is over the limit of {MAX_SHARDS_PER_EPOCH}; "
+                                  "use larger batches or more batches per shard")
             self.config = config
             return
-        if (config.size, config.batch_size) != (self.config.size, self.config.batch_size):
-            raise ConfigError(
-                f"dataset mismatch: this job has {self.config.size} samples in batches of "
-                f"{self.config.batch_size}, a worker asked for {config.size} in batches of {config.batch_size}"
-            )
+        if config != self.config:
+            raise ConfigError(f"dataset mismatch: this job has {self.config}, a worker asked for {config}")
 
     def _epoch(self, number: int) -> _Epoch:
         table = self._epochs.get(number)
@@ -170,7 +173,11 @@ class ShardManager:
 
     def _split(self, table: _Epoch, entry: ShardEntry, cut: int) -> None:
         """Cut ``entry`` at ``cut``; the tail becomes a TODO shard at the head of the queue."""
-        tail = ShardEntry(entry.epoch, cut, entry.end, cut, batch_size=entry.batch_size, order=entry.order + 0.5)
+        # the tail goes to the head of the queue: its order lies between the leased shard's and
+        # the current head's, so a restarted master rebuilds the same queue
+        head = table.shards[table.todo[0]].order if table.todo else entry.order + 1.0
+        tail = ShardEntry(entry.epoch, cut, entry.end, cut, batch_size=entry.batch_size,
+                          order=(entry.order + head) / 2)
         entry.end = cut
         table.add(tail)
         table.todo.appendleft(cut)
@@ -217,6 +224,9 @@ class ShardManager:
                     entry.worker = None
                     back.append(entry)
                     self._dirty[(entry.epoch, entry.start)] = entry
+            # Leases pop the queue in ``order``, so a DOING shard's order is below every queued
+            # one: putting them back sorted keeps the queue sorted by order, which is what a
+            # restarted master rebuilds.
             for entry in sorted(back, key=lambda e: e.order, reverse=True):
                 table.todo.appendleft(entry.start)
             released += len(back)

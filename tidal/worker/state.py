@@ -149,7 +149,10 @@ def unpack_state(header: bytes, flat: torch.Tensor) -> Any:
             return node["V"]
         raise ValueError("malformed state header")
 
-    return dec(json.loads(header))
+    try:
+        return dec(json.loads(header))
+    except (KeyError, TypeError, IndexError, AttributeError) as exc:
+        raise ValueError(f"malformed state header: {exc!r}") from exc
 
 
 def _key(k: Any) -> Any:

@@ -1,0 +1,194 @@
+"""The real ``tidal`` command on bad input: a one-line error naming the problem, a non-zero exit."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+TIDAL = str(Path(sys.executable).with_name("tidal"))
+
+
+class Run:
+    def __init__(self, code: int, out: str, err: str) -> None:
+        self.code, self.out, self.err = code, out, err
+
+    @property
+    def err_lines(self) -> list[str]:
+        return [ln for ln in self.err.splitlines() if ln.strip()]
+
+
+@pytest.fixture
+def tidal(tmp_path: Path) -> Iterator:
+    """Runs ``tidal ARGS`` in tmp_path with a timeout; kills the whole session at teardown."""
+    procs: list[subprocess.Popen[str]] = []
+
+    def run(*args: str, timeout: float = 20, cwd: Path | None = None) -> Run:
+        proc = subprocess.Popen(
+            [TIDAL, *args], cwd=cwd or tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+            env={**os.environ, "TIDAL_HOME": str(tmp_path / "home"), "COLUMNS": "200", "NO_COLOR": "1"},
+        )
+        procs.append(proc)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            pytest.fail(f"tidal {' '.join(args)} did not finish in {timeout} s\n{out}\n{err}")
+        return Run(proc.returncode, out, err)
+
+    yield run
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> Path:
+    path = tmp_path / "train.py"
+    path.write_text("print('never run')\n")
+    return path
+
+
+def assert_one_line_error(r: Run, *needles: str) -> str:
+    assert r.code == 2, (r.code, r.out, r.err)
+    assert len(r.err_lines) == 1, r.err
+    line = r.err_lines[0]
+    assert line.startswith("tidal: error: "), line
+    assert "Traceback" not in r.err
+    for needle in needles:
+        assert needle in line, (needle, line)
+    return line
+
+
+def test_run_help(tidal) -> None:
+    r = tidal("run", "--help")
+    assert r.code == 0, r.err
+    assert "MIN:MAX" in r.out and "--workers" in r.out and "--ledger" in r.out
+
+
+@pytest.mark.parametrize(
+    ("workers", "needles"),
+    [
+        ("3:2", ("MIN (3)", "MAX (2)")),
+        ("0:2", ("MIN", "at least 1")),
+        ("abc", ("--workers", "MIN:MAX", "'abc'")),
+    ],
+)
+def test_bad_workers(tidal, script: Path, tmp_path: Path, workers: str, needles: tuple[str, ...]) -> None:
+    r = tidal("run", "--workers", workers, "--job-dir", str(tmp_path / "job"), str(script))
+    assert_one_line_error(r, *needles)
+    assert not (tmp_path / "job").exists()  # nothing was started
+
+
+def test_missing_script(tidal, tmp_path: Path) -> None:
+    r = tidal("run", "--job-dir", str(tmp_path / "job"), "no_such_train.py")
+    assert_one_line_error(r, "no_such_train.py", "not found")
+
+
+def test_initial_outside_min_max(tidal, script: Path, tmp_path: Path) -> None:
+    r = tidal("run", "--workers", "1:2", "--initial", "3", "--job-dir", str(tmp_path / "job"), str(script))
+    assert_one_line_error(r, "--initial 3", "1:2")
+
+
+def test_port_in_use(tidal, script: Path, tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        r = tidal("run", "--port", str(port), "--job-dir", str(tmp_path / "job"), str(script))
+    line = assert_one_line_error(r, f"127.0.0.1:{port}")
+    assert re.search(r"in use", line, re.I), line
+    assert not (tmp_path / "job" / "job.json").exists()
+
+
+def test_ledger_in_a_missing_directory(tidal, script: Path, tmp_path: Path) -> None:
+    ledger = tmp_path / "no" / "such" / "ledger.jsonl"
+    r = tidal("run", "--ledger", str(ledger), "--job-dir", str(tmp_path / "job"), str(script))
+    assert_one_line_error(r, "ledger", str(ledger))
+
+
+def test_ledger_under_a_file(tidal, script: Path, tmp_path: Path) -> None:
+    ledger = script / "ledger.jsonl"  # the parent is a regular file
+    r = tidal("run", "--ledger", str(ledger), "--job-dir", str(tmp_path / "job"), str(script))
+    assert_one_line_error(r, "ledger", str(ledger))
+
+
+def test_ledger_in_a_read_only_location(tidal, script: Path, tmp_path: Path) -> None:
+    if os.geteuid() == 0:
+        # root writes through permission bits; sysfs refuses to create files even for root
+        ledger = Path("/sys/tidal-test-ledger.jsonl")
+        try:
+            open(ledger, "a").close()
+        except OSError:
+            pass
+        else:
+            ledger.unlink()
+            pytest.skip("no read-only location available to root here")
+    else:
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o500)
+        ledger = ro / "ledger.jsonl"
+    r = tidal("run", "--ledger", str(ledger), "--job-dir", str(tmp_path / "job"), str(script))
+    assert_one_line_error(r, "ledger", str(ledger))
+
+
+def test_ledger_that_is_a_directory(tidal, script: Path, tmp_path: Path) -> None:
+    r = tidal("run", "--ledger", str(tmp_path), "--job-dir", str(tmp_path / "job"), str(script))
+    assert_one_line_error(r, "ledger", str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("source", "last_line"),
+    [
+        ('raise SystemExit("boom: bad config")\n', "boom: bad config"),
+        ("import sys\nprint('starting')\n1 / 0\n", "ZeroDivisionError: division by zero"),
+    ],
+)
+def test_script_that_crashes_on_start_fails_the_job(tidal, tmp_path: Path, source: str, last_line: str) -> None:
+    crash = tmp_path / "crash.py"
+    crash.write_text(source)
+    job_dir = tmp_path / "job"
+    r = tidal("run", "--job-dir", str(job_dir), "-q", str(crash), timeout=40)
+    assert r.code == 1, (r.code, r.out, r.err)
+    launched = re.findall(r"launched worker (\d+)", r.out)
+    assert 1 <= len(launched) <= 3, r.out  # crash_loop_limit: no endless relaunching
+    assert len(re.findall(r"worker \d+ failed: exited with code 1", r.out)) == len(launched)
+    assert "Traceback" not in r.err
+    summary = [ln for ln in r.err_lines if "failed" in ln]
+    assert summary, r.err
+    assert "crashed" in summary[-1] and last_line in summary[-1], summary
+    assert len(list((job_dir / "logs").glob("worker-*.log"))) == len(launched)
+
+
+def test_status_of_a_missing_job_dir(tidal) -> None:
+    r = tidal("status", "--job-dir", "/nonexistent/tidal-job")
+    assert_one_line_error(r, "/nonexistent/tidal-job/job.json")
+
+
+def test_status_without_any_job(tidal) -> None:
+    r = tidal("status")
+    assert_one_line_error(r, "no job found")
+
+
+def test_scale_of_a_job_whose_master_is_gone(tidal, tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again below: nobody listens there
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    info = {"job_id": "dead", "url": f"http://127.0.0.1:{port}", "token": "t", "journal": "j", "master_pid": 1}
+    (job_dir / "job.json").write_text(json.dumps(info))
+    r = tidal("scale", "2", "--job-dir", str(job_dir))
+    assert_one_line_error(r, "dead", "not answering")
