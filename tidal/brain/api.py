@@ -17,7 +17,7 @@ Besides the ``Planner`` protocol this module holds the other brain interfaces an
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -199,16 +199,3 @@ class StreamSnapshot(JobSnapshot):
     lag_s: float = 0.0
     utilization: float = 0.0
     scaling: bool = False
-
-
-@dataclass
-class History:
-    """A growing series with a cheap append; used by planners to remember arrivals."""
-
-    values: list[float] = field(default_factory=list)
-
-    def extend(self, new: Sequence[float]) -> None:
-        self.values.extend(float(v) for v in new)
-
-    def array(self) -> np.ndarray:
-        return np.asarray(self.values, dtype=float)

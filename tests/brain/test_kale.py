@@ -1,0 +1,93 @@
+"""Kale's planner pieces: Eq. 10, Algorithm 1, the fallback, the planner on snapshots."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tidal.api import ConfigError, JobSnapshot
+from tidal.brain import models
+from tidal.brain.api import StreamSnapshot
+from tidal.brain.kale import KalePlanner, ThresholdFallback, minimal_workers, stabilize
+
+THETA = [0.00035, 2.5726, 0.9824, 0.02786]
+
+
+def test_paper_example_gives_ten_workers():
+    m = models.KaleSyncModel(THETA)
+    choice = minimal_workers(m, 30000, 64, batch_size=16384)
+    assert (choice.workers, choice.feasible) == (10, True)
+    assert choice.throughput == pytest.approx(30005.46, rel=1e-4)
+
+
+def test_no_worker_count_suffices():
+    m = models.KaleSyncModel(THETA)
+    choice = minimal_workers(m, 40000, 64, batch_size=16384)
+    assert not choice.feasible and choice.workers == 10  # where the non-monotonic F peaks
+    assert minimal_workers(m, 30000, 9, batch_size=16384).workers == 9  # the best up to 9
+
+
+def test_minimal_is_smallest_strict():
+    assert minimal_workers(lambda w: 100.0 * w, 300.0, 10).workers == 4  # F(3) == L is not > L
+    assert minimal_workers(lambda w: 100.0 * w, 299.0, 10).workers == 3
+    with pytest.raises(ConfigError):
+        minimal_workers(lambda w: 1.0, 1.0, 0)
+
+
+def test_stabilize_case_study():
+    assert stabilize([4, 4, 5, 6, 6, 6], 600, 900, 1) == [4, 4, 6, 6, 6, 6]
+
+
+def test_stabilize_rules():
+    assert stabilize([4, 4, 5, 6, 6, 6], 600, 600, 1) == [4, 4, 5, 6, 6, 6]  # 600 s is not < 600 s
+    assert stabilize([4, 4, 5, 6, 6, 6], 600, 900, 2) == [4, 4, 5, 6, 6, 6]  # changes of 1 < rho
+    assert stabilize([4, 4, 4, 5], 600, 3600, 1) == [4, 4, 4, 5]  # the last run is open-ended
+    assert stabilize([5, 3, 5, 5], 600, 900, 1) == [5, 5, 5, 5]  # a dip is filled
+    # short spikes between lower neighbours are jitter to Algorithm 1: they take the neighbours'
+    # value (the threshold fallback is what reacts if the spike was real)
+    assert stabilize([2, 6, 2, 6, 2, 2, 2], 600, 900, 1) == [2, 2, 2, 2, 2, 2, 2]
+
+
+def test_fallback_triggers_only_when_falling_behind():
+    fb = ThresholdFallback(lag_bound_s=900, growing_intervals=3, drain_s=1800)
+    for backlog in (100, 200, 300):
+        fb.observe(backlog, scaling=False)
+    assert fb.drain_rate(1000.0, 300.0, lag_s=1000, utilization=1.0, lead_s=600) == pytest.approx(
+        1000 + (300 + 600_000) / 1800
+    )
+    fb.observe(250, scaling=False)  # draining: no reaction
+    assert fb.drain_rate(1000.0, 250.0, lag_s=1000, utilization=1.0, lead_s=600) is None
+    for backlog in (300, 400, 500):
+        fb.observe(backlog, scaling=False)
+    assert fb.drain_rate(1000.0, 500.0, lag_s=10, utilization=0.5, lead_s=600) is None  # under bounds
+
+
+def _snap(now: float, arrivals: list[float], workers: int, measured, **kw) -> StreamSnapshot:
+    return StreamSnapshot(job_id="j", min_workers=1, max_workers=32, current_workers=workers, now_s=now,
+                          interval_s=60.0, arrivals=arrivals, measured=measured, **kw)
+
+
+def test_planner_scales_ahead_of_a_daily_peak():
+    """A clean daily sinusoid: the planner learns it and sizes for the coming load."""
+    per_min = lambda t: 60.0 * (20000 + 15000 * np.sin(2 * np.pi * t / 1440.0))  # noqa: E731
+    truth = models.KaleSyncModel([0.00035, 2.5726, 0.9824, 0.0016])
+    f = lambda w: truth.predict(models.ThroughputConfig(w, batch_size=16384))  # noqa: E731
+    planner = KalePlanner(forecaster="seasonal-naive", batch_size=16384, min_history_bins=144)
+    planner.observe_history([per_min(t) for t in range(-3 * 1440, 0)], 60.0)
+    workers = 8
+    decided = []
+    for t in range(0, 1440):
+        plan = planner.plan(_snap(60.0 * (t + 1), [per_min(t)], workers, [(workers, f(workers))]))
+        workers = plan.workers
+        decided.append(workers)
+    decided_arr = np.array(decided)
+    rates = np.array([per_min(t) / 60.0 for t in range(1440)])
+    # enough capacity nearly all the time, and far fewer workers at the trough than at the peak
+    ok = np.mean([f(w) >= r for w, r in zip(decided_arr, rates, strict=True)])
+    assert ok > 0.9
+    assert decided_arr[int(0.75 * 1440)] < decided_arr[int(0.25 * 1440)]
+
+
+def test_planner_needs_stream_snapshot():
+    plain = JobSnapshot(job_id="j", min_workers=1, max_workers=4, current_workers=3)
+    assert KalePlanner().plan(plain).workers == 3

@@ -1,0 +1,118 @@
+"""The online simulator on short synthetic traces, and the sim/fit/plan commands."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from tidal.api import ConfigError
+from tidal.cli import _register_commands, app
+from tidal.sim import online as sim
+
+_register_commands()
+runner = CliRunner()
+
+
+def daily(minutes: int, seed: int = 0) -> np.ndarray:
+    t = np.arange(minutes)
+    rng = np.random.default_rng(seed)
+    return 1000 * (1.6 + np.sin(2 * np.pi * t / 1440)) * np.exp(rng.normal(0, 0.05, minutes))
+
+
+def test_simulation_metrics_are_consistent():
+    counts = daily(4 * 1440)
+    cfg = sim.SimConfig(peak_workers=12)
+    window = sim.scale_to_peak(counts[-1440:], cfg)
+    factor = window.max() / counts[-1440:].max()
+    res = sim.simulate(window, ["adequate", "hpa", "kale"], cfg, history=counts[:-1440] * factor)
+    ad = res["adequate"]
+    assert ad.scaling_actions == 0 and ad.accumulated_lag_min < 1 and ad.slo_violation_rate == 0
+    assert ad.worker_hours == pytest.approx(12 * 24)
+    for r in res.values():
+        # every restart stops training for 10 minutes (the last one may run past the end)
+        assert r.downtime_min <= 10 * r.scaling_actions + 1e-9
+        assert r.downtime_min >= 10 * (r.scaling_actions - 1) - 1e-9
+        assert 0 <= r.slo_violation_rate <= 1
+    assert res["kale"].worker_hours < 0.8 * ad.worker_hours
+
+
+def test_seamless_pauses_less_than_restart():
+    counts = daily(3 * 1440, seed=1)
+    out = {}
+    for mig in ("restart", "seamless"):
+        cfg = sim.SimConfig(peak_workers=10, migration=mig)
+        w = sim.scale_to_peak(counts[-1440:], cfg)
+        out[mig] = sim.simulate(w, ["hpa"], cfg)["hpa"]
+    per_action = {m: r.downtime_min / max(1, r.scaling_actions) for m, r in out.items()}
+    assert per_action["seamless"] < per_action["restart"]
+
+
+def test_peak_needs_exactly_k_workers():
+    cfg = sim.SimConfig(peak_workers=20)
+    w = sim.scale_to_peak(np.array([1.0, 5.0, 2.0]), cfg)
+    peak = w.max() / cfg.interval_s
+    assert sim.true_throughput(cfg, 19) < peak < sim.true_throughput(cfg, 20)
+
+
+def test_load_trace_formats():
+    counts, interval = sim.load_trace([["minute", "n"], ["0", "5"], ["1", "7"], ["3", "1"]], None)
+    assert interval == 60.0 and list(counts) == [5, 7, 0, 1]
+    counts, _ = sim.load_trace([["t", "a", "b"], ["2020-01-01 00:00:00", "1", "9"], ["2020-01-01 00:01:00", "2", "8"],
+                                ["2020-01-01 00:02:00", "3", "7"]], "b")
+    assert list(counts) == [9, 8, 7]
+    with pytest.raises(ConfigError):
+        sim.load_trace([["t", "a"], ["x", "1"], ["y", "2"]], None)
+    with pytest.raises(ConfigError):
+        sim.load_trace([["t", "a"], ["0", "1"], ["1", "2"]], "zzz")
+
+
+def test_cli_sim_online(tmp_path: Path):
+    trace = tmp_path / "trace.csv"
+    counts = daily(3 * 1440)
+    trace.write_text("minute,count\n" + "".join(f"{i},{c:.1f}\n" for i, c in enumerate(counts)))
+    out, png = tmp_path / "m.json", tmp_path / "p.png"
+    r = runner.invoke(app, ["sim", "online", "--trace", str(trace), "--days", "1", "--peak-workers", "10",
+                            "--policies", "kale,hpa,autopilot,madu,adequate", "--json", str(out), "--plot", str(png)])
+    assert r.exit_code == 0, r.output
+    data = json.loads(out.read_text())
+    assert set(data["policies"]) == {"kale", "hpa", "autopilot", "madu", "adequate"}
+    assert set(data["policies"]["kale"]) == {"slo_violation_rate", "accumulated_lag_min", "downtime_min",
+                                             "worker_hours", "scaling_actions"}
+    assert png.stat().st_size > 10_000
+    bad = runner.invoke(app, ["sim", "online", "--trace", str(trace), "--migration", "teleport"])
+    assert bad.exit_code == 2
+
+
+def _csv(tmp_path: Path, text: str) -> str:
+    p = tmp_path / "d.csv"
+    p.write_text(text)
+    return str(p)
+
+
+def test_cli_fit(tmp_path: Path):
+    rows = "".join(f"{w},{16384 / (0.00035 + 2.5726 / w + 0.9824 / w**2 + 0.02786 * w):.3f},16384\n" for w in range(1, 25))
+    path = _csv(tmp_path, "workers,throughput,batch_size\n" + rows)
+    r = runner.invoke(app, ["fit", "kale-sync", path, "--json", "--test-fraction", "0.25", "--seed", "3"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output)
+    assert set(data) == {"model", "params", "mape", "rmse", "n_train", "n_test"}
+    assert data["n_test"] == 6 and data["mape"] < 0.01
+    assert data["params"]["theta1"] == pytest.approx(2.5726, rel=1e-3)
+    assert runner.invoke(app, ["fit", "dlrover-rm", path]).exit_code == 2  # missing ps, cpus
+    assert runner.invoke(app, ["fit", "kale-sync", _csv(tmp_path, "workers,throughput\n1,x\n2,3\n")]).exit_code == 2
+    assert runner.invoke(app, ["fit", "kale-sync", _csv(tmp_path, "workers,throughput\n1,2\n2,3\n")]).exit_code == 2
+    assert runner.invoke(app, ["fit", "nope", path]).exit_code == 2
+
+
+def test_cli_plan_kale():
+    args = ["plan", "kale", "--model", "kale-sync", "--params", "[0.00035, 2.5726, 0.9824, 0.02786]",
+            "--batch-size", "16384", "--traffic", "30000"]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0 and "workers 10" in r.output and "30005.5" in r.output
+    r = runner.invoke(app, [*args[:-1], "40000", "--json"])
+    assert json.loads(r.output) == {"workers": 10, "throughput": pytest.approx(30005.46, rel=1e-4), "feasible": False}
+    assert runner.invoke(app, [*args[:5], "not json", *args[6:]]).exit_code == 2
