@@ -62,3 +62,11 @@ def test_madu_fixed_rate_and_adequate():
     plan = madu.plan(snap(60, 4, measured=[(4.0, 400.0)], arrivals=[60_000.0]))
     assert plan.workers == 10  # 1000 / (400 / 4) per worker, no throughput model
     assert planners.get("adequate").plan(snap(0, 3)).workers == 40
+
+
+def test_madu_rate_is_the_lowest_measured_per_worker_rate():
+    madu = MaduPlanner(forecaster="seasonal-naive", min_history_bins=144, lead_s=0.0, decide_every_s=600)
+    madu.observe_history([60_000.0] * (3 * 1440), 60.0)  # 1000 samples/s, flat
+    madu.plan(snap(60, 4, measured=[(4.0, 480.0), (8.0, 800.0)], arrivals=[60_000.0]))
+    assert madu.rate() == 100.0  # 800 / 8: a line under every measured point
+    assert MaduPlanner(per_worker_rate=50.0).rate() == 50.0

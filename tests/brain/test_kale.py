@@ -91,3 +91,15 @@ def test_planner_scales_ahead_of_a_daily_peak():
 def test_planner_needs_stream_snapshot():
     plain = JobSnapshot(job_id="j", min_workers=1, max_workers=4, current_workers=3)
     assert KalePlanner().plan(plain).workers == 3
+
+
+def test_fallback_releases_once_lag_is_drained():
+    fb = ThresholdFallback(lag_bound_s=900, growing_intervals=2, drain_s=1800, release_lag_s=60)
+    for backlog in (100, 200):
+        fb.observe(backlog, scaling=False, lag_s=1000)
+    assert fb.drain_rate(1000.0, 200.0, lag_s=1000, utilization=1.0, lead_s=600) is not None
+    assert fb.active
+    fb.observe(150, scaling=False, lag_s=300)  # draining, still behind: stays active
+    assert fb.active
+    fb.observe(0, scaling=False, lag_s=0)  # drained: the plan takes over again
+    assert not fb.active

@@ -85,6 +85,11 @@ def test_cli_sim_online(tmp_path: Path):
     assert png.stat().st_size > 10_000
     bad = runner.invoke(app, ["sim", "online", "--trace", str(trace), "--migration", "teleport"])
     assert bad.exit_code == 2
+    # an earlier window (to tune on), and a skip that leaves nothing
+    early = runner.invoke(app, ["sim", "online", "--trace", str(trace), "--days", "1", "--skip-days", "1",
+                                "--peak-workers", "10", "--policies", "adequate"])
+    assert early.exit_code == 0, early.output
+    assert runner.invoke(app, ["sim", "online", "--trace", str(trace), "--skip-days", "5"]).exit_code == 2
 
 
 def _csv(tmp_path: Path, text: str) -> str:

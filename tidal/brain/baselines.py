@@ -241,19 +241,32 @@ class AutopilotPlanner:
 
 @dataclass
 class MaduPlanner:
-    """A forecast-only proactive scaler in the manner of Madu, as Kale section 4.4 describes it.
+    """A forecast-only proactive scaler in the manner of Madu, as Kale describes it.
 
-    Madu (Kale's reference [25]) has no public implementation; this is Kale's description of
-    it: the upcoming load is predicted and the workers are sized with a simple *linear*
-    throughput model, ``w = ceil(L / r)`` with one fixed per-worker rate ``r``; no stabilization.
-    ``r`` is the least-squares slope through the origin of the measured ``(workers,
-    samples/s)`` pairs (measurements at large w weigh most), so on a job whose throughput grows
-    less than linearly the planner over-provisions at low load. It re-plans every
-    ``decide_every_s`` (on forecasts of ``plan_interval_s`` bins) for the peak forecast over
-    the next ``lead_s`` (the time an action takes) plus one bin, using the same forecaster
-    family as Kale, with the same allowance as Kale's planner for the samples that arrive
-    while an action stops training (``1 + lead_s / drain_s``): the comparison then isolates
-    what Kale adds, its throughput model and its stabilization.
+    Madu (Kale's reference [25]) has no public implementation; this follows Kale's description
+    of it (sections 4.4 and 6): "a proactive scaling scheme empowered by workload prediction"
+    whose "simple linear fitting model for GPU throughput is insufficient and thus leads to
+    excessive resource allocation", with "excessive and prolonged allocation at the peak
+    periods"; in Kale's Table 3 it meets the SLO as well as Kale (2.57% vs 2.60% violations)
+    at 1.9x Kale's GPU-hours. So: the upcoming load is predicted and the workers are sized
+    with a *linear* throughput model, ``w = ceil(L / r)`` with one fixed per-worker rate
+    ``r``; no throughput model, no stabilization.
+
+    How ``r`` is calibrated is not described; we calibrate it the way a capacity-per-replica
+    scaler is made safe, so that it meets the SLO as Table 3's Madu does: ``r`` is the lowest
+    per-worker rate measured at any worker count (the median of the measurements at each
+    count), i.e. a line through the origin that lies under every measured point. On a job
+    whose throughput grows less than linearly this never under-provisions at a measured count
+    and over-provisions everywhere below the largest count measured: the "excessive
+    allocation" Kale reports. (A least-squares slope instead over-estimates the large counts
+    and left an earlier version of this baseline 19% of the time over the SLO: cheap for the
+    wrong reason.) ``per_worker_rate``, when given, fixes ``r`` (a capacity from a load test).
+
+    It re-plans every ``decide_every_s`` (on forecasts of ``plan_interval_s`` bins) for the
+    peak forecast over the next ``lead_s`` (the time an action takes) plus one bin, using the
+    same forecaster family as Kale, and counts the samples already waiting as load to drain
+    within ``drain_s``, as Kale's planner does: the comparison then isolates what Kale adds,
+    its throughput model and its stabilization.
     """
 
     forecaster: str = "holt-winters"
@@ -263,13 +276,13 @@ class MaduPlanner:
     drain_s: float = 1800.0
     min_history_bins: int = 2 * 144 + 2
     refit_every_s: float = 86400.0
+    per_worker_rate: float | None = None
     name: str = "madu"
     _bins: list[float] = field(default_factory=list)
     _partial: list[float] = field(default_factory=list)
     _fc: Forecaster | None = None
     _fitted_at: int = -1
-    _sxy: float = 0.0
-    _sxx: float = 0.0
+    _measured: dict[int, list[float]] = field(default_factory=dict)
     _target: int | None = None
     _last_bin: int = -1
 
@@ -296,26 +309,34 @@ class MaduPlanner:
                 return
             self._fc, self._fitted_at = fc, n
 
+    def rate(self) -> float:
+        """The fixed per-worker rate ``r`` (samples/s per worker); 0 before any measurement."""
+        if self.per_worker_rate is not None:
+            return self.per_worker_rate
+        if not self._measured:
+            return 0.0
+        return min(float(np.median(v)) / w for w, v in self._measured.items())
+
     def plan(self, snapshot: JobSnapshot) -> ResourcePlan:
         if not isinstance(snapshot, StreamSnapshot):
             return ResourcePlan(workers=snapshot.current_workers, reason="madu needs a stream snapshot")
         self._add(list(snapshot.arrivals), snapshot.interval_s)
         for w, thp in snapshot.measured:
-            self._sxy += w * thp
-            self._sxx += w * w
+            if w >= 1 and thp > 0 and math.isfinite(thp):
+                self._measured.setdefault(round(w), []).append(float(thp))
         current = snapshot.current_workers
         if self._target is None:
             self._target = current
-        if snapshot.scaling or self._fc is None or self._sxx == 0:
+        rate = self.rate()
+        if snapshot.scaling or self._fc is None or rate <= 0:
             return ResourcePlan(workers=self._target, reason="madu: waiting")
         every = max(1, round(self.decide_every_s / self.plan_interval_s))
         if self._last_bin >= 0 and len(self._bins) < self._last_bin + every:
             return ResourcePlan(workers=self._target, reason="madu: hold")
         self._last_bin = len(self._bins)
-        rate = self._sxy / self._sxx
         steps = max(1, math.ceil(self.lead_s / self.plan_interval_s)) + 1
-        load = float(np.max(self._fc.predict(steps))) * (1.0 + self.lead_s / self.drain_s)
-        w = math.ceil(load / rate) if rate > 0 else snapshot.max_workers
+        load = float(np.max(self._fc.predict(steps))) + snapshot.backlog / self.drain_s
+        w = math.ceil(load / rate)
         self._target = max(max(1, snapshot.min_workers), min(snapshot.max_workers, w))
         return ResourcePlan(workers=self._target, reason=f"madu: {load:.0f} samples/s at {rate:.0f}/worker")
 

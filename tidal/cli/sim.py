@@ -21,6 +21,11 @@ def online(
     column: str | None = typer.Option(None, "--column", help="the count column (default: the second)"),
     peak_workers: int = typer.Option(28, "--peak-workers", help="workers the peak traffic needs"),
     days: float = typer.Option(7.0, "--days", help="simulate the last D days; everything before is history"),
+    skip_days: float = typer.Option(
+        0.0, "--skip-days",
+        help="leave out the last S days of the trace entirely (simulate the D days before them): "
+        "tune on an earlier window than the one scored",
+    ),
     migration: str = typer.Option("restart", "--migration", help="restart | seamless"),
     seed: int = typer.Option(0, "--seed"),
     policies: str = typer.Option("kale,hpa,autopilot,madu,adequate", "--policies"),
@@ -36,6 +41,8 @@ def online(
         raise fail("--peak-workers must be at least 2")
     if days <= 0:
         raise fail("--days must be positive")
+    if skip_days < 0:
+        raise fail("--skip-days must not be negative")
     names = [p.strip() for p in policies.split(",") if p.strip()]
     if not names:
         raise fail("--policies is empty")
@@ -47,6 +54,10 @@ def online(
     try:
         counts, interval = sim.load_trace(rows, column)
         cfg = sim.SimConfig(peak_workers=peak_workers, migration=migration, seed=seed, interval_s=interval)
+        skip = round(skip_days * 86400 / interval)
+        if skip >= len(counts) - 1:
+            raise ConfigError(f"--skip-days {skip_days:g} leaves nothing of the trace")
+        counts = counts[: len(counts) - skip]
         n = min(len(counts), max(1, round(days * 86400 / interval)))
         window, history = counts[-n:], counts[:-n]
         scaled = sim.scale_to_peak(window, cfg)
