@@ -37,6 +37,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slow-worker", type=int, default=-1, help="worker id to slow down (straggler)")
     p.add_argument("--slowdown", type=float, default=1.0, help="how many times slower the slow worker is")
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (tests)")
+    p.add_argument("--logical-workers", type=int, default=None,
+                   help="train N logical workers, bitwise the same on any number of processes")
+    p.add_argument("--checkpoint-dir", default=None, help="write the final checkpoint here")
     return p.parse_args(argv)
 
 
@@ -52,7 +55,7 @@ def evaluate(model: torch.nn.Module, data: ClickDataset) -> float:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    job = tidal.worker.init()
+    job = tidal.worker.init(logical_workers=args.logical_workers, checkpoint_dir=args.checkpoint_dir)
     torch.manual_seed(args.seed)
     train = ClickDataset(args.samples, seed=args.seed)
     model = DLRM()
@@ -61,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     loss_fn = torch.nn.BCEWithLogitsLoss()
     slow = args.slowdown if job.worker_id == args.slow_worker else 1.0
 
-    t0, seen = time.monotonic(), 0
+    t0, seen, logged = time.monotonic(), 0, -1
     for batch in job.loader(train, batch_size=args.batch_size, epochs=args.epochs, seed=args.seed):
         started = time.monotonic()
         optimizer.zero_grad(set_to_none=True)
@@ -74,7 +77,8 @@ def main(argv: list[str] | None = None) -> None:
         if job.step():
             seen += len(batch["label"])
             step = job.applied_step
-            if job.rank == 0 and args.log_every and step % args.log_every == 0:
+            if job.rank == 0 and args.log_every and step % args.log_every == 0 and step != logged:
+                logged = step
                 rate = seen / max(time.monotonic() - t0, 1e-9)
                 print(f"step {step} epoch {job._state.epoch if job._state else 0} loss {loss.item():.4f} "
                       f"workers {job.world_size} {rate:.0f} samples/s (this worker)", flush=True)

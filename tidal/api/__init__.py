@@ -25,6 +25,7 @@ __all__ = [
     "MAX_BODY_BYTES",
     "MAX_RECORDS_PER_REQUEST",
     "ConfigError",
+    "DatasetRequest",
     "Event",
     "FinishRequest",
     "JobSnapshot",
@@ -173,6 +174,18 @@ class LeaseRequest(_Wire):
     dataset_size: int = Field(ge=1, le=_I64)
     batch_size: int = Field(ge=1, le=1 << 24)
     batches_per_shard: int = Field(default=16, ge=1, le=1 << 20)
+    shuffle: bool = True
+    seed: int = Field(default=0, ge=0, le=_I64)
+
+
+class DatasetRequest(_Wire):
+    """Declare the dataset without leasing (logical workers follow a fixed data order)."""
+
+    worker_id: int = Field(ge=0, le=_I64)
+    round: int = Field(ge=0, le=_I64)
+    dataset_size: int = Field(ge=1, le=_I64)
+    batch_size: int = Field(ge=1, le=1 << 24)
+    batches_per_shard: int = Field(default=1, ge=1, le=1 << 20)
     shuffle: bool = True
     seed: int = Field(default=0, ge=0, le=_I64)
 

@@ -58,6 +58,13 @@ def run(
     heartbeat_timeout: float = typer.Option(5.0, help="Seconds without a heartbeat before a worker is replaced."),
     max_restarts: int = typer.Option(20, help="Worker failures tolerated before the job fails."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Do not echo the workers' output."),
+    logical_workers: int | None = typer.Option(
+        None, "--logical-workers",
+        help="Train N logical workers over however many processes run (bitwise the same for any count).",
+    ),
+    checkpoint_dir: Path | None = typer.Option(None, "--checkpoint-dir", help="Final and on-demand checkpoints go here."),
+    determinism: str | None = typer.Option(
+        None, "--determinism", help="D0, D1 (default with --logical-workers) or D2 (also across CPU types)."),
 ) -> None:
     """Run SCRIPT [ARGS...] as an elastic job of local worker processes.
 
@@ -76,6 +83,7 @@ def run(
     if initial is not None and not low <= initial <= high:
         raise fail(f"--initial {initial} is outside --workers {low}:{high}")
     check_ledger(ledger)
+    env = logical_env(logical_workers, high, checkpoint_dir, determinism)
     sock = bind_socket("127.0.0.1", port)
     job_id = uuid.uuid4().hex[:8]
     directory = (job_dir or tidal_home() / job_id).resolve()
@@ -84,13 +92,60 @@ def run(
         job_id=job_id, argv=[sys.executable, str(script.resolve()), *ctx.args], min_workers=low,
         max_workers=high, token=new_token(), job_dir=str(directory), port=sock.getsockname()[1],
         ledger_path=str(ledger.resolve()) if ledger else None, initial_workers=initial,
-        heartbeat_timeout_s=heartbeat_timeout, max_restarts=max_restarts, cwd=os.getcwd(),
+        heartbeat_timeout_s=heartbeat_timeout, max_restarts=max_restarts, cwd=os.getcwd(), env=env,
     )
     _point_current(directory)
     typer.echo(f"tidal: job {job_id} on http://127.0.0.1:{spec.port} (job dir {directory})", err=True)
     code, master = run_master(spec, directory / "journal.sqlite", sock=sock, follow_logs=not quiet)
     _print_summary(master)
     raise typer.Exit(code)
+
+
+def logical_env(logical: int | None, max_workers: int, checkpoint_dir: Path | None,
+                determinism: str | None) -> dict[str, str]:
+    """The workers' environment for logical workers, checkpoints and determinism (tidal.worker.logical)."""
+    env: dict[str, str] = {}
+    if logical is not None:
+        if logical < 1:
+            raise ConfigError(f"--logical-workers must be at least 1, got {logical}")
+        if max_workers > logical:
+            raise ConfigError(f"--workers MAX ({max_workers}) is more processes than --logical-workers ({logical})")
+        env["TIDAL_LOGICAL_WORKERS"] = str(logical)
+    if determinism is not None:
+        if determinism not in ("D0", "D1", "D2"):
+            raise ConfigError(f"--determinism must be D0, D1 or D2, got {determinism!r}")
+        env["TIDAL_DETERMINISM"] = determinism
+        if determinism == "D2":
+            # one ATen CPU kernel family on every x86 machine (set before torch is imported)
+            env["ATEN_CPU_CAPABILITY"] = os.environ.get("ATEN_CPU_CAPABILITY", "avx2")
+    if checkpoint_dir is not None:
+        try:
+            checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot create --checkpoint-dir {checkpoint_dir}: {exc.strerror}") from None
+        env["TIDAL_CHECKPOINT_DIR"] = str(checkpoint_dir.resolve())
+    return env
+
+
+@app.command()
+def fingerprint(
+    directory: Path = typer.Argument(..., help="A --checkpoint-dir (its latest valid checkpoint) or one checkpoint."),
+    as_json: bool = typer.Option(False, "--json", help="Print step, path and fingerprint as JSON."),
+) -> None:
+    """SHA-256 of a checkpoint's tensors in canonical order: equal for bitwise-equal models."""
+    from tidal.worker.checkpoint import CheckpointError, latest_checkpoint
+    from tidal.worker.checkpoint import fingerprint as digest
+
+    try:
+        path = directory if (directory / "manifest.json").is_file() else latest_checkpoint(directory)
+        value = digest(path)
+    except CheckpointError as exc:
+        raise fail(str(exc)) from None
+    step = int(path.name.split("-")[-1]) if path.name.startswith("step-") else -1
+    if as_json:
+        typer.echo(json.dumps({"fingerprint": value, "step": step, "path": str(path)}))
+    else:
+        typer.echo(f"{value}  {path}")
 
 
 @app.command()

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from tidal.api import (
+    DatasetRequest,
     Event,
     FinishRequest,
     JobSnapshot,
@@ -106,6 +107,7 @@ class JobMaster:
         self.waiting_since: dict[int, float] = {}
         self.assignments: dict[int, RendezvousResponse] = {}
         self.round_causes: dict[int, str] = {}
+        self._assignments_dirty = False
         self.pause_events: dict[int, Event] = {}
 
         # step commits
@@ -157,7 +159,7 @@ class JobMaster:
         self.next_worker_id = meta.get("next_worker_id", 0)
         self.restarts = meta.get("restarts", 0)
         self.error = meta.get("error")
-        self.assignments = {int(k): RendezvousResponse(**v) for k, v in meta.get("assignments", {}).items()}
+        self.assignments = {int(k): RendezvousResponse(**v) for k, v in (j.get_meta("assignments") or {}).items()}
         dataset = meta.get("dataset")
         self.shards.restore(DatasetConfig(**dataset) if dataset else None, j.load_shards())
         now = self.clock()
@@ -297,6 +299,17 @@ class JobMaster:
         if shard is None:
             return LeaseResponse(status="empty")
         return LeaseResponse(status="ok", shard=shard)
+
+    def configure_dataset(self, req: DatasetRequest) -> None:
+        rec = self._worker(req.worker_id)
+        rec.last_seen = self.clock()
+        if req.round != self.round or req.worker_id not in self.members:
+            raise StaleRoundMasterError(f"worker {req.worker_id} is not in round {req.round} (current {self.round})")
+        first = self.shards.config is None
+        self.shards.configure(DatasetConfig(req.dataset_size, req.batch_size, req.batches_per_shard, req.shuffle, req.seed))
+        if first:
+            with self.journal.transaction():
+                self._save_meta()
 
     def finish(self, req: FinishRequest) -> None:
         self._worker(req.worker_id).finished = True
@@ -519,6 +532,7 @@ class JobMaster:
                 self._event("leave", f"worker {w} leaves (scale-in)", worker=w)
         self.waiting.clear()
         self.waiting_since.clear()
+        self._assignments_dirty = True  # journaled with this round, not on every commit
         self._write_commits(committed, extra_meta=True)
         self._event(
             "round",
@@ -747,12 +761,14 @@ class JobMaster:
 
     def _save_meta(self) -> None:
         cfg = self.shards.config
+        if self._assignments_dirty:
+            self.journal.put_meta("assignments", {str(k): v.model_dump() for k, v in self.assignments.items()})
+            self._assignments_dirty = False
         self.journal.put_meta("state", {
             "job_state": self.state.value, "round": self.round, "members": self.members,
             "finalized_step": self.finalized_step, "target": self.target,
             "target_override": self.target_override, "next_worker_id": self.next_worker_id,
             "restarts": self.restarts, "error": self.error,
-            "assignments": {str(k): v.model_dump() for k, v in self.assignments.items()},
             "dataset": None if cfg is None else {
                 "size": cfg.size, "batch_size": cfg.batch_size, "batches_per_shard": cfg.batches_per_shard,
                 "shuffle": cfg.shuffle, "seed": cfg.seed,

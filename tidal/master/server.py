@@ -37,7 +37,10 @@ TICK_S = 0.02
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """Bind the control-plane port now, so a port in use is a one-line error, not a traceback."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not 0: asyncio turns TCP_NODELAY on for accepted connections only when the
+    # listening socket says TCP; without it Nagle holds every response body ~40 ms for the
+    # client's delayed ACK (uvicorn sends headers and body separately).
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

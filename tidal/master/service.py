@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 
 from tidal.api import (
     MAX_BODY_BYTES,
+    DatasetRequest,
     FinishRequest,
     JoinRequest,
     JoinResponse,
@@ -164,6 +165,12 @@ def create_app(master: JobMaster, token: str, notifier: ChangeNotifier) -> Any:
     async def lease(req: LeaseRequest) -> LeaseResponse:
         """Lease the next TODO shard of an epoch."""
         return master.lease(req)
+
+    @app.post("/v1/dataset", responses={400: {}, 404: {}, 409: {}, 410: {}})
+    async def dataset(req: DatasetRequest) -> dict[str, str]:
+        """Declare the dataset (logical workers read it in a fixed order instead of leasing)."""
+        master.configure_dataset(req)
+        return {"status": "ok"}
 
     @app.post("/v1/finish", responses={404: {}, 410: {}})
     async def finish(req: FinishRequest) -> dict[str, str]:

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from tidal.worker.api import CollectiveError
+from tidal.worker.logical import sum_in_order
 from tidal.worker.state import pack_state, unpack_state
 
 log = logging.getLogger(__name__)
@@ -130,6 +131,55 @@ class RoundComm:
             else:
                 p.grad.copy_(view)
             offset += n
+
+    def reduce_in_logical_order(self, local: list[torch.Tensor], counts: list[int]) -> torch.Tensor:
+        """Sum every logical worker's (weighted, flat) gradient in logical rank order.
+
+        ``local`` are this process's contributions in logical order, ``counts[p]`` how many
+        logical workers process ``p`` runs (contiguous blocks, so rank order is logical order).
+        Each process owns a slice of the gradient: an all-to-all brings it the N contributions
+        to its slice, it adds them left to right, and an all-gather returns the whole result.
+        Every element is the same sum in the same order for any number of processes.
+        """
+        if self.group is None:
+            return sum_in_order(local)
+        k, length = self.world_size, local[0].numel()
+        bounds = [p * length // k for p in range(k + 1)]
+        sizes = [bounds[p + 1] - bounds[p] for p in range(k)]
+        mine = sizes[self.rank]
+        send = torch.cat([c[bounds[q]:bounds[q + 1]] for q in range(k) for c in local])
+        recv = torch.empty(sum(counts) * mine, dtype=send.dtype, device=send.device)
+        try:
+            self.group.alltoall_base(recv, send, [n * mine for n in counts], [len(local) * s for s in sizes]).wait()
+            reduced = sum_in_order(list(recv.view(sum(counts), mine))) if mine else recv[:0]
+            width = max(sizes)
+            padded = torch.zeros(width, dtype=send.dtype, device=send.device)
+            padded[:mine] = reduced
+            slices = [torch.empty_like(padded) for _ in range(k)]
+            self.group.allgather([slices], [padded]).wait()
+        except (RuntimeError, ValueError) as exc:
+            raise CollectiveError(f"logical-order reduction failed: {exc}") from exc
+        return torch.cat([slices[p][:sizes[p]] for p in range(k)])
+
+    def reduce_by_allreduce(self, local: list[torch.Tensor]) -> torch.Tensor:
+        """The world-size-dependent way (``TIDAL_REDUCTION=allreduce``): not reproducible."""
+        flat = sum_in_order(local)
+        if self.group is not None:
+            try:
+                self.group.allreduce([flat]).wait()
+            except (RuntimeError, ValueError) as exc:
+                raise CollectiveError(f"gradient all-reduce failed: {exc}") from exc
+        return flat
+
+    def broadcast_tensors(self, tensors: list[torch.Tensor], source: int) -> None:
+        """In place: every member ends with the source's values (module buffers)."""
+        if self.group is None:
+            return
+        try:
+            for t in tensors:
+                self._broadcast(t, source)
+        except (RuntimeError, ValueError) as exc:
+            raise CollectiveError(f"buffer broadcast failed: {exc}") from exc
 
     def broadcast_state(self, tree: object | None, source: int) -> object:
         """Send the source's state to every member; returns the state as received."""

@@ -41,11 +41,15 @@ from tidal.api import (
     TidalError,
 )
 from tidal.worker.api import CollectiveError, UsageError, WorkerGoneError
+from tidal.worker.checkpoint import save_checkpoint
 from tidal.worker.client import MasterClient
 from tidal.worker.comm import END, EPOCH, REFORM, START, WORKER, N, RoundComm
+from tidal.worker.logical import GradientStash, enter_context, est_ranks, est_seed, set_grads
 from tidal.worker.state import State
 
 log = logging.getLogger(__name__)
+
+REPORT_INTERVAL_S = 0.25
 
 
 @dataclass
@@ -58,6 +62,18 @@ class PendingStep:
     mine: int
     started: float
     collective_s: float
+    records: list[StepRecord] | None = None  # logical workers: known from the data order
+
+
+@dataclass
+class LogicalStep:
+    """One global step of logical workers in this process (see tidal.worker.logical)."""
+
+    pending: PendingStep
+    batches: list[tuple[int, int]]  # [start, end) of every logical rank
+    current: int | None = None  # the EST whose batch the script is computing
+    buffers_start: list[torch.Tensor] | None = None
+    buffers_est0: list[torch.Tensor] | None = None
 
 
 class Job:
@@ -94,6 +110,15 @@ class Job:
         self._stop = threading.Event()
         self._reporter: threading.Thread | None = None
         self._gone: str | None = None
+        # logical workers (EasyScale ESTs); None: one worker per process
+        self.logical: int | None = None
+        self.est_seed = 0
+        self.checkpoint_dir: str | None = None
+        self.local_ests: list[int] = []
+        self._est_counts: list[int] = []
+        self._stash = GradientStash()
+        self._lstep: LogicalStep | None = None
+        self._reduction = os.environ.get("TIDAL_REDUCTION", "ordered")
 
     # ------------------------------------------------------------------ public API
     @property
@@ -120,6 +145,8 @@ class Job:
         """Reduce gradients over the round, ``optimizer.step()``, commit. False if the step was
         dropped by a re-form (its samples go back to the queue; the loop just continues)."""
         state = self._require_state()
+        if self._lstep is not None:
+            return self._stash_est(state, self._lstep)
         pending = self._pending
         if pending is None:
             raise UsageError("job.step() called without a batch from the elastic loader")
@@ -138,6 +165,8 @@ class Job:
 
     def finish(self, **metrics: float) -> None:
         """Tell the master training is over; ``metrics`` (e.g. ``auc=0.79``) go into its summary."""
+        if self.checkpoint_dir and self.rank == 0 and self._state is not None and self._state.applied_step >= 0:
+            self.checkpoint()
         if self.client is not None:
             self._flush_reports()  # the last steps' records, before anything else
             self.client.post_raw("/v1/finish", FinishRequest(worker_id=self.worker_id,
@@ -210,7 +239,7 @@ class Job:
             a = 0.2 if self._samples_per_s else 1.0
             self._samples_per_s = (1 - a) * self._samples_per_s + a * rate
             self._compute_per_sample = (1 - a) * self._compute_per_sample + a * compute
-        records = [
+        records = pending.records if pending.records is not None else [
             StepRecord(step=pending.step, worker=int(h[WORKER]), epoch=int(h[EPOCH]), start=int(h[START]), end=int(h[END]))
             for h in pending.headers if int(h[N]) > 0
         ]
@@ -225,6 +254,121 @@ class Job:
         state.commit()
         self._last_step_end = now
 
+    # ------------------------------------------------------------------ logical workers
+    def _assign_ests(self) -> None:
+        if self.logical is None:
+            return
+        if self.world_size > self.logical:
+            raise UsageError(f"{self.world_size} processes for {self.logical} logical workers: "
+                             "run with --workers MAX no larger than --logical-workers")
+        self.local_ests = est_ranks(self.logical, self.world_size, self.rank)
+        self._est_counts = [len(est_ranks(self.logical, self.world_size, p)) for p in range(self.world_size)]
+
+    def _begin_logical_step(self, epoch: int, batches: list[tuple[int, int]]) -> LogicalStep | None:
+        """Agree with the other processes on the step (their re-form notices); None: re-form."""
+        assert self.logical is not None
+        state = self._require_state()
+        self._check_gone()
+        started = time.monotonic()
+        mine = sum(batches[r][1] - batches[r][0] for r in self.local_ests)
+        try:
+            assert self._comm is not None
+            t0 = time.monotonic()
+            headers = self._comm.exchange_headers([mine, int(self._reform_notice), epoch, 0, 0, self.worker_id])
+            collective_s = time.monotonic() - t0
+        except CollectiveError as exc:
+            self._broken(exc)
+            return None
+        if bool(headers[:, REFORM].any()):
+            self._leave_for_rendezvous("re-form requested by the master")
+            return None
+        step = state.applied_step + 1
+        holders = {r: int(headers[p, WORKER]) for p in range(self.world_size)
+                   for r in est_ranks(self.logical, self.world_size, p)}
+        records = [StepRecord(step=step, worker=holders[r], epoch=epoch, start=s, end=e)
+                   for r, (s, e) in enumerate(batches) if e > s]
+        total = sum(e - s for s, e in batches)
+        pending = PendingStep(step, headers, total, mine, started, collective_s, records)
+        self._lstep = LogicalStep(pending, batches)
+        return self._lstep
+
+    def _enter_est(self, lstep: LogicalStep, logical_rank: int) -> None:
+        """Context switch: the EST's random streams, and the buffers the step started with."""
+        state = self._require_state()
+        buffers = [b for _, b in state.model.named_buffers()]
+        if buffers:
+            if lstep.buffers_start is None:
+                lstep.buffers_start = [b.detach().clone() for b in buffers]
+            else:
+                with torch.no_grad():
+                    for b, saved in zip(buffers, lstep.buffers_start, strict=True):
+                        b.copy_(saved)
+        enter_context(self.est_seed, logical_rank, lstep.pending.step)
+        lstep.current = logical_rank
+
+    def _stash_est(self, state: State, lstep: LogicalStep) -> bool:
+        r = lstep.current
+        if r is None:
+            raise UsageError("job.step() called twice for one batch")
+        s, e = lstep.batches[r]
+        params = [p for p in state.model.parameters() if p.requires_grad]
+        self._stash.put(r, params, (e - s) / lstep.pending.total)
+        if r == 0:
+            lstep.buffers_est0 = [b.detach().clone() for _, b in state.model.named_buffers()]
+        lstep.current = None
+        return True
+
+    def _finish_logical_step(self, lstep: LogicalStep) -> bool:
+        """Reduce every EST's gradient in logical order, apply, commit."""
+        state = self._require_state()
+        self._lstep = None
+        params = [p for p in state.model.parameters() if p.requires_grad]
+        for r in self.local_ests:
+            s, e = lstep.batches[r]
+            if e <= s:  # no data for this EST at this step: it adds exact zeros
+                for p in params:
+                    p.grad = None
+                self._stash.put(r, params, 0.0)
+        assert self._comm is not None and self.logical is not None
+        t0 = time.monotonic()
+        try:
+            local = self._stash.ordered(self.local_ests)
+            if self._reduction == "allreduce":
+                flat = self._comm.reduce_by_allreduce(local)
+            else:
+                flat = self._comm.reduce_in_logical_order(local, self._est_counts)
+            buffers = [b for _, b in state.model.named_buffers()]
+            if buffers:  # buffers follow EST 0, like DDP's follow rank 0
+                if lstep.buffers_est0 is not None:
+                    with torch.no_grad():
+                        for b, v in zip(buffers, lstep.buffers_est0, strict=True):
+                            b.copy_(v)
+                self._comm.broadcast_tensors(buffers, source=0)
+        except CollectiveError as exc:
+            self._broken(exc)
+            return False
+        set_grads(params, flat)
+        if state.optimizer is not None:
+            state.optimizer.step()
+        state.epoch_step += 1
+        self._applied(state, lstep.pending, lstep.pending.collective_s + time.monotonic() - t0)
+        return True
+
+    def est_contexts(self) -> list[dict[str, Any]]:
+        """Every logical worker's context: what it needs to resume anywhere (tidal.worker.logical)."""
+        step = self.applied_step + 1
+        return [{"logical_rank": r, "seed": self.est_seed, "next_step": step,
+                 "stream_seed": est_seed(self.est_seed, r, step)} for r in range(self.logical or 0)]
+
+    def checkpoint(self, directory: str | None = None) -> str:
+        """Write the committed state and every EST's context (all processes hold the same state)."""
+        target = directory or self.checkpoint_dir
+        if not target:
+            raise UsageError("no checkpoint directory: pass one or run with --checkpoint-dir")
+        state = self._require_state()
+        path = save_checkpoint(target, state.applied_step, state.to_tree(), self.est_contexts())
+        return str(path)
+
     # ------------------------------------------------------------------ rounds
     def ensure_round(self) -> None:
         """Block until this worker is a member of a round with its state in place."""
@@ -236,6 +380,7 @@ class Job:
             self._in_round = True
             self.round += 1
             self.generation += 1
+            self._assign_ests()
             return
         while not self._in_round:
             assignment = self._rendezvous(state)
@@ -295,6 +440,7 @@ class Job:
         self._reform_notice = False
         self._in_round = True
         self.generation += 1
+        self._assign_ests()
         log.info("worker %d: round %d rank %d/%d from step %d", self.worker_id, a.round, a.rank,
                  a.world_size, state.applied_step)
 
@@ -306,6 +452,7 @@ class Job:
         if self._pause_from is None:
             self._pause_from = self._last_step_end
         self._pending = None
+        self._lstep = None
         self._leave_round()
         if self._state is not None:
             self._state.restore()
@@ -322,12 +469,17 @@ class Job:
         self._reporter.start()
 
     def _report_loop(self) -> None:
+        """Heartbeat and step records, batched: one request per REPORT_INTERVAL_S at most.
+
+        Records are not urgent (a step is final once every member reported it; the last ones
+        are flushed by ``finish``), so a worker with 50 steps/s still sends 4 requests/s.
+        """
         last = 0.0
         while not self._stop.wait(0.05):
             now = time.monotonic()
             with self._lock:
                 have = bool(self._unsent or self._pauses)
-            if have or now - last >= self.heartbeat_interval_s:
+            if (have and now - last >= REPORT_INTERVAL_S) or now - last >= self.heartbeat_interval_s:
                 self._send_report()
                 last = now
 
@@ -384,22 +536,59 @@ class Job:
             os._exit(3)
 
 
-def init(backend: str | None = None) -> Job:
+def init(backend: str | None = None, *, logical_workers: int | None = None,
+         checkpoint_dir: str | None = None, determinism: str | None = None) -> Job:
     """Join the job named by the ``TIDAL_*`` environment, or start a local single-worker job.
+
+    Args:
+        backend: "gloo" or "nccl" (default: nccl when CUDA is available).
+        logical_workers: train this many logical workers whatever the number of processes
+            (``tidal run --logical-workers N`` sets it too; the two must agree).
+        checkpoint_dir: where ``job.checkpoint()`` and the final checkpoint go.
+        determinism: "D0", "D1" or "D2" (tidal.worker.logical); D1 with logical workers.
 
     Raises:
         tidal.worker.api.MasterUnreachableError: the master did not answer in time.
+        tidal.worker.api.UsageError: the arguments contradict the job's settings.
     """
+    logical = _agree("logical workers", logical_workers, os.environ.get("TIDAL_LOGICAL_WORKERS"), int)
+    checkpoints = _agree("checkpoint directory", checkpoint_dir, os.environ.get("TIDAL_CHECKPOINT_DIR"), str)
+    level = _agree("determinism", determinism, os.environ.get("TIDAL_DETERMINISM"), str)
+    if level is None and logical is not None:
+        level = "D1"
+    if logical is not None and logical < 1:
+        raise UsageError(f"logical workers must be at least 1, got {logical}")
+    if level is not None:
+        _pin_determinism(level)
     url = os.environ.get("TIDAL_MASTER_URL")
     if not url:
-        return Job(None, 0, "local", backend)
-    token = os.environ.get("TIDAL_TOKEN", "")
-    worker_id = int(os.environ.get("TIDAL_WORKER_ID", "0"))
-    patience = float(os.environ.get("TIDAL_MASTER_TIMEOUT", "120"))
-    client = MasterClient(url, token, patience_s=patience)
-    job = Job(client, worker_id, os.environ.get("TIDAL_JOB_ID", "job"), backend)
-    info = client.post("/v1/workers/join", JoinRequest(worker_id=worker_id, pid=os.getpid()), JoinResponse)
-    job.collective_timeout_s = info.collective_timeout_s
-    job.heartbeat_interval_s = info.heartbeat_interval_s
-    job.start_reporter()
+        job = Job(None, 0, "local", backend)
+    else:
+        token = os.environ.get("TIDAL_TOKEN", "")
+        worker_id = int(os.environ.get("TIDAL_WORKER_ID", "0"))
+        patience = float(os.environ.get("TIDAL_MASTER_TIMEOUT", "120"))
+        client = MasterClient(url, token, patience_s=patience)
+        job = Job(client, worker_id, os.environ.get("TIDAL_JOB_ID", "job"), backend)
+        info = client.post("/v1/workers/join", JoinRequest(worker_id=worker_id, pid=os.getpid()), JoinResponse)
+        job.collective_timeout_s = info.collective_timeout_s
+        job.heartbeat_interval_s = info.heartbeat_interval_s
+        job.start_reporter()
+    job.logical = logical
+    job.checkpoint_dir = checkpoints
     return job
+
+
+def _agree(what: str, given: Any, env: str | None, kind: type) -> Any:
+    from_env = kind(env) if env else None
+    if given is not None and from_env is not None and given != from_env:
+        raise UsageError(f"the script asks for {what} {given!r}, the job was started with {from_env!r}")
+    return given if given is not None else from_env
+
+
+def _pin_determinism(level: str) -> None:
+    """D0: deterministic kernels; D1 and D2 also pin the intra-op thread count (tidal.worker.logical)."""
+    if level not in ("D0", "D1", "D2"):
+        raise UsageError(f"determinism must be D0, D1 or D2, got {level!r}")
+    torch.use_deterministic_algorithms(True)
+    if level in ("D1", "D2"):
+        torch.set_num_threads(int(os.environ.get("TIDAL_THREADS", "1")))

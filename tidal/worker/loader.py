@@ -13,9 +13,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from tidal.api import LeaseRequest, LeaseResponse, Shard, StaleRoundError
+from tidal.api import DatasetRequest, LeaseRequest, LeaseResponse, Shard, StaleRoundError
 from tidal.api.sharding import shard_starts
 from tidal.worker.api import UsageError
+from tidal.worker.logical import BatchSchedule
 
 if TYPE_CHECKING:
     from tidal.worker.job import Job
@@ -59,6 +60,9 @@ class ElasticDataLoader:
         return self.job._require_state().epoch
 
     def __iter__(self) -> Iterator[Any]:
+        if self.job.logical is not None:
+            yield from self._iter_logical()
+            return
         job = self.job
         state = job._require_state()
         while True:
@@ -90,6 +94,58 @@ class ElasticDataLoader:
             yield self._fetch(start, end)
             if job._pending is pending:
                 raise UsageError("call job.step() once for every batch of the elastic loader")
+
+    def _iter_logical(self) -> Iterator[Any]:
+        """N logical workers in a fixed data order (tidal.worker.logical): no leases."""
+        job = self.job
+        state = job._require_state()
+        assert job.logical is not None
+        schedule = BatchSchedule(self.size, self.batch_size, job.logical, self.shuffle, self.seed)
+        job.est_seed = self.seed
+        order_epoch, order = -1, []
+        while True:
+            job.ensure_round()
+            if self._generation != job.generation:
+                self._generation = job.generation
+                self._declare_dataset()
+                continue  # declaring may have found the round stale
+            if state.epoch >= self.epochs:
+                job.finish()
+                return
+            if state.epoch_step >= schedule.steps_per_epoch:
+                state.epoch += 1
+                state.epoch_step = 0
+                state.commit()
+                continue
+            if order_epoch != state.epoch:
+                order_epoch, order = state.epoch, schedule.order(state.epoch)
+            batches = [schedule.batch(order, state.epoch_step, r) for r in range(job.logical)]
+            lstep = job._begin_logical_step(state.epoch, batches)
+            if lstep is None:
+                continue
+            for r in job.local_ests:
+                start, end = batches[r]
+                if end <= start:
+                    continue
+                job._enter_est(lstep, r)
+                yield self._fetch(start, end)
+                if job._lstep is not lstep:
+                    break  # the step was dropped by a re-form
+                if lstep.current is not None:
+                    raise UsageError("call job.step() once for every batch of the elastic loader")
+            else:
+                job._finish_logical_step(lstep)
+
+    def _declare_dataset(self) -> None:
+        job = self.job
+        if job.client is None:
+            return
+        req = DatasetRequest(worker_id=job.worker_id, round=job.round, dataset_size=self.size,
+                             batch_size=self.batch_size, batches_per_shard=1, shuffle=self.shuffle, seed=self.seed)
+        try:
+            job.client.post_raw("/v1/dataset", req)
+        except StaleRoundError:
+            job._leave_for_rendezvous("stale round while declaring the dataset")
 
     def _next_range(self, epoch: int) -> tuple[int, int] | None:
         """The next batch's ``[start, end)`` ((0, 0) when this worker has no data this epoch)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,6 +44,7 @@ class State:
         self.extras: dict[str, Any] = dict(extras)
         self.applied_step = -1  # global optimizer steps applied (the first is step 0)
         self.epoch = 0  # the elastic loader's epoch
+        self.epoch_step = 0  # steps done in this epoch (logical workers' data order)
         self._committed: dict[str, Any] = {}
         self.commit()
 
@@ -52,6 +54,7 @@ class State:
             "extras": copy.deepcopy(self.extras),
             "applied_step": self.applied_step,
             "epoch": self.epoch,
+            "epoch_step": self.epoch_step,
         }
 
     def restore(self) -> None:
@@ -63,6 +66,7 @@ class State:
         self.extras = copy.deepcopy(snap["extras"])
         self.applied_step = snap["applied_step"]
         self.epoch = snap["epoch"]
+        self.epoch_step = snap["epoch_step"]
 
     def to_tree(self) -> dict[str, Any]:
         return {
@@ -71,6 +75,7 @@ class State:
             "extras": self.extras,
             "applied_step": self.applied_step,
             "epoch": self.epoch,
+            "epoch_step": self.epoch_step,
         }
 
     def load_tree(self, tree: dict[str, Any]) -> None:
@@ -80,47 +85,34 @@ class State:
         self.extras = tree["extras"]
         self.applied_step = int(tree["applied_step"])
         self.epoch = int(tree["epoch"])
+        self.epoch_step = int(tree.get("epoch_step", 0))
         self.commit()
 
 
 # ---------------------------------------------------------------------------- packing
-def pack_state(tree: Any) -> tuple[bytes, torch.Tensor]:
-    """Nested dicts/lists/tuples of tensors and JSON scalars -> (JSON header, flat uint8 buffer)."""
-    tensors: list[torch.Tensor] = []
-    offset = 0
+def _encode(tree: Any, on_tensor: Callable[[torch.Tensor, str], dict[str, Any]]) -> Any:
+    """JSON skeleton of a tree of containers and scalars; tensors become ``on_tensor(t, path)``."""
 
-    def enc(obj: Any) -> Any:
-        nonlocal offset
+    def enc(obj: Any, path: str) -> Any:
         if isinstance(obj, torch.Tensor):
             t = obj.detach().cpu().contiguous()
             if t.dtype not in _NAMES:
                 raise TypeError(f"cannot send tensors of dtype {t.dtype}")
-            nbytes = t.numel() * t.element_size()
-            spec = {"T": _NAMES[t.dtype], "shape": list(t.shape), "offset": offset, "nbytes": nbytes}
-            tensors.append(t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8))
-            offset += nbytes
-            return spec
+            return {"T": _NAMES[t.dtype], "shape": list(t.shape), **on_tensor(t, path)}
         if isinstance(obj, dict):
-            return {"D": [[_key(k), enc(v)] for k, v in obj.items()]}
+            return {"D": [[_key(k), enc(v, f"{path}/{k}")] for k, v in obj.items()]}
         if isinstance(obj, tuple):
-            return {"U": [enc(v) for v in obj]}
+            return {"U": [enc(v, f"{path}/{i}") for i, v in enumerate(obj)]}
         if isinstance(obj, list):
-            return {"L": [enc(v) for v in obj]}
+            return {"L": [enc(v, f"{path}/{i}") for i, v in enumerate(obj)]}
         if obj is None or isinstance(obj, bool | int | float | str):
             return {"V": obj}
         raise TypeError(f"cannot send a {type(obj).__name__} in the training state (use tensors or JSON types)")
 
-    header = json.dumps(enc(tree)).encode()
-    flat = torch.cat(tensors) if tensors else torch.empty(0, dtype=torch.uint8)
-    return header, flat
+    return enc(tree, "")
 
 
-def unpack_state(header: bytes, flat: torch.Tensor) -> Any:
-    """Inverse of ``pack_state``; validates dtypes, shapes and offsets against the buffer."""
-    if len(header) > MAX_STATE_HEADER:
-        raise ValueError("state header too large")
-    total = flat.numel()
-
+def _decode(skeleton: Any, on_tensor: Callable[[dict[str, Any], torch.dtype, list[int]], torch.Tensor]) -> Any:
     def dec(node: Any) -> Any:
         if not isinstance(node, dict) or len(node) == 0:
             raise ValueError("malformed state header")
@@ -131,14 +123,7 @@ def unpack_state(header: bytes, flat: torch.Tensor) -> Any:
             shape = [int(s) for s in node["shape"]]
             if any(s < 0 for s in shape):
                 raise ValueError("negative dimension")
-            numel = 1
-            for s in shape:
-                numel *= s
-            nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-            start = int(node["offset"])
-            if nbytes != int(node["nbytes"]) or start < 0 or start + nbytes > total:
-                raise ValueError("tensor size does not match the buffer")
-            return flat[start:start + nbytes].clone().view(dtype).reshape(shape)
+            return on_tensor(node, dtype, shape)
         if "D" in node:
             return {_unkey(k): dec(v) for k, v in node["D"]}
         if "U" in node:
@@ -150,9 +135,77 @@ def unpack_state(header: bytes, flat: torch.Tensor) -> Any:
         raise ValueError("malformed state header")
 
     try:
-        return dec(json.loads(header))
+        return dec(skeleton)
     except (KeyError, TypeError, IndexError, AttributeError) as exc:
         raise ValueError(f"malformed state header: {exc!r}") from exc
+
+
+def _nbytes(dtype: torch.dtype, shape: list[int]) -> int:
+    numel = 1
+    for s in shape:
+        numel *= s
+    return numel * torch.empty(0, dtype=dtype).element_size()
+
+
+def pack_state(tree: Any) -> tuple[bytes, torch.Tensor]:
+    """Nested dicts/lists/tuples of tensors and JSON scalars -> (JSON header, flat uint8 buffer)."""
+    chunks: list[torch.Tensor] = []
+    offset = 0
+
+    def place(t: torch.Tensor, _path: str) -> dict[str, Any]:
+        nonlocal offset
+        nbytes = t.numel() * t.element_size()
+        chunks.append(t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8))
+        spec = {"offset": offset, "nbytes": nbytes}
+        offset += nbytes
+        return spec
+
+    header = json.dumps(_encode(tree, place)).encode()
+    flat = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
+    return header, flat
+
+
+def unpack_state(header: bytes, flat: torch.Tensor) -> Any:
+    """Inverse of ``pack_state``; validates dtypes, shapes and offsets against the buffer."""
+    if len(header) > MAX_STATE_HEADER:
+        raise ValueError("state header too large")
+    total = flat.numel()
+
+    def take(node: dict[str, Any], dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+        nbytes = _nbytes(dtype, shape)
+        start = int(node["offset"])
+        if nbytes != int(node["nbytes"]) or start < 0 or start + nbytes > total:
+            raise ValueError("tensor size does not match the buffer")
+        return flat[start:start + nbytes].clone().view(dtype).reshape(shape)
+
+    try:
+        skeleton = json.loads(header)
+    except ValueError as exc:
+        raise ValueError(f"malformed state header: {exc}") from exc
+    return _decode(skeleton, take)
+
+
+def split_tree(tree: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    """(JSON skeleton, tensors by path) of a state tree: the form a checkpoint stores."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def name(t: torch.Tensor, path: str) -> dict[str, Any]:
+        tensors[path or "/"] = t
+        return {"path": path or "/"}
+
+    return _encode(tree, name), tensors
+
+
+def join_tree(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Inverse of ``split_tree``; every tensor must match its recorded dtype and shape."""
+
+    def take(node: dict[str, Any], dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+        t = tensors.get(str(node["path"]))
+        if t is None or t.dtype != dtype or list(t.shape) != shape:
+            raise ValueError(f"tensor {node['path']!r} is missing or does not match the skeleton")
+        return t
+
+    return _decode(skeleton, take)
 
 
 def _key(k: Any) -> Any:

@@ -1,0 +1,120 @@
+"""On-demand checkpoints of the training state and its fingerprint (EasyScale 3.2, DESIGN.md 5).
+
+A checkpoint is a directory ``step-XXXXXXXX`` holding the tensors (safetensors, named by their
+path in the state tree), the tree's JSON skeleton, the logical workers' contexts, and a
+manifest with the SHA-256 of every file. It is written under a temporary name and renamed, so
+a reader sees a whole checkpoint or none; one whose files do not match the manifest is skipped
+and the previous one used.
+
+The fingerprint is the SHA-256 over every tensor in canonical order (sorted by path): name,
+dtype, shape, bytes. Two runs that trained bitwise the same model have the same fingerprint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from tidal.worker.state import join_tree, split_tree
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+
+
+class CheckpointError(ValueError):
+    """No readable checkpoint, or one that does not match its manifest."""
+
+
+def save_checkpoint(directory: str | Path, step: int, tree: Any, contexts: list[dict[str, Any]]) -> Path:
+    """Write ``tree`` (tensors and JSON values) and the EST contexts as checkpoint ``step``."""
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:08d}"
+    tmp = root / f".tmp-step-{step:08d}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    skeleton, tensors = split_tree(tree)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "tensors.safetensors"))
+    (tmp / "skeleton.json").write_text(json.dumps(skeleton))
+    (tmp / "contexts.json").write_text(json.dumps(contexts, indent=1))
+    files = {name: _sha256(tmp / name) for name in ("tensors.safetensors", "skeleton.json", "contexts.json")}
+    (tmp / MANIFEST).write_text(json.dumps({"format": FORMAT, "step": step, "files": files}, indent=1))
+    for path in tmp.iterdir():
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    return final
+
+
+def checkpoints(directory: str | Path) -> list[Path]:
+    """Complete checkpoint directories, newest first."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.glob("step-*") if (p / MANIFEST).is_file()), reverse=True)
+
+
+def verify(path: Path) -> dict[str, Any]:
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        for name, digest in manifest["files"].items():
+            if _sha256(path / name) != digest:
+                raise CheckpointError(f"{path / name} does not match its manifest")
+    except (OSError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"{path} is not a valid checkpoint: {exc}") from exc
+    return manifest  # type: ignore[no-any-return]
+
+
+def latest_checkpoint(directory: str | Path) -> Path:
+    """The newest checkpoint that verifies; a corrupt or partial newer one is skipped."""
+    problems = []
+    for path in checkpoints(directory):
+        try:
+            verify(path)
+            return path
+        except CheckpointError as exc:
+            problems.append(str(exc))
+    raise CheckpointError(f"no valid checkpoint in {directory}" + (f" ({'; '.join(problems)})" if problems else ""))
+
+
+def load_checkpoint(path: Path) -> tuple[Any, list[dict[str, Any]]]:
+    verify(path)
+    tensors = load_file(str(path / "tensors.safetensors"))
+    skeleton = json.loads((path / "skeleton.json").read_text())
+    contexts = json.loads((path / "contexts.json").read_text())
+    return join_tree(skeleton, tensors), contexts
+
+
+def fingerprint(path: Path) -> str:
+    """SHA-256 of the checkpoint's tensors in canonical (sorted path) order."""
+    verify(path)
+    tensors = load_file(str(path / "tensors.safetensors"))
+    return fingerprint_tensors(tensors)
+
+
+def fingerprint_tensors(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(name.encode())
+        h.update(str(t.dtype).encode())
+        h.update(str(list(t.shape)).encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

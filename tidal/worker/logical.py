@@ -1,0 +1,156 @@
+"""Logical workers (EasyScale's EasyScaleThreads, section 3.2): N of them over any k <= N processes.
+
+A job started with ``--logical-workers N`` trains exactly what N data-parallel workers would,
+bitwise, whatever the number of processes and through rescales and failures (level D1 of
+EasyScale section 3.3). What each logical worker (EST) owns:
+
+* **its data**: at step ``s`` of an epoch, EST ``r`` trains batch ``s * N + r`` of the epoch's
+  batch order (a permutation of the dataset's batch-sized chunks seeded by the epoch), so the
+  global batch is N batches whatever k is;
+* **its random streams**: before its turn, the torch, numpy and Python generators are seeded
+  from ``(seed, r, global step)``. A context is therefore three integers: moving an EST to
+  another process, or bringing it back after its process died, moves nothing else. (EasyScale
+  saves the evolving RNG states in the EST context; deriving them per step gives the same
+  guarantee with a context that cannot be lost.)
+* **its gradient**: after its backward pass the gradient is stashed (one flat copy per EST;
+  parameters and optimizer state are shared by the ESTs of a process, as in the paper);
+* **module buffers follow EST 0**, as DDP's follow rank 0: every EST's forward starts from the
+  buffers the step started with, and the step ends with the buffers EST 0 produced.
+
+Gradients are reduced in logical order, never by an all-reduce whose summation order depends
+on the world size: each process owns a slice of the flattened gradient, receives the N
+contributions to its slice (all-to-all), adds them left to right in logical rank order, and
+the slices are all-gathered. ``TIDAL_REDUCTION=allreduce`` switches to a plain all-reduce, to
+show that it breaks reproducibility.
+
+Levels (``TIDAL_DETERMINISM``):
+
+* ``D0``: fixed seeds and ``torch.use_deterministic_algorithms(True)``: the same run on the same
+  number of processes repeats bitwise. Cost: deterministic kernels may be slower on GPU.
+* ``D1`` (default with logical workers): D0 plus the logical-order reduction: identical across
+  process counts, rescales and failures. Cost: an all-to-all and an all-gather instead of one
+  all-reduce, and one stashed gradient per EST beyond the first in a process.
+* ``D2`` (CPU): D1 plus a pinned intra-op thread count (``TIDAL_THREADS``, default 1, whatever
+  ``OMP_NUM_THREADS`` says) and ATen's CPU kernels pinned to one instruction set
+  (``ATEN_CPU_CAPABILITY``, set by ``tidal run`` before the worker starts): identical across
+  thread settings and across x86 machines with different vector units. It cannot promise
+  identity across CPU architectures (x86 vs ARM) or across torch/MKL versions, whose kernels
+  differ; D1 already pins the thread count, since it costs nothing on a CPU worker.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+MASK64 = (1 << 64) - 1
+
+
+def est_ranks(n_logical: int, world_size: int, rank: int) -> list[int]:
+    """The logical ranks process ``rank`` runs: contiguous blocks, the first ones one larger.
+
+    3 processes for 4 ESTs hold [0, 1], [2] and [3].
+    """
+    if not 1 <= world_size <= n_logical:
+        raise ValueError(f"{world_size} processes cannot run {n_logical} logical workers")
+    base, extra = divmod(n_logical, world_size)
+    start = rank * base + min(rank, extra)
+    return list(range(start, start + base + (1 if rank < extra else 0)))
+
+
+def _mix(x: int) -> int:
+    """splitmix64: a well-spread 64-bit hash of ``x``."""
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def est_seed(seed: int, logical_rank: int, step: int) -> int:
+    return _mix(_mix(_mix(seed & MASK64) ^ logical_rank) ^ step) >> 1  # 63 bits: torch wants < 2**63
+
+
+def enter_context(seed: int, logical_rank: int, step: int) -> None:
+    """Seed every generator the script may use for EST ``logical_rank`` at global step ``step``."""
+    s = est_seed(seed, logical_rank, step)
+    torch.manual_seed(s)
+    np.random.seed(s % (1 << 32))
+    random.seed(s)
+
+
+@dataclass(frozen=True)
+class BatchSchedule:
+    """The deterministic data order of N logical workers (an EST's place by logical rank)."""
+
+    size: int
+    batch_size: int
+    n_logical: int
+    shuffle: bool
+    seed: int
+
+    @property
+    def chunks(self) -> int:
+        return -(-self.size // self.batch_size)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return -(-self.chunks // self.n_logical)
+
+    def order(self, epoch: int) -> list[int]:
+        chunks = list(range(self.chunks))
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(chunks)
+        return chunks
+
+    def batch(self, order: list[int], epoch_step: int, logical_rank: int) -> tuple[int, int]:
+        """``[start, end)`` of EST ``logical_rank`` at this step of the epoch ((0, 0): none)."""
+        k = epoch_step * self.n_logical + logical_rank
+        if k >= len(order):
+            return (0, 0)
+        start = order[k] * self.batch_size
+        return (start, min(start + self.batch_size, self.size))
+
+
+class GradientStash:
+    """One flat gradient per EST of this process, weighted for the step (EasyScale 3.2)."""
+
+    def __init__(self) -> None:
+        self.flats: dict[int, torch.Tensor] = {}
+
+    def put(self, logical_rank: int, params: list[torch.nn.Parameter], weight: float) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = self.flats.get(logical_rank)
+        total = sum(g.numel() for g in grads)
+        if flat is None or flat.numel() != total:
+            flat = torch.empty(total, dtype=grads[0].dtype, device=grads[0].device)
+            self.flats[logical_rank] = flat
+        offset = 0
+        for g in grads:
+            n = g.numel()
+            flat[offset:offset + n].copy_(g.reshape(-1))
+            offset += n
+        flat.mul_(weight)
+        for p in params:
+            p.grad = None
+
+    def ordered(self, ranks: list[int]) -> list[torch.Tensor]:
+        return [self.flats[r] for r in ranks]
+
+
+def sum_in_order(contributions: list[torch.Tensor]) -> torch.Tensor:
+    """Left-to-right sum: ``((c0 + c1) + c2) + ...``, the one summation order used everywhere."""
+    acc = contributions[0].clone()
+    for c in contributions[1:]:
+        acc.add_(c)
+    return acc
+
+
+def set_grads(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[offset:offset + n].view_as(p).clone()
+        offset += n
