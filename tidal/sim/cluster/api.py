@@ -78,3 +78,70 @@ def load_philly(path: Path, jobs: int, seed: int, max_gpus: int | None = None,
     window = parsed[start:start + jobs]
     t0 = window[0][0]
     return [PhillyJob(t - t0, d, g) for t, d, g in window]
+
+
+# --- shared by the easyscale and goldminer scenarios: outcomes -> PolicyMetrics ---------------
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    """One job of a run: ``start_s`` when it first got resources, ``end_s`` when it finished.
+
+    ``end_s is None`` counts as failed (never finished); ``ideal_s`` is its duration at the
+    ideal speed, a lower bound of its JCT.
+    """
+
+    submit_s: float
+    start_s: float | None
+    end_s: float | None
+    ideal_s: float
+
+
+def policy_metrics(outcomes: list[JobOutcome], usage: list[tuple[float, float, float]],
+                   scaling_actions: int = 0, extra: dict[str, float] | None = None,
+                   max_points: int = 2000) -> PolicyMetrics:
+    """Aggregate a run: JCTs, makespan, queuing, time-average utilization and a bounded timeline.
+
+    Args:
+        outcomes: every job of the run.
+        usage: ``(time_s, gpu_util, cpu_util)`` each time the usage changed (a step function,
+            sorted by time); averaged over ``[first submit, last finish]``.
+        max_points: the timeline is resampled evenly to at most this many points.
+    """
+    done = [o for o in outcomes if o.end_s is not None]
+    jcts = [o.end_s - o.submit_s for o in done if o.end_s is not None]
+    t0 = min((o.submit_s for o in outcomes), default=0.0)
+    t1 = max((o.end_s for o in done if o.end_s is not None), default=t0)
+    queues = [(o.start_s if o.start_s is not None else t1) - o.submit_s for o in outcomes]
+    gpu_area = cpu_area = 0.0
+    for (ta, ga, ca), (tb, _, _) in zip(usage, [*usage[1:], (t1, 0.0, 0.0)], strict=True):
+        lo, hi = max(ta, t0), min(tb, t1)
+        if hi > lo:
+            gpu_area += ga * (hi - lo)
+            cpu_area += ca * (hi - lo)
+    span = max(t1 - t0, 1e-9)
+    timeline: list[tuple[float, float, float]] = []
+    if usage:
+        step = max(span / max_points, 1.0)
+        i, t = 0, t0
+        while t <= t1 + 1e-9 and len(timeline) < max_points + 1:
+            while i + 1 < len(usage) and usage[i + 1][0] <= t:
+                i += 1
+            timeline.append((t, usage[i][1], usage[i][2]))
+            t += step
+    ordered = sorted(jcts)
+    n = len(ordered)
+    median = 0.0 if n == 0 else (ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2)
+    return PolicyMetrics(
+        avg_jct_s=sum(jcts) / n if n else math.inf,
+        median_jct_s=median,
+        makespan_s=t1 - t0,
+        avg_queue_s=sum(queues) / len(queues) if queues else 0.0,
+        gpu_util=gpu_area / span,
+        cpu_util=cpu_area / span,
+        completion_rate=n / len(outcomes) if outcomes else 1.0,
+        scaling_actions=scaling_actions,
+        extra=dict(extra or {}),
+        timeline=timeline,
+        jcts=jcts,
+    )

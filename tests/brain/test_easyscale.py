@@ -1,0 +1,85 @@
+"""EasyScale's waste model, intra-job planner and inter-job allocator on hand-made states."""
+
+from __future__ import annotations
+
+import pytest
+
+from tidal.api import ConfigError
+from tidal.brain.easyscale import (
+    ElasticJob,
+    GangJob,
+    InterJobAllocator,
+    IntraJobPlanner,
+    estimated_throughput,
+    map_ests,
+    waste,
+)
+
+CAP = {"V100": 4.0, "T4": 2.0}
+
+
+def test_waste_by_hand():
+    # maxP = 8; 1 V100 (C=4) with A=4, 2 T4 (C=2) with A=2 -> nEST = 8
+    # f = max(4/4, 2/2) = 1; waste = 1*(4-4/1) + 2*(2-2/1) + 0 = 0; throughput = 4 + 4 = 8
+    assert waste(8, {"V100": 1, "T4": 2}, {"V100": 4, "T4": 2}, CAP) == pytest.approx(0.0)
+    assert estimated_throughput(8, {"V100": 1, "T4": 2}, {"V100": 4, "T4": 2}, CAP) == pytest.approx(8.0)
+    # A_T4 = 3: nEST = 10 (2 surplus), f = max(1, 1.5) = 1.5
+    # waste = 1*(4 - 4/1.5) + 2*(2 - 3/1.5) + (10-8)/1.5 = 1.3333 + 0 + 1.3333 = 2.6667
+    assert waste(8, {"V100": 1, "T4": 2}, {"V100": 4, "T4": 3}, CAP) == pytest.approx(8 / 3)
+    # Eq. 1d = 8 - 8/3 = maxP / f = 8 / 1.5
+    assert estimated_throughput(8, {"V100": 1, "T4": 2}, {"V100": 4, "T4": 3}, CAP) == pytest.approx(8 / 1.5)
+    with pytest.raises(ConfigError):
+        waste(8, {"V100": 1}, {"V100": 4}, CAP)  # nEST < maxP
+
+
+def test_map_ests_balances_and_caps():
+    plan = map_ests(8, {"V100": 1, "T4": 2}, CAP)
+    assert dict(plan.ests_per_gpu) == {"V100": 4, "T4": 2}
+    assert plan.throughput == pytest.approx(8.0)
+    assert map_ests(4, {"V100": 2}, CAP).throughput == pytest.approx(8.0)  # 2 ESTs per GPU
+    with pytest.raises(ConfigError):
+        map_ests(2, {"V100": 3}, CAP)
+
+
+def test_proposals_top_k_homogeneous_increments():
+    job = ElasticJob("a", 0, 8, CAP, {"V100": 1})
+    props = IntraJobPlanner(top_k=2).propose(job, {"V100": 8, "T4": 8})
+    assert len(props) == 2
+    assert props[0].add == ("V100", 4)  # largest estimated gain first
+    assert all(p.plan.gpus <= 8 for p in props)
+    homo = IntraJobPlanner(heterogeneous=False).propose(job, {"V100": 0, "T4": 8})
+    assert [p for p in homo if p.release is None] == []  # homo never mixes in T4
+
+
+def test_fallback_when_slower():
+    planner = IntraJobPlanner()
+    slower = ElasticJob("a", 0, 8, CAP, {"V100": 4}, previous={"V100": 2}, measured=1.0, measured_previous=1.5)
+    assert planner.fallback(slower) == {"V100": 2}
+    faster = ElasticJob("a", 0, 8, CAP, {"V100": 4}, previous={"V100": 2}, measured=2.0, measured_previous=1.5)
+    assert planner.fallback(faster) is None
+    banned = ElasticJob("a", 0, 8, CAP, {"V100": 2}, banned=frozenset({(("V100", 4),)}))
+    assert all(p.plan.counts != (("V100", 4),) for p in planner.propose(banned, {"V100": 8}))
+
+
+def test_allocator_speedup_per_gpu_and_ties():
+    alloc = InterJobAllocator(IntraJobPlanner())
+    # a: 1 V100 of maxP 2 -> +1 doubles (1.0 per GPU); b: 2 V100 of maxP 8 -> +2 doubles (0.5 per GPU)
+    a = ElasticJob("a", 0, 2, CAP, {"V100": 1})
+    b = ElasticJob("b", 1, 8, CAP, {"V100": 2})
+    out = alloc.allocate([a, b], {"V100": 1})
+    assert out == {"a": {"V100": 2}}
+    # tie: c +1 GPU -> speedup 2 ((2-1)/1 = 1.0 per GPU); d (maxP 3) +2 -> speedup 3 ((3-1)/2 = 1.0)
+    c = ElasticJob("c", 0, 2, CAP, {"V100": 1})
+    d = ElasticJob("d", 1, 3, CAP, {"V100": 1})
+    assert alloc.allocate([c, d], {"V100": 2}) == {"d": {"V100": 3}}  # more GPUs wins
+
+
+def test_allocator_queued_jobs_start_and_gangs_have_priority():
+    alloc = InterJobAllocator(IntraJobPlanner())
+    big = ElasticJob("big", 0, 8, CAP, {"V100": 4})
+    new = ElasticJob("new", 1, 1, CAP)
+    out = alloc.allocate([big, new], {"V100": 0, "T4": 0})
+    assert out["new"] == {"V100": 1} and out["big"] == {"V100": 3}  # reclaimed one GPU
+    gang = GangJob("g", 2, 4, ("V100",))
+    out = alloc.allocate([big, gang], {"V100": 1})
+    assert out["g"] == {"V100": 4} and out["big"] == {"V100": 1}

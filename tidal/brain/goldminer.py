@@ -1,0 +1,217 @@
+"""GoldMiner's data-worker scheduling (Zhao et al., "GoldMiner", section 3.4).
+
+Two levels, joined by one indicator, the state of the job's data queue (enqueue rate of its
+data workers vs dequeue rate of its training workers):
+
+* Job level (3.4.1), pure functions over what a job measured while it was tuned:
+  ``use_data_workers`` (fall back to the monolithic mode when data workers do not reach the
+  baseline), ``data_worker_size`` (CPUs of one data worker: grow from 1 until the queue is
+  ideal or the speedup turns sublinear) and ``trainer_cpus`` (the fewest training-worker
+  CPUs that keep the performance).
+* Cluster level (3.4.2), ``DataWorkerAllocator``: while CPUs are free, give one data worker to
+  the job with the best metric among those whose data rate is below their training rate,
+  assuming the next step gains what the last one did (linear: data workers do not
+  synchronise). Metrics (``metric``): MaxTP ``dt/dc * g`` (largest), SRTF
+  ``n * (c + dc) / (t + dt)`` (smallest), Fair ``(t + dt) / t_i`` (smallest).
+  Placement prefers the training workers' machines (local CPUs), then machines with fewer
+  distributed jobs and remote data workers.
+
+Throughputs here are *normalised* to the job's ideal training rate (``t / t_i``, 1.0 = the
+queue is ideal): the jobs of a cluster train different models whose samples/s cannot be
+added up, and every metric above is invariant to a per-job unit except MaxTP, which the
+normalisation turns into "GPU-equivalents of training gained per CPU".
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tidal.api import ConfigError
+
+__all__ = [
+    "POLICIES",
+    "DataJob",
+    "DataWorkerAllocator",
+    "DataWorkerGrant",
+    "MachineCpus",
+    "data_worker_size",
+    "metric",
+    "trainer_cpus",
+    "use_data_workers",
+]
+
+POLICIES = ("maxtp", "srtf", "fair")
+
+
+def use_data_workers(baseline: float, with_data_workers: float, tolerance: float = 0.95) -> bool:
+    """3.4.1 (i): keep data workers only if, after tuning, they reach ``tolerance`` x the baseline.
+
+    ``baseline`` is the throughput profiled without data workers when the job started.
+    """
+    return with_data_workers >= tolerance * baseline
+
+
+def data_worker_size(measured: Sequence[float], ideal: float, linear_tol: float = 0.9) -> int:
+    """3.4.1 (ii): CPUs per data worker from throughputs measured with 1, 2, ... CPUs in one.
+
+    Stops at the first CPU count whose throughput reaches ``ideal`` (the queue is ideal: the
+    data worker keeps up with the training worker); else at the last count whose marginal gain
+    is still at least ``linear_tol`` x the gain of the first CPU (linear speedup); else at the
+    last measured count (it used up its CPUs).
+
+    Raises:
+        ConfigError: nothing measured.
+    """
+    if not measured:
+        raise ConfigError("data_worker_size needs at least one measurement")
+    first = measured[0]
+    for k, tput in enumerate(measured, start=1):
+        if tput >= ideal * (1 - 1e-9):
+            return k
+        if k > 1 and tput - measured[k - 2] < linear_tol * first:
+            return k - 1
+    return len(measured)
+
+
+def trainer_cpus(measured: Sequence[tuple[int, float]], tolerance: float = 0.02) -> int:
+    """3.4.1 (iii): the fewest training-worker CPUs keeping the throughput of the first row.
+
+    ``measured`` lists ``(cpus, throughput)`` in the order tried, from the initial CPU count
+    downwards; the search stops at the first drop beyond ``tolerance`` (and rolls back).
+
+    Raises:
+        ConfigError: nothing measured.
+    """
+    if not measured:
+        raise ConfigError("trainer_cpus needs at least one measurement")
+    keep = measured[0][0]
+    for cpus, tput in measured:
+        if tput < (1 - tolerance) * measured[0][1]:
+            break
+        keep = cpus
+    return keep
+
+
+@dataclass(frozen=True)
+class DataJob:
+    """What the cluster-level scheduler sees of one running job (normalised throughputs).
+
+    Attributes:
+        job_id: the job.
+        gpus: ``g``, GPUs of its training workers.
+        machines: machines of its training workers (local CPUs for its data workers).
+        speed: ``t / t_i``, training throughput relative to the ideal (1.0: ideal queue).
+        gain_per_cpu: ``dt / dc`` of the last data-worker step, in speed per CPU.
+        cpus: ``c``, CPUs its data workers hold.
+        remaining: ``n / t_i``, remaining steps in seconds at the ideal rate.
+        dw_size: CPUs of one data worker (job-level tuning).
+        order: submission order (ties).
+    """
+
+    job_id: str
+    gpus: int
+    machines: tuple[str, ...]
+    speed: float
+    gain_per_cpu: float
+    cpus: float
+    remaining: float
+    dw_size: int
+    order: float = 0.0
+
+
+@dataclass(frozen=True)
+class MachineCpus:
+    """Free CPUs of a machine and what loads its network."""
+
+    name: str
+    free_cpus: int
+    distributed_jobs: int = 0
+    remote_data_workers: int = 0
+
+
+@dataclass(frozen=True)
+class DataWorkerGrant:
+    job_id: str
+    machine: str
+    cpus: int
+    local: bool
+
+
+def metric(policy: str, job: DataJob, dc: float, dt: float) -> float:
+    """The 3.4.2 scaling metric of giving ``dc`` CPUs (gaining ``dt``) to ``job``; smaller wins.
+
+    * ``maxtp`` (Throughput): ``dt / dc * g``, returned negated so that smaller wins.
+    * ``srtf`` (Remaining time): ``n * (c + dc) / (t + dt)``: remaining time x resources.
+    * ``fair`` (Fairness): ``(t + dt) / t_i``: normalised performance after the step.
+
+    Raises:
+        ConfigError: an unknown policy.
+    """
+    if policy == "maxtp":
+        return -(dt / dc) * job.gpus
+    if policy == "srtf":
+        return job.remaining * (job.cpus + dc) / max(job.speed + dt, 1e-12)
+    if policy == "fair":
+        return job.speed + dt
+    raise ConfigError(f"unknown data-worker policy {policy!r}; known: {', '.join(POLICIES)}")
+
+
+class DataWorkerAllocator:
+    """Cluster-level data-worker allocation: ``allocate(jobs, machines) -> grants``."""
+
+    def __init__(self, policy: str) -> None:
+        if policy not in POLICIES:
+            raise ConfigError(f"unknown data-worker policy {policy!r}; known: {', '.join(POLICIES)}")
+        self.policy = policy
+        self.name = f"goldminer-{policy}"
+
+    @staticmethod
+    def place(job: DataJob, free: dict[str, int], machines: dict[str, MachineCpus],
+              remote_added: dict[str, int]) -> tuple[str, bool] | None:
+        """Where the next data worker of ``job`` goes: a local machine with the most free CPUs,
+        else the remote one with the fewest distributed jobs + remote data workers (then most free)."""
+        local = [m for m in job.machines if free.get(m, 0) > 0]
+        if local:
+            return max(local, key=lambda m: (free[m], m)), True
+        remote = [m for m, n in free.items() if n > 0]
+        if not remote:
+            return None
+        best = min(remote, key=lambda m: (machines[m].distributed_jobs
+                                          + machines[m].remote_data_workers + remote_added[m],
+                                          -free[m], m))
+        return best, False
+
+    def allocate(self, jobs: Sequence[DataJob], machines: Sequence[MachineCpus]) -> list[DataWorkerGrant]:
+        """Grant data workers one at a time to the best job until CPUs or hungry jobs run out."""
+        by_name = {m.name: m for m in machines}
+        free = {m.name: m.free_cpus for m in machines}
+        remote_added = dict.fromkeys(free, 0)
+        state = {j.job_id: j for j in jobs}
+        grants: list[DataWorkerGrant] = []
+        while True:
+            best: tuple[float, float, str, str, int, bool, float] | None = None
+            for j in state.values():
+                if j.speed >= 1 - 1e-9 or j.gain_per_cpu <= 0:
+                    continue
+                where = self.place(j, free, by_name, remote_added)
+                if where is None:
+                    break
+                machine, local = where
+                need = math.ceil((1 - j.speed) / j.gain_per_cpu - 1e-9)
+                dc = max(1, min(j.dw_size, free[machine], need))
+                dt = min(1 - j.speed, dc * j.gain_per_cpu)
+                key = (metric(self.policy, j, dc, dt), j.order, j.job_id, machine, dc, local, dt)
+                if best is None or key[:3] < best[:3]:
+                    best = key
+            if best is None:
+                return grants
+            _, _, jid, machine, dc, local, dt = best
+            free[machine] -= dc
+            if not local:
+                remote_added[machine] += 1
+            j = state[jid]
+            state[jid] = DataJob(j.job_id, j.gpus, j.machines, j.speed + dt, j.gain_per_cpu,
+                                 j.cpus + dc, j.remaining, j.dw_size, j.order)
+            grants.append(DataWorkerGrant(jid, machine, dc, local))
