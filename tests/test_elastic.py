@@ -133,7 +133,7 @@ def test_master_failover_keeps_workers_and_ledger(tmp_path: Path, jobs: list[Job
 
 
 def test_straggler_gets_smaller_shards(tmp_path: Path, jobs: list[Job]) -> None:
-    samples, epochs, batch = 60_000, 1, 256
+    samples, epochs, batch = 150_000, 1, 256
     job = Job(tmp_path, "2:2", example_args(samples, epochs, batch, 0.0, "--slow-worker", "1", "--slowdown", "6")).start()
     jobs.append(job)
     st = job.wait_status(lambda s: any(e["kind"] == "straggler" for e in s["events"]), 90, "a straggler event")

@@ -173,6 +173,8 @@ class JobMaster:
             if rec.alive:
                 # the new master's store replaces the old one for rounds to come
                 rec.last_seen = now
+        # every live member must report to this master before a step is final again
+        self.progress = MemberProgress([m for m in self.members if self.workers.get(m) and self.workers[m].alive])
         if self.round >= 0:
             for a in self.assignments.values():
                 if a.status == "ready":

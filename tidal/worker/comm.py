@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 HEADER_FIELDS = 6
 N, REFORM, EPOCH, START, END, WORKER = range(HEADER_FIELDS)
 FORM_TIMEOUT_S = 10.0
+_CHUNKS, _CHUNK_BITS = 3, 21  # a header value in float32: three exact 21-bit pieces (< 2**63)
+_CHUNK_MASK = (1 << _CHUNK_BITS) - 1
 
 
 class RoundComm:
@@ -42,6 +44,8 @@ class RoundComm:
         self.device = device
         self.group: Any = None
         self._flat: torch.Tensor | None = None
+        self._reduced: tuple[torch.Tensor, int] | None = None
+        self._scale_grads = False
 
     @classmethod
     def connect(cls, *, host: str, port: int, prefix: str, rank: int, world_size: int, backend: str,
@@ -97,6 +101,72 @@ class RoundComm:
         if on_device is not tensor:
             tensor.copy_(on_device.cpu())
 
+    def reduce_with_header(self, params: list[torch.nn.Parameter], weight: float, row: list[int]) -> torch.Tensor:
+        """One all-reduce for a whole step: ``weight * grad`` summed, plus every worker's header.
+
+        The header rides in the same buffer: each worker writes its row, split into 21-bit
+        chunks (exact in float32), into its own slot and zeros elsewhere, so the sum is every
+        row. Saves a collective per step over a separate all-gather. Returns the headers
+        ``[world_size, HEADER_FIELDS]``; ``apply_reduced`` then writes the gradients back.
+        """
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        length = sum(g.numel() for g in grads)
+        dtype = grads[0].dtype if grads else torch.float32
+        self._reduced = None
+        if self.group is None:
+            self._scale_grads = False  # one worker: its gradient is the mean already
+            return self.exchange_headers(row)
+        if dtype not in (torch.float32, torch.float64):
+            headers = self.exchange_headers(row)  # a dtype too narrow to carry the header exactly
+            self.reduce_gradients(params, weight)
+            self._scale_grads = True
+            return headers
+        slots = self.world_size * HEADER_FIELDS * _CHUNKS
+        flat = self._buffer(length + slots, dtype)
+        torch.cat([g.reshape(-1) for g in grads], out=flat[:length])
+        if weight != 1.0:
+            flat[:length].mul_(weight)
+        header = flat[length:]
+        header.zero_()
+        values = torch.tensor(row, dtype=torch.int64)
+        pieces = torch.stack([(values >> (_CHUNK_BITS * c)) & _CHUNK_MASK for c in range(_CHUNKS)], dim=1)
+        base = self.rank * HEADER_FIELDS * _CHUNKS
+        header[base:base + HEADER_FIELDS * _CHUNKS].copy_(pieces.reshape(-1))
+        try:
+            self.group.allreduce([flat]).wait()
+        except (RuntimeError, ValueError) as exc:
+            raise CollectiveError(f"gradient all-reduce failed: {exc}") from exc
+        chunks = header.to(torch.int64).cpu().view(self.world_size, HEADER_FIELDS, _CHUNKS)
+        self._reduced = (flat, length)
+        return chunks[:, :, 0] + (chunks[:, :, 1] << _CHUNK_BITS) + (chunks[:, :, 2] << (2 * _CHUNK_BITS))
+
+    def apply_reduced(self, params: list[torch.nn.Parameter], scale: float) -> None:
+        """Write the reduced gradients (times ``scale``) into ``.grad``."""
+        if self._reduced is None:
+            if self._scale_grads and scale != 1.0:  # reduce_gradients already wrote them
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.mul_(scale)
+            return
+        flat, length = self._reduced
+        if scale != 1.0:
+            flat[:length].mul_(scale)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            view = flat[offset:offset + n].view_as(p)
+            if p.grad is None:
+                p.grad = view.clone()
+            else:
+                p.grad.copy_(view)
+            offset += n
+        self._reduced = None
+
+    def _buffer(self, total: int, dtype: torch.dtype) -> torch.Tensor:
+        if self._flat is None or self._flat.numel() != total or self._flat.dtype != dtype:
+            self._flat = torch.empty(total, dtype=dtype, device=self.device)
+        return self._flat
+
     def reduce_gradients(self, params: list[torch.nn.Parameter], weight: float) -> None:
         """Sum ``weight * grad`` over the workers into every parameter's ``.grad``.
 
@@ -107,9 +177,7 @@ class RoundComm:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         total = sum(g.numel() for g in grads)
         dtype = grads[0].dtype if grads else torch.float32
-        if self._flat is None or self._flat.numel() != total or self._flat.dtype != dtype:
-            self._flat = torch.empty(total, dtype=dtype, device=self.device)
-        flat = self._flat
+        flat = self._buffer(total, dtype)
         offset = 0
         for g in grads:
             n = g.numel()

@@ -57,12 +57,13 @@ class PendingStep:
     """The step whose batch the script is computing: headers of every worker, this worker's part."""
 
     step: int
-    headers: torch.Tensor
+    headers: list[list[int]]  # one row per worker (tidal.worker.comm.HEADER_FIELDS)
     total: int
     mine: int
     started: float
     collective_s: float
     records: list[StepRecord] | None = None  # logical workers: known from the data order
+    span: tuple[int, int, int] | None = None  # (epoch, start, end) of this worker's batch
 
 
 @dataclass
@@ -143,7 +144,10 @@ class Job:
 
     def step(self) -> bool:
         """Reduce gradients over the round, ``optimizer.step()``, commit. False if the step was
-        dropped by a re-form (its samples go back to the queue; the loop just continues)."""
+        dropped by a re-form (its samples go back to the queue; the loop just continues).
+
+        With logical workers the gradient is stashed for the current logical worker and the
+        step is applied once every local logical worker has had its turn."""
         state = self._require_state()
         if self._lstep is not None:
             return self._stash_est(state, self._lstep)
@@ -151,17 +155,7 @@ class Job:
         if pending is None:
             raise UsageError("job.step() called without a batch from the elastic loader")
         self._pending = None
-        t0 = time.monotonic()
-        try:
-            self._reduce(state, pending)
-        except CollectiveError as exc:
-            self._broken(exc)
-            return False
-        reduce_s = time.monotonic() - t0
-        if state.optimizer is not None:
-            state.optimizer.step()
-        self._applied(state, pending, pending.collective_s + reduce_s)
-        return True
+        return self._reduce_and_apply(state, pending) == "applied"
 
     def finish(self, **metrics: float) -> None:
         """Tell the master training is over; ``metrics`` (e.g. ``auc=0.79``) go into its summary."""
@@ -185,50 +179,49 @@ class Job:
             raise UsageError("call job.state(model, optimizer) before iterating the loader")
         return self._state
 
-    def _exchange(self, epoch: int, start: int, end: int) -> tuple[torch.Tensor, float]:
-        """The step header all-gather; its reform column carries the master's notice to everyone."""
-        assert self._comm is not None
-        t0 = time.monotonic()
-        row = [end - start, int(self._reform_notice), epoch, start, end, self.worker_id]
-        headers = self._comm.exchange_headers(row)
-        return headers, time.monotonic() - t0
-
-    def _begin_step(self, epoch: int, start: int, end: int) -> PendingStep | None:
-        """Exchange headers for the next step. None: the step will not happen (re-form)."""
-        state = self._require_state()
+    def _local_step(self, epoch: int, start: int, end: int) -> PendingStep:
+        """The step this worker is about to compute (nothing is exchanged before the reduction)."""
         self._check_gone()
-        started = time.monotonic()
+        state = self._require_state()
+        return PendingStep(state.applied_step + 1, [], 0, end - start, time.monotonic(), 0.0,
+                           span=(epoch, start, end))
+
+    def _reduce_and_apply(self, state: State, pending: PendingStep) -> str:
+        """One all-reduce carries the gradients and every worker's step header.
+
+        Returns "applied", "epoch_end" (no worker had data: nothing to apply) or "broken".
+        A re-form notice in any header is acted on after the step is applied, by everyone.
+        """
+        assert self._comm is not None and pending.span is not None
+        epoch, start, end = pending.span
+        params = state.trainable()
+        row = [pending.mine, int(self._reform_notice), epoch, start, end, self.worker_id]
+        t0 = time.monotonic()
         try:
-            headers, collective_s = self._exchange(epoch, start, end)
+            # each worker adds its samples' share; dividing by the step's total gives the mean
+            headers = self._comm.reduce_with_header(params, float(pending.mine), row)
         except CollectiveError as exc:
             self._broken(exc)
-            return None
-        if bool(headers[:, REFORM].any()):
+            return "broken"
+        rows = headers.tolist()
+        total = sum(r[N] for r in rows)
+        if total == 0:
+            return "epoch_end"
+        self._comm.apply_reduced(params, 1.0 / total)
+        if state.optimizer is not None:
+            state.optimizer.step()
+        pending.headers, pending.total = rows, total
+        self._applied(state, pending, time.monotonic() - t0)
+        if any(r[REFORM] for r in rows):
             self._leave_for_rendezvous("re-form requested by the master")
-            return None
-        total = int(headers[:, N].sum())
-        return PendingStep(state.applied_step + 1, headers, total, end - start, started, collective_s)
+        return "applied"
 
-    def _reduce(self, state: State, pending: PendingStep) -> None:
-        assert self._comm is not None
-        params = [p for p in state.model.parameters() if p.requires_grad]
-        self._comm.reduce_gradients(params, pending.mine / pending.total)
-
-    def _empty_step(self, pending: PendingStep) -> bool:
-        """Take part in a step with no samples of our own (others still have data)."""
+    def _empty_step(self, epoch: int) -> str:
+        """Take part in a step with no samples of our own (others may still have data)."""
         state = self._require_state()
         if state.optimizer is not None:
             state.optimizer.zero_grad(set_to_none=True)
-        t0 = time.monotonic()
-        try:
-            self._reduce(state, pending)
-        except CollectiveError as exc:
-            self._broken(exc)
-            return False
-        if state.optimizer is not None:
-            state.optimizer.step()
-        self._applied(state, pending, pending.collective_s + time.monotonic() - t0)
-        return True
+        return self._reduce_and_apply(state, self._local_step(epoch, 0, 0))
 
     def _applied(self, state: State, pending: PendingStep, collective_s: float) -> None:
         now = time.monotonic()
@@ -240,8 +233,8 @@ class Job:
             self._samples_per_s = (1 - a) * self._samples_per_s + a * rate
             self._compute_per_sample = (1 - a) * self._compute_per_sample + a * compute
         records = pending.records if pending.records is not None else [
-            StepRecord(step=pending.step, worker=int(h[WORKER]), epoch=int(h[EPOCH]), start=int(h[START]), end=int(h[END]))
-            for h in pending.headers if int(h[N]) > 0
+            StepRecord(step=pending.step, worker=h[WORKER], epoch=h[EPOCH], start=h[START], end=h[END])
+            for h in pending.headers if h[N] > 0
         ]
         with self._lock:  # the reporter must never see the step without its records
             state.applied_step = pending.step
@@ -274,16 +267,16 @@ class Job:
         try:
             assert self._comm is not None
             t0 = time.monotonic()
-            headers = self._comm.exchange_headers([mine, int(self._reform_notice), epoch, 0, 0, self.worker_id])
+            headers = self._comm.exchange_headers([mine, int(self._reform_notice), epoch, 0, 0, self.worker_id]).tolist()
             collective_s = time.monotonic() - t0
         except CollectiveError as exc:
             self._broken(exc)
             return None
-        if bool(headers[:, REFORM].any()):
+        if any(h[REFORM] for h in headers):
             self._leave_for_rendezvous("re-form requested by the master")
             return None
         step = state.applied_step + 1
-        holders = {r: int(headers[p, WORKER]) for p in range(self.world_size)
+        holders = {r: headers[p][WORKER] for p in range(self.world_size)
                    for r in est_ranks(self.logical, self.world_size, p)}
         records = [StepRecord(step=step, worker=holders[r], epoch=epoch, start=s, end=e)
                    for r, (s, e) in enumerate(batches) if e > s]
@@ -295,7 +288,7 @@ class Job:
     def _enter_est(self, lstep: LogicalStep, logical_rank: int) -> None:
         """Context switch: the EST's random streams, and the buffers the step started with."""
         state = self._require_state()
-        buffers = [b for _, b in state.model.named_buffers()]
+        buffers = state.buffers()
         if buffers:
             if lstep.buffers_start is None:
                 lstep.buffers_start = [b.detach().clone() for b in buffers]
@@ -311,10 +304,10 @@ class Job:
         if r is None:
             raise UsageError("job.step() called twice for one batch")
         s, e = lstep.batches[r]
-        params = [p for p in state.model.parameters() if p.requires_grad]
+        params = state.trainable()
         self._stash.put(r, params, (e - s) / lstep.pending.total)
         if r == 0:
-            lstep.buffers_est0 = [b.detach().clone() for _, b in state.model.named_buffers()]
+            lstep.buffers_est0 = [b.detach().clone() for b in state.buffers()]
         lstep.current = None
         return True
 
@@ -322,7 +315,7 @@ class Job:
         """Reduce every EST's gradient in logical order, apply, commit."""
         state = self._require_state()
         self._lstep = None
-        params = [p for p in state.model.parameters() if p.requires_grad]
+        params = state.trainable()
         for r in self.local_ests:
             s, e = lstep.batches[r]
             if e <= s:  # no data for this EST at this step: it adds exact zeros
@@ -337,7 +330,7 @@ class Job:
                 flat = self._comm.reduce_by_allreduce(local)
             else:
                 flat = self._comm.reduce_in_logical_order(local, self._est_counts)
-            buffers = [b for _, b in state.model.named_buffers()]
+            buffers = state.buffers()
             if buffers:  # buffers follow EST 0, like DDP's follow rank 0
                 if lstep.buffers_est0 is not None:
                     with torch.no_grad():

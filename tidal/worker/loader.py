@@ -80,16 +80,12 @@ class ElasticDataLoader:
             if span is None:
                 continue  # the round went stale while leasing: re-form
             start, end = span
-            pending = job._begin_step(epoch, start, end)
-            if pending is None:
+            if end <= start:
+                if job._empty_step(epoch) == "epoch_end":
+                    state.epoch += 1  # nobody had data left: every worker moves on at this step
+                    state.commit()
                 continue
-            if pending.total == 0:
-                state.epoch += 1  # nobody has data left: every worker moves on at this step
-                state.commit()
-                continue
-            if pending.mine == 0:
-                job._empty_step(pending)
-                continue
+            pending = job._local_step(epoch, start, end)
             job._pending = pending
             yield self._fetch(start, end)
             if job._pending is pending:

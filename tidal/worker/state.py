@@ -46,11 +46,22 @@ class State:
         self.epoch = 0  # the elastic loader's epoch
         self.epoch_step = 0  # steps done in this epoch (logical workers' data order)
         self._committed: dict[str, Any] = {}
+        self._params: list[torch.nn.Parameter] | None = None
+        self._buffers = list(model.named_buffers())  # walking the module tree every step is slow
         self.commit()
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [b for _, b in self._buffers]
+
+    def trainable(self) -> list[torch.nn.Parameter]:
+        """The parameters that get gradients, in a fixed order (cached: looked up every step)."""
+        if self._params is None:
+            self._params = [p for p in self.model.parameters() if p.requires_grad]
+        return self._params
 
     def commit(self) -> None:
         self._committed = {
-            "buffers": {k: b.detach().clone() for k, b in self.model.named_buffers()},
+            "buffers": {k: b.detach().clone() for k, b in self._buffers},
             "extras": copy.deepcopy(self.extras),
             "applied_step": self.applied_step,
             "epoch": self.epoch,
@@ -60,7 +71,7 @@ class State:
     def restore(self) -> None:
         snap = self._committed
         with torch.no_grad():
-            for name, buf in self.model.named_buffers():
+            for name, buf in self._buffers:
                 if name in snap["buffers"]:
                     buf.copy_(snap["buffers"][name])
         self.extras = copy.deepcopy(snap["extras"])
