@@ -252,8 +252,8 @@ class JobMaster:
                 raise BadRequestError(f"record of step {r.step} is beyond applied_step {req.applied_step}")
             if not r.start < r.end <= cfg.size:
                 raise BadRequestError(f"record range [{r.start}, {r.end}) is not inside the dataset")
-            if r.worker not in self.members:
-                raise BadRequestError(f"record of worker {r.worker}, not a member of round {self.round}")
+            if r.worker not in self.workers:  # records may be of an earlier round's members
+                raise BadRequestError(f"record of unknown worker {r.worker}")
 
     def report(self, req: ReportRequest) -> ReportResponse:
         rec = self._worker(req.worker_id)

@@ -411,6 +411,11 @@ class Job:
         # from here on this worker belongs to round ``a.round``: if forming it fails, the next
         # rendezvous names it, and the master re-forms instead of handing out the same round
         self.round = a.round
+        with self._lock:
+            # closing the round finalized every step up to the source's: nothing held is pending
+            self._acked = max(self._acked, a.applied_step)
+            self._unsent = []
+            self._records.clear()
         self._comm = RoundComm.connect(
             host=a.store_host, port=a.store_port, prefix=f"tidal/{self.job_id}/round{a.round}/",
             rank=a.rank, world_size=a.world_size, backend=self.backend, device=self.device,
@@ -425,11 +430,6 @@ class Job:
                 state.load_tree(tree)  # type: ignore[arg-type]
         else:
             state.restore()
-        with self._lock:
-            # the master finalized every step up to the source's: nothing local is pending any more
-            self._acked = max(self._acked, a.applied_step)
-            self._unsent = []
-            self._records.clear()
         self._reform_notice = False
         self._in_round = True
         self.generation += 1
