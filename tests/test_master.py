@@ -262,3 +262,39 @@ def test_member_progress_minimum() -> None:
     assert p.minimum() == 7
     p.update(4, 0)  # not a member: ignored
     assert p.minimum() == 7
+
+
+def test_a_resumed_master_finalizes_after_every_member_reports_again(tmp_path: Path) -> None:
+    from tidal.master.journal import SqliteJournal
+
+    journal_path = tmp_path / "journal.sqlite"
+    spec = JobSpec(job_id="t", argv=["python", "x.py"], min_workers=2, max_workers=2, token="tok",
+                   job_dir=str(tmp_path), ledger_path=str(tmp_path / "ledger.jsonl"), start_grace_s=60.0)
+    clock, backend = FakeClock(), FakeBackend()
+    first = JobMaster(spec, SqliteJournal(journal_path), backend, MaxWorkersPlanner(), clock, store_port=1)
+    first.start()
+    first.tick()
+    form_round(first, [0, 1])
+    a, b = lease(first, 0), lease(first, 1)
+    recs = {w: [StepRecord(step=s, worker=w, epoch=0, start=base + 10 * s, end=base + 10 * s + 10) for s in range(2)]
+            for w, base in ((0, a[0]), (1, b[0]))}
+    report(first, 0, 0, recs[0][:1])
+    report(first, 1, 0, recs[1][:1])
+    assert first.finalized_step == 0
+    report(first, 0, 1, recs[0][1:])  # step 1 of worker 0 reaches the old master only
+    first.close()
+
+    second = JobMaster(spec, SqliteJournal(journal_path), backend, MaxWorkersPlanner(), clock, store_port=2)
+    second.resume()
+    assert (second.round, second.members, second.finalized_step) == (0, [0, 1], 0)
+    assert second.incarnation != first.incarnation
+    # the first report to the new master does not count: the worker has not resent yet
+    second.report(ReportRequest(worker_id=1, round=0, applied_step=1, records=recs[1][1:],
+                                incarnation=first.incarnation))
+    assert second.finalized_step == 0
+    report(second, 0, 1, recs[0][1:])  # worker 0 resends its step 1 record
+    report(second, 1, 1, [])
+    assert second.finalized_step == 1
+    lines = (tmp_path / "ledger.jsonl").read_text().splitlines()
+    assert len(lines) == 4  # the ledger was rewritten from the journal, then extended
+    assert second.assignments[0].store_port == 2  # the new store for rounds to come
