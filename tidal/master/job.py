@@ -287,12 +287,7 @@ class JobMaster:
                               incarnation=self.incarnation)
 
     def lease(self, req: LeaseRequest) -> LeaseResponse:
-        rec = self._worker(req.worker_id)
-        rec.last_seen = self.clock()
-        if req.round != self.round or req.worker_id not in self.members:
-            raise StaleRoundMasterError(f"worker {req.worker_id} is not in round {req.round} (current {self.round})")
-        first = self.shards.config is None
-        self.shards.configure(DatasetConfig(req.dataset_size, req.batch_size, req.batches_per_shard, req.shuffle, req.seed))
+        rec, first = self._configure_dataset(req)
         shard = self.shards.lease(req.worker_id, req.epoch, rec.size_factor)
         with self.journal.transaction():
             self.journal.save_shards(self.shards.dirty())
@@ -303,15 +298,20 @@ class JobMaster:
         return LeaseResponse(status="ok", shard=shard)
 
     def configure_dataset(self, req: DatasetRequest) -> None:
+        _, first = self._configure_dataset(req)
+        if first:
+            with self.journal.transaction():
+                self._save_meta()
+
+    def _configure_dataset(self, req: LeaseRequest | DatasetRequest) -> tuple[WorkerRecord, bool]:
+        """A member of the current round names the dataset; True if it was the first to."""
         rec = self._worker(req.worker_id)
         rec.last_seen = self.clock()
         if req.round != self.round or req.worker_id not in self.members:
             raise StaleRoundMasterError(f"worker {req.worker_id} is not in round {req.round} (current {self.round})")
         first = self.shards.config is None
         self.shards.configure(DatasetConfig(req.dataset_size, req.batch_size, req.batches_per_shard, req.shuffle, req.seed))
-        if first:
-            with self.journal.transaction():
-                self._save_meta()
+        return rec, first
 
     def finish(self, req: FinishRequest) -> None:
         self._worker(req.worker_id).finished = True

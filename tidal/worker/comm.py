@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from tidal.worker.api import CollectiveError
-from tidal.worker.logical import sum_in_order
+from tidal.worker.logical import set_grads, sum_in_order
 from tidal.worker.state import pack_state, unpack_state
 
 log = logging.getLogger(__name__)
@@ -151,15 +151,7 @@ class RoundComm:
         flat, length = self._reduced
         if scale != 1.0:
             flat[:length].mul_(scale)
-        offset = 0
-        for p in params:
-            n = p.numel()
-            view = flat[offset:offset + n].view_as(p)
-            if p.grad is None:
-                p.grad = view.clone()
-            else:
-                p.grad.copy_(view)
-            offset += n
+        set_grads(params, flat)
         self._reduced = None
 
     def _buffer(self, total: int, dtype: torch.dtype) -> torch.Tensor:
@@ -190,15 +182,7 @@ class RoundComm:
                 self.group.allreduce([flat]).wait()
             except (RuntimeError, ValueError) as exc:
                 raise CollectiveError(f"gradient all-reduce failed: {exc}") from exc
-        offset = 0
-        for p, g in zip(params, grads, strict=True):
-            n = g.numel()
-            view = flat[offset:offset + n].view_as(p)
-            if p.grad is None:
-                p.grad = view.clone()
-            else:
-                p.grad.copy_(view)
-            offset += n
+        set_grads(params, flat)
 
     def reduce_in_logical_order(self, local: list[torch.Tensor], counts: list[int]) -> torch.Tensor:
         """Sum every logical worker's (weighted, flat) gradient in logical rank order.

@@ -149,8 +149,13 @@ def sum_in_order(contributions: list[torch.Tensor]) -> torch.Tensor:
 
 
 def set_grads(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
+    """Write consecutive pieces of ``flat`` into the parameters' ``.grad`` (copies, never views)."""
     offset = 0
     for p in params:
         n = p.numel()
-        p.grad = flat[offset:offset + n].view_as(p).clone()
+        view = flat[offset:offset + n].view_as(p)
+        if p.grad is None:
+            p.grad = view.clone()
+        else:
+            p.grad.copy_(view)
         offset += n
