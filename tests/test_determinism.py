@@ -125,3 +125,20 @@ def test_plain_allreduce_is_not_reproducible(tmp_path: Path, jobs: list[Job], re
         digests.append(fingerprint(ckpt))
     assert digests[0] != digests[1]
     assert reference not in digests
+
+
+BN_SCRIPT = Path(__file__).resolve().parent / "scripts" / "bn_dropout.py"
+
+
+def test_batchnorm_buffers_and_dropout_follow_the_logical_workers(tmp_path: Path, jobs: list[Job]) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIDAL_")}
+    plain = tmp_path / "plain"
+    out = subprocess.run([sys.executable, str(BN_SCRIPT), "--checkpoint-dir", str(plain)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    ckpt = tmp_path / "ckpt"
+    job = Job(tmp_path, "3:3", ["--checkpoint-dir", str(ckpt)], script=BN_SCRIPT,
+              run_args=["--logical-workers", "4"]).start()
+    jobs.append(job)
+    assert job.wait(240) == 0, job.output()[-3000:]
+    assert fingerprint(ckpt) == fingerprint(plain)

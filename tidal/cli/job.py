@@ -46,7 +46,8 @@ def check_ledger(path: Path | None) -> None:
         raise ConfigError(f"cannot write ledger {path}: {exc.strerror}") from None
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+                               "allow_interspersed_args": False})
 def run(
     ctx: typer.Context,
     script: Path = typer.Argument(..., help="The training script (run with this Python)."),
@@ -67,6 +68,8 @@ def run(
         None, "--determinism", help="D0, D1 (default with --logical-workers) or D2 (also across CPU types)."),
 ) -> None:
     """Run SCRIPT [ARGS...] as an elastic job of local worker processes.
+
+    Options of `tidal run` go before SCRIPT; everything after it is the script's.
 
     A job master keeps MIN..MAX workers alive, replaces failed ones without restarting the
     survivors, and hands out the dataset in shards so that every sample of every epoch is

@@ -1,0 +1,84 @@
+"""DLRover-RM: warm start (Algorithm 1), NSGA-II candidates, weighted greedy (Eq. 11-14)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tidal.brain.dlrover import PSConfig, PSJobObservation
+from tidal.brain.dlrover_rm import (
+    PAPER_PARAMS,
+    Candidate,
+    DLRoverRMPlanner,
+    nsga_candidates,
+    throughput_gain,
+    warm_start,
+    weighted_greedy,
+    weighted_greedy_weight,
+)
+from tidal.brain.history import InMemoryHistory, JobRecord
+
+
+def test_warm_start_top_k_and_smoothing():
+    h = InMemoryHistory()
+    h.add(JobRecord("a", 1.0, {"model": "wd", "user": "u1"}, {"workers": 10.0, "ps": 4.0}))
+    h.add(JobRecord("b", 2.0, {"model": "wd", "user": "u1"}, {"workers": 20.0, "ps": 2.0}))
+    h.add(JobRecord("c", 3.0, {"model": "wd", "user": "u2"}, {"workers": 40.0, "ps": 8.0}))
+    h.add(JobRecord("d", 4.0, {"model": "xdfm", "user": "u3"}, {"workers": 99.0, "ps": 99.0}))  # not similar
+    got = warm_start(h, {"model": "wd", "user": "u1"}, k=3, mu=0.5)
+    # ranked least to most similar: c (0.5), a (1.0, older), b (1.0, newer)
+    # A0 = c = 40; A1 = .5*10 + .5*40 = 25; A2 = .5*20 + .5*25 = 22.5
+    assert got == pytest.approx({"workers": 22.5, "ps": 0.5 * 2 + 0.5 * (0.5 * 4 + 0.5 * 8)})
+    assert warm_start(h, {"model": "dcn", "user": "u9"}, k=3) is None
+    with pytest.raises(ValueError):
+        warm_start(h, {"model": "wd"}, mu=1.0)
+
+
+def test_weighted_greedy_order_depends_on_rho():
+    now = {"short": PSConfig(2, 1, 2, 2, 0, 0), "long": PSConfig(2, 1, 2, 2, 0, 0)}
+    big = PSConfig(4, 1, 2, 2, 0, 0)  # +4 cores
+    short = Candidate("short", big, throughput=10.0, cost=10, extra_cost=4, gain=1.0, remaining=1000.0)
+    long = Candidate("long", big, throughput=10.0, cost=10, extra_cost=4, gain=2.0, remaining=100000.0)
+    # only one fits: rho = 2.5 prefers the job closer to the end, rho = 0 the higher efficiency
+    assert list(weighted_greedy([short, long], now, free_cpus=4, free_mem_gb=1e9, rho=2.5)) == ["short"]
+    assert list(weighted_greedy([short, long], now, free_cpus=4, free_mem_gb=1e9, rho=0.0)) == ["long"]
+    assert set(weighted_greedy([short, long], now, free_cpus=8, free_mem_gb=1e9)) == {"short", "long"}
+    assert weighted_greedy_weight(100.0, 10.0, 2.5) == pytest.approx(10.0**-2.5)
+
+
+def test_throughput_gain_subtracts_overhead():
+    # +5 steps/s, new pods for 120 s, PS pause 60 s at 10 steps/s, over 1200 s: 5 - (600 + 600)/1200 = 4
+    assert throughput_gain(15.0, 10.0, True, True, 1200.0) == pytest.approx(4.0)
+
+
+def dominated(f: np.ndarray, i: int) -> bool:
+    return bool(np.any(np.all(f <= f[i], axis=1) & np.any(f < f[i], axis=1)))
+
+
+def test_nsga_returns_non_dominated_feasible_candidates():
+    now = PSConfig(1, 1, 1, 1, 0.0, 0.0)
+    cands = nsga_candidates(PAPER_PARAMS, now, 0.0, float("inf"), cpu_quota=24, max_workers=8, max_ps=4,
+                            pop_size=20, generations=15, seed=1)
+    assert cands
+    assert all(c.config.cpus() <= 24 for c in cands)
+    f = np.array([[c.cost, -c.gain] for c in cands])
+    assert not any(dominated(f, i) for i in range(len(cands)))
+    again = nsga_candidates(PAPER_PARAMS, now, 0.0, float("inf"), cpu_quota=24, max_workers=8, max_ps=4,
+                            pop_size=20, generations=15, seed=1)
+    assert [c.config for c in again] == [c.config for c in cands]  # fixed seed: same answer
+
+
+def test_planner_warm_start_refit_and_oom():
+    h = InMemoryHistory([JobRecord("old", 1.0, {"model": "wd"}, {"workers": 8, "ps": 2, "worker_cpu": 3,
+                                                                   "ps_cpu": 8, "ps_mem_gb": 10.0}, PAPER_PARAMS)])
+    pl = DLRoverRMPlanner("j", {"model": "wd"}, 200, h)
+    assert pl.warm_started and (pl.initial_config.workers, pl.initial_config.ps) == (8, 2)
+    c = pl.initial_config
+    o = PSJobObservation("j", 0.0, c, 200, throughput=5.0, steps_done=1000, total_steps=10_000, ps_mem_used_gb=5.0)
+    pl.observe(o)
+    assert pl.predict(c) == pytest.approx(5.0)  # prior rescaled to the measurement
+    assert pl.candidates(o) and all(x.gain > 0 for x in pl.candidates(o))
+    o2 = PSJobObservation("j", 0.0, c, 200, throughput=5.0, steps_done=3000, total_steps=10_000, ps_mem_used_gb=7.0)
+    pl.observe(o2)
+    # 4 GB + 1 MB/step -> 14 GB at the end > 10 GB: more memory before the OOM
+    assert pl.plan(o2).ps_mem_gb == pytest.approx(17.0)

@@ -1,0 +1,56 @@
+"""A small dlrover-rm scenario: invariants of the simulation, every policy."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from tidal.sim.cluster import dlrover_rm as scen
+from tidal.sim.cluster import scenario
+
+TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "philly-jobs.csv"
+pytestmark = pytest.mark.skipif(not TRACE.exists(), reason="Philly trace not present")
+
+
+@pytest.mark.parametrize("policy", scen.POLICIES)
+def test_invariants(policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    jobs, nodes = scen.make_jobs(TRACE, 30, 3)
+    sim = scen.Sim(policy, jobs, nodes * scen.NODE_CORES, nodes * scen.NODE_MEM_GB, 3)
+    peak = {"cpu": 0.0, "mem": 0.0}
+    alloc = sim.alloc
+
+    def checked(old, new):  # type: ignore[no-untyped-def]
+        ok = alloc(old, new)
+        peak["cpu"] = max(peak["cpu"], sim.used_cpu)
+        peak["mem"] = max(peak["mem"], sim.used_mem)
+        return ok
+
+    monkeypatch.setattr(sim, "alloc", checked)
+    m = sim.run()
+    assert peak["cpu"] <= sim.cores + 1e-6 and peak["mem"] <= sim.mem + 1e-6
+    assert sim.used_cpu == pytest.approx(0.0, abs=1e-6)  # everything released
+    done = [j for j in jobs if j.state == "done"]
+    failed = [j for j in jobs if j.state == "failed"]
+    assert len(done) + len(failed) == len(jobs)
+    assert m.completion_rate == pytest.approx(len(done) / len(jobs))
+    for j in done:
+        assert j.end - j.submit >= j.duration * (1 - 1e-6)  # never faster than the ideal
+        assert j.cfg.cpus() <= j.quota or policy == "manual"
+    assert len(m.jcts) == len(done) and 0 <= m.cpu_util <= 1
+    assert len(m.timeline) <= scen.TIMELINE_POINTS + 10
+    if policy != "manual":
+        assert not failed
+    else:
+        assert m.scaling_actions == 0
+
+
+def test_run_reports_all_policies_and_warm_start() -> None:
+    res = scenario("dlrover-rm").run(TRACE, 40, 0, ["manual", "dlrover-rm"])
+    assert set(res.policies) == {"manual", "dlrover-rm"}
+    rm = res.policies["dlrover-rm"]
+    assert not math.isnan(rm.median_jct_s)
+    if rm.extra.get("recurring_jobs"):
+        assert 0 <= rm.extra["warm_start_worker_rel_err"] <= 10
+    assert rm.to_json()["completion_rate"] == rm.completion_rate
