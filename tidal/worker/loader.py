@@ -10,7 +10,9 @@ uncommitted batch: the master puts its range back in the TODO queue.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from tidal.api import DatasetRequest, LeaseRequest, LeaseResponse, Shard, StaleRoundError
@@ -54,6 +56,11 @@ class ElasticDataLoader:
         self._empty_epoch = -1
         self._local_queue: list[int] = []
         self._local_epoch = -1
+        self._pool: ThreadPoolExecutor | None = None
+        self._prefetch: Future[Shard | None] | None = None
+        self._prefetch_key = (-1, -1)
+        self._prefetch_at = 1
+        self._jitter = random.Random(job.worker_id * 7919 + seed)
 
     @property
     def epoch(self) -> int:
@@ -70,6 +77,7 @@ class ElasticDataLoader:
             if self._generation != job.generation:
                 self._generation = job.generation
                 self._shard, self._empty_epoch, self._local_epoch = None, -1, -1
+                self._drop_prefetch()
             epoch = state.epoch
             if epoch >= self.epochs:
                 job.finish()
@@ -150,7 +158,7 @@ class ElasticDataLoader:
             if self._empty_epoch == epoch:
                 return (0, 0)
             try:
-                shard = self._lease(epoch)
+                shard = self._take_prefetched(epoch)
             except StaleRoundError:
                 self.job._leave_for_rendezvous("stale round while leasing")
                 return None
@@ -158,11 +166,37 @@ class ElasticDataLoader:
                 self._empty_epoch = epoch
                 return (0, 0)
             self._shard, self._pos = shard, shard.start
+            batches = -(-(shard.end - shard.start) // shard.batch_size)
+            self._prefetch_at = self._jitter.randint(1, max(1, batches // 2))
         assert self._shard is not None
         start = self._pos
         end = min(start + self._shard.batch_size, self._shard.end)
         self._pos = end
+        left = -(-(self._shard.end - end) // self._shard.batch_size)
+        if left <= self._prefetch_at and self._prefetch is None and self.job.client is not None:
+            self._start_prefetch(epoch)
         return (start, end)
+
+    # Leases are fetched in the background while the current shard still has batches, at a
+    # random point of its second half: the training loop does not wait for the master, and the
+    # workers of a lockstep job do not all ask at the same step.
+    def _start_prefetch(self, epoch: int) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tidal-lease")
+        self._prefetch = self._pool.submit(self._lease, epoch)
+        self._prefetch_key = (self.job.generation, epoch)
+
+    def _take_prefetched(self, epoch: int) -> Shard | None:
+        future, self._prefetch = self._prefetch, None
+        if future is not None and self._prefetch_key == (self.job.generation, epoch):
+            return future.result()
+        # none, or one from an earlier round (the master released it when the round closed)
+        return self._lease(epoch)
+
+    def _drop_prefetch(self) -> None:
+        if self._prefetch is not None:
+            self._prefetch.cancel()
+            self._prefetch = None
 
     def _lease(self, epoch: int) -> Shard | None:
         job = self.job
