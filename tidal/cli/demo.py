@@ -74,14 +74,15 @@ def run_demo(samples: int, epochs: int, keep: Path | None) -> int:
         if not await _wait(master, lambda: len(master.members) == 2 and not master.reforming):
             return
         step = master.finalized_step
-        if not await _wait(master, lambda: master.finalized_step >= step + 60):
+        if not await _wait(master, lambda: master.finalized_step >= step + 30):
             return
         victim = master.workers[master.members[-1]]
         say(f"step {master.finalized_step}: SIGKILL worker {victim.worker_id} (pid {victim.pid})")
         os.kill(victim.pid, signal.SIGKILL)
         await _wait(master, lambda: victim.state is WorkerState.FAILED, 30)
         say("the survivor keeps training; the master launches a replacement")
-        await _wait(master, lambda: len(master.members) == 2 and victim.worker_id not in master.members, 120)
+        if await _wait(master, lambda: len(master.members) == 2 and victim.worker_id not in master.members, 120):
+            say(f"step {master.finalized_step}: the replacement joined, 2 workers again")
 
     started = time.time()
     code, master = run_master(spec, workdir / "job" / "journal.sqlite", follow_logs=True, scenario=scenario)

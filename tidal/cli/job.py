@@ -266,7 +266,7 @@ def _print_summary(master: Any) -> None:
 
 @app.command()
 def demo(
-    samples: int = typer.Option(400_000, help="Training samples per epoch."),
+    samples: int = typer.Option(600_000, help="Training samples per epoch."),
     epochs: int = typer.Option(2, help="Epochs."),
     keep: Path | None = typer.Option(None, "--keep", help="Keep the job directory and ledger here."),
 ) -> None:
