@@ -148,13 +148,23 @@ def run_master(
         return 0 if master.state is JobState.SUCCEEDED else 1
 
     try:
-        code = asyncio.run(main())
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            code = runner.run(main())
     finally:
         master.close()
         backend.close()
         journal.close()
         sock.close()
     return code, master
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop when installed (uvicorn[standard] brings it): about a third less CPU per request."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop  # type: ignore[no-any-return]
 
 
 class _Server(uvicorn.Server):

@@ -11,11 +11,13 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
 
 from tidal.api import (
     MAX_BODY_BYTES,
@@ -60,10 +62,12 @@ class ChangeNotifier:
 class GuardMiddleware:
     """Bearer token and body-size checks, before routing (plain ASGI, so it also guards /docs)."""
 
-    def __init__(self, app: Any, token: str, max_body: int = MAX_BODY_BYTES) -> None:
+    def __init__(self, app: Any, token: str, max_body: int = MAX_BODY_BYTES,
+                 fast_routes: dict[str, tuple[type[BaseModel], Callable[[Any], BaseModel]]] | None = None) -> None:
         self.app = app
         self.expected = f"Bearer {token}".encode()
         self.max_body = max_body
+        self.fast_routes = fast_routes or {}
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -93,6 +97,10 @@ class GuardMiddleware:
                 await _reply(send, 413, f"body over {self.max_body} bytes")
                 return
             more = message.get("more_body", False)
+        route = self.fast_routes.get(scope["path"]) if scope["method"] == "POST" else None
+        if route is not None:
+            await _fast(send, bytes(body), *route)
+            return
         replayed = False
 
         async def replay() -> dict:
@@ -105,11 +113,47 @@ class GuardMiddleware:
         await self.app(scope, replay, send)
 
 
-async def _reply(send: Any, status: int, detail: str, extra: list[tuple[bytes, bytes]] | None = None) -> None:
-    payload = json.dumps({"detail": detail}).encode()
+async def _fast(send: Any, body: bytes, model: type[BaseModel], handler: Callable[[Any], BaseModel]) -> None:
+    """The hot routes (report, lease: every worker, every second) without the FastAPI stack.
+
+    The same models validate the body and the same handlers answer, with the statuses the
+    FastAPI routes would give (422, the domain errors' own, 400); routing, dependency solving
+    and six middleware layers were most of a request's CPU (bench/master_load.py). FastAPI
+    still declares these routes, so the OpenAPI document and schemathesis cover them.
+    """
+    try:
+        result = handler(model.model_validate_json(body))
+    except ValidationError as exc:
+        errors = [{"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
+                  for e in exc.errors()]
+        await _send_json(send, 422, json.dumps({"detail": errors}).encode())
+        return
+    except MasterError as exc:
+        await _reply(send, exc.status, str(exc))
+        return
+    except ShardConflictError as exc:
+        await _reply(send, 409, str(exc))
+        return
+    except TidalError as exc:
+        await _reply(send, 400, str(exc))
+        return
+    await _send_json(send, 200, result.model_dump_json().encode())
+
+
+async def _send_json(send: Any, status: int, payload: bytes, extra: list[tuple[bytes, bytes]] | None = None) -> None:
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers + (extra or [])})
     await send({"type": "http.response.body", "body": payload})
+
+
+def _json(model: BaseModel) -> Response:
+    """Serialize a response model directly: the hot routes skip FastAPI's response re-validation
+    (the models are built by the master itself), which is a large part of a request's CPU."""
+    return Response(content=model.model_dump_json(), media_type="application/json")
+
+
+async def _reply(send: Any, status: int, detail: str, extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    await _send_json(send, status, json.dumps({"detail": detail}).encode(), extra)
 
 
 def create_app(master: JobMaster, token: str, notifier: ChangeNotifier) -> Any:
@@ -140,12 +184,12 @@ def create_app(master: JobMaster, token: str, notifier: ChangeNotifier) -> Any:
         return JSONResponse({"detail": str(exc)}, status_code=400)
 
     @app.post("/v1/workers/join", response_model=JoinResponse, responses={404: {}, 410: {}})
-    async def join(req: JoinRequest) -> JoinResponse:
+    async def join(req: JoinRequest) -> Response:
         """A launched worker registers itself."""
-        return master.join(req)
+        return _json(master.join(req))
 
     @app.post("/v1/rendezvous", response_model=RendezvousResponse, responses={404: {}, 409: {}, 410: {}})
-    async def rendezvous(req: RendezvousRequest) -> RendezvousResponse:
+    async def rendezvous(req: RendezvousRequest) -> Response:
         """Ask for a place in the next round; long-polls up to a second while the round forms."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + RENDEZVOUS_POLL_S
@@ -153,18 +197,18 @@ def create_app(master: JobMaster, token: str, notifier: ChangeNotifier) -> Any:
             resp = master.rendezvous(req)
             remaining = deadline - loop.time()
             if resp.status != "waiting" or remaining <= 0:
-                return resp
+                return _json(resp)
             await notifier.wait(remaining)
 
     @app.post("/v1/report", response_model=ReportResponse, responses={400: {}, 404: {}, 409: {}, 410: {}})
-    async def report(req: ReportRequest) -> ReportResponse:
+    async def report(req: ReportRequest) -> Response:
         """Heartbeat, progress and the worker's step records."""
-        return master.report(req)
+        return _json(master.report(req))
 
     @app.post("/v1/shards/lease", response_model=LeaseResponse, responses={400: {}, 404: {}, 409: {}, 410: {}})
-    async def lease(req: LeaseRequest) -> LeaseResponse:
+    async def lease(req: LeaseRequest) -> Response:
         """Lease the next TODO shard of an epoch."""
-        return master.lease(req)
+        return _json(master.lease(req))
 
     @app.post("/v1/dataset", responses={400: {}, 404: {}, 409: {}, 410: {}})
     async def dataset(req: DatasetRequest) -> dict[str, str]:
@@ -191,4 +235,8 @@ def create_app(master: JobMaster, token: str, notifier: ChangeNotifier) -> Any:
     async def healthz() -> dict[str, str]:
         return {"state": master.state.value}
 
-    return GuardMiddleware(app, token)  # type: ignore[return-value]
+    fast: dict[str, tuple[type[BaseModel], Callable[[Any], BaseModel]]] = {
+        "/v1/report": (ReportRequest, master.report),
+        "/v1/shards/lease": (LeaseRequest, master.lease),
+    }
+    return GuardMiddleware(app, token, fast_routes=fast)
