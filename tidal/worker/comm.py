@@ -28,6 +28,18 @@ _CHUNKS, _CHUNK_BITS = 3, 21  # a header value in float32: three exact 21-bit pi
 _CHUNK_MASK = (1 << _CHUNK_BITS) - 1
 
 
+def _encode_header(row: list[int]) -> torch.Tensor:
+    """A header row as float32-exact 21-bit pieces (values below 2**63)."""
+    values = torch.tensor(row, dtype=torch.int64)
+    return torch.stack([(values >> (_CHUNK_BITS * c)) & _CHUNK_MASK for c in range(_CHUNKS)], dim=1).reshape(-1)
+
+
+def _decode_header(pieces: torch.Tensor) -> torch.Tensor:
+    """``[world_size, HEADER_FIELDS * _CHUNKS]`` pieces -> ``[world_size, HEADER_FIELDS]`` int64."""
+    chunks = pieces.to(torch.int64).cpu().reshape(pieces.shape[0], HEADER_FIELDS, _CHUNKS)
+    return chunks[:, :, 0] + (chunks[:, :, 1] << _CHUNK_BITS) + (chunks[:, :, 2] << (2 * _CHUNK_BITS))
+
+
 class RoundComm:
     """The process group of one round.
 
@@ -128,17 +140,14 @@ class RoundComm:
             flat[:length].mul_(weight)
         header = flat[length:]
         header.zero_()
-        values = torch.tensor(row, dtype=torch.int64)
-        pieces = torch.stack([(values >> (_CHUNK_BITS * c)) & _CHUNK_MASK for c in range(_CHUNKS)], dim=1)
         base = self.rank * HEADER_FIELDS * _CHUNKS
-        header[base:base + HEADER_FIELDS * _CHUNKS].copy_(pieces.reshape(-1))
+        header[base:base + HEADER_FIELDS * _CHUNKS].copy_(_encode_header(row))
         try:
             self.group.allreduce([flat]).wait()
         except (RuntimeError, ValueError) as exc:
             raise CollectiveError(f"gradient all-reduce failed: {exc}") from exc
-        chunks = header.to(torch.int64).cpu().view(self.world_size, HEADER_FIELDS, _CHUNKS)
         self._reduced = (flat, length)
-        return chunks[:, :, 0] + (chunks[:, :, 1] << _CHUNK_BITS) + (chunks[:, :, 2] << (2 * _CHUNK_BITS))
+        return _decode_header(header.view(self.world_size, -1))
 
     def apply_reduced(self, params: list[torch.nn.Parameter], scale: float) -> None:
         """Write the reduced gradients (times ``scale``) into ``.grad``."""
@@ -184,54 +193,74 @@ class RoundComm:
                 raise CollectiveError(f"gradient all-reduce failed: {exc}") from exc
         set_grads(params, flat)
 
-    def reduce_in_logical_order(self, local: list[torch.Tensor], counts: list[int]) -> torch.Tensor:
+    def reduce_in_logical_order(self, local: list[torch.Tensor], counts: list[int],
+                                row: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Sum every logical worker's (weighted, flat) gradient in logical rank order.
 
         ``local`` are this process's contributions in logical order, ``counts[p]`` how many
         logical workers process ``p`` runs (contiguous blocks, so rank order is logical order).
         Each process owns a slice of the gradient: an all-to-all brings it the N contributions
         to its slice, it adds them left to right, and an all-gather returns the whole result.
-        Every element is the same sum in the same order for any number of processes.
+        Every element is the same sum in the same order for any number of processes. The step
+        header ``row`` rides in the all-gather (as in ``reduce_with_header``). Returns the
+        reduced gradient (a fresh tensor) and the headers ``[world_size, HEADER_FIELDS]``.
         """
         if self.group is None:
-            return sum_in_order(local)
+            return sum_in_order(local), torch.tensor([row], dtype=torch.int64)
         k, length = self.world_size, local[0].numel()
         bounds = [p * length // k for p in range(k + 1)]
         sizes = [bounds[p + 1] - bounds[p] for p in range(k)]
         mine = sizes[self.rank]
-        send = torch.cat([c[bounds[q]:bounds[q + 1]] for q in range(k) for c in local])
+        # one contribution per process: its slices are already in destination order
+        send = local[0] if len(local) == 1 else torch.cat(
+            [c[bounds[q]:bounds[q + 1]] for q in range(k) for c in local])
         recv = torch.empty(sum(counts) * mine, dtype=send.dtype, device=send.device)
+        width = max(sizes)
+        stride = width + HEADER_FIELDS * _CHUNKS
+        part = torch.zeros(stride, dtype=send.dtype, device=send.device)
+        part[width:].copy_(_encode_header(row))
+        gathered = torch.empty(k * stride, dtype=send.dtype, device=send.device)
         try:
             self.group.alltoall_base(recv, send, [n * mine for n in counts], [len(local) * s for s in sizes]).wait()
-            reduced = sum_in_order(list(recv.view(sum(counts), mine))) if mine else recv[:0]
-            width = max(sizes)
-            padded = torch.zeros(width, dtype=send.dtype, device=send.device)
-            padded[:mine] = reduced
-            slices = [torch.empty_like(padded) for _ in range(k)]
-            self.group.allgather([slices], [padded]).wait()
+            if mine:
+                rows = recv.view(sum(counts), mine)
+                acc = part[:mine]
+                acc.copy_(rows[0])
+                for r in range(1, rows.shape[0]):
+                    acc.add_(rows[r])  # left to right, as sum_in_order
+            self.group._allgather_base(gathered, part).wait()
         except (RuntimeError, ValueError) as exc:
             raise CollectiveError(f"logical-order reduction failed: {exc}") from exc
-        return torch.cat([slices[p][:sizes[p]] for p in range(k)])
+        blocks = gathered.view(k, stride)
+        reduced = torch.cat([blocks[p, :sizes[p]] for p in range(k)])
+        return reduced, _decode_header(blocks[:, width:])
 
-    def reduce_by_allreduce(self, local: list[torch.Tensor]) -> torch.Tensor:
+    def reduce_by_allreduce(self, local: list[torch.Tensor], row: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The world-size-dependent way (``TIDAL_REDUCTION=allreduce``): not reproducible."""
+        headers = self.exchange_headers(row)
         flat = sum_in_order(local)
         if self.group is not None:
             try:
                 self.group.allreduce([flat]).wait()
             except (RuntimeError, ValueError) as exc:
                 raise CollectiveError(f"gradient all-reduce failed: {exc}") from exc
-        return flat
+        return flat, headers
 
     def broadcast_tensors(self, tensors: list[torch.Tensor], source: int) -> None:
-        """In place: every member ends with the source's values (module buffers)."""
-        if self.group is None:
+        """In place: every member ends with the source's values (module buffers), in one message."""
+        if self.group is None or not tensors:
             return
+        flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors])
         try:
-            for t in tensors:
-                self._broadcast(t, source)
+            self._broadcast(flat, source)
         except (RuntimeError, ValueError) as exc:
             raise CollectiveError(f"buffer broadcast failed: {exc}") from exc
+        offset = 0
+        with torch.no_grad():
+            for t in tensors:
+                n = t.numel()
+                t.copy_(flat[offset:offset + n].view_as(t).to(t.dtype))
+                offset += n
 
     def broadcast_state(self, tree: object | None, source: int) -> object:
         """Send the source's state to every member; returns the state as received."""

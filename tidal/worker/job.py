@@ -257,31 +257,15 @@ class Job:
         self.local_ests = est_ranks(self.logical, self.world_size, self.rank)
         self._est_counts = [len(est_ranks(self.logical, self.world_size, p)) for p in range(self.world_size)]
 
-    def _begin_logical_step(self, epoch: int, batches: list[tuple[int, int]]) -> LogicalStep | None:
-        """Agree with the other processes on the step (their re-form notices); None: re-form."""
-        assert self.logical is not None
+    def _begin_logical_step(self, epoch: int, batches: list[tuple[int, int]]) -> LogicalStep:
+        """The step this process is about to run for its logical workers (nothing is exchanged:
+        the step header rides in the reduction at the end of the step)."""
         state = self._require_state()
         self._check_gone()
-        started = time.monotonic()
         mine = sum(batches[r][1] - batches[r][0] for r in self.local_ests)
-        try:
-            assert self._comm is not None
-            t0 = time.monotonic()
-            headers = self._comm.exchange_headers([mine, int(self._reform_notice), epoch, 0, 0, self.worker_id]).tolist()
-            collective_s = time.monotonic() - t0
-        except CollectiveError as exc:
-            self._broken(exc)
-            return None
-        if any(h[REFORM] for h in headers):
-            self._leave_for_rendezvous("re-form requested by the master")
-            return None
-        step = state.applied_step + 1
-        holders = {r: headers[p][WORKER] for p in range(self.world_size)
-                   for r in est_ranks(self.logical, self.world_size, p)}
-        records = [StepRecord(step=step, worker=holders[r], epoch=epoch, start=s, end=e)
-                   for r, (s, e) in enumerate(batches) if e > s]
         total = sum(e - s for s, e in batches)
-        pending = PendingStep(step, headers, total, mine, started, collective_s, records)
+        pending = PendingStep(state.applied_step + 1, [], total, mine, time.monotonic(), 0.0,
+                              span=(epoch, 0, 0))
         self._lstep = LogicalStep(pending, batches)
         return self._lstep
 
@@ -323,28 +307,41 @@ class Job:
                     p.grad = None
                 self._stash.put(r, params, 0.0)
         assert self._comm is not None and self.logical is not None
+        pending = lstep.pending
+        assert pending.span is not None
+        epoch = pending.span[0]
+        row = [pending.mine, int(self._reform_notice), epoch, 0, 0, self.worker_id]
         t0 = time.monotonic()
         try:
             local = self._stash.ordered(self.local_ests)
             if self._reduction == "allreduce":
-                flat = self._comm.reduce_by_allreduce(local)
+                flat, headers = self._comm.reduce_by_allreduce(local, row)
             else:
-                flat = self._comm.reduce_in_logical_order(local, self._est_counts)
-            buffers = state.buffers()
-            if buffers:  # buffers follow EST 0, like DDP's follow rank 0
-                if lstep.buffers_est0 is not None:
-                    with torch.no_grad():
-                        for b, v in zip(buffers, lstep.buffers_est0, strict=True):
-                            b.copy_(v)
-                self._comm.broadcast_tensors(buffers, source=0)
+                flat, headers = self._comm.reduce_in_logical_order(local, self._est_counts, row)
+            # buffers follow EST 0, like DDP's follow rank 0; integer ones (counters, indices)
+            # evolve the same everywhere, floating ones (BatchNorm statistics) are sent
+            floating = [b for b in state.buffers() if b.is_floating_point()]
+            if lstep.buffers_est0 is not None:
+                with torch.no_grad():
+                    for b, v in zip(state.buffers(), lstep.buffers_est0, strict=True):
+                        b.copy_(v)
+            self._comm.broadcast_tensors(floating, source=0)
         except CollectiveError as exc:
             self._broken(exc)
             return False
-        set_grads(params, flat)
+        set_grads(params, flat, owned=self._reduction != "allreduce")
         if state.optimizer is not None:
             state.optimizer.step()
         state.epoch_step += 1
-        self._applied(state, lstep.pending, lstep.pending.collective_s + time.monotonic() - t0)
+        rows = headers.tolist()
+        holders = {r: rows[p][WORKER] for p in range(self.world_size)
+                   for r in est_ranks(self.logical, self.world_size, p)}
+        pending.headers = rows
+        pending.records = [StepRecord(step=pending.step, worker=holders[r], epoch=epoch, start=s, end=e)
+                           for r, (s, e) in enumerate(lstep.batches) if e > s]
+        self._applied(state, pending, time.monotonic() - t0)
+        if any(r[REFORM] for r in rows):
+            self._leave_for_rendezvous("re-form requested by the master")
         return True
 
     def est_contexts(self) -> list[dict[str, Any]]:

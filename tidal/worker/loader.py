@@ -125,8 +125,6 @@ class ElasticDataLoader:
                 order_epoch, order = state.epoch, schedule.order(state.epoch)
             batches = [schedule.batch(order, state.epoch_step, r) for r in range(job.logical)]
             lstep = job._begin_logical_step(state.epoch, batches)
-            if lstep is None:
-                continue
             for r in job.local_ests:
                 start, end = batches[r]
                 if end <= start:

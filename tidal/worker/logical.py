@@ -76,7 +76,11 @@ def est_seed(seed: int, logical_rank: int, step: int) -> int:
 def enter_context(seed: int, logical_rank: int, step: int) -> None:
     """Seed every generator the script may use for EST ``logical_rank`` at global step ``step``."""
     s = est_seed(seed, logical_rank, step)
-    torch.manual_seed(s)
+    # the CPU generator directly: torch.manual_seed also walks every accelerator backend
+    # (~100 us a call here, for every logical worker of every step)
+    torch.default_generator.manual_seed(s)
+    if torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(s)
     np.random.seed(s % (1 << 32))
     random.seed(s)
 
@@ -127,11 +131,7 @@ class GradientStash:
         if flat is None or flat.numel() != total:
             flat = torch.empty(total, dtype=grads[0].dtype, device=grads[0].device)
             self.flats[logical_rank] = flat
-        offset = 0
-        for g in grads:
-            n = g.numel()
-            flat[offset:offset + n].copy_(g.reshape(-1))
-            offset += n
+        torch.cat([g.reshape(-1) for g in grads], out=flat)
         flat.mul_(weight)
         for p in params:
             p.grad = None
@@ -148,13 +148,19 @@ def sum_in_order(contributions: list[torch.Tensor]) -> torch.Tensor:
     return acc
 
 
-def set_grads(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
-    """Write consecutive pieces of ``flat`` into the parameters' ``.grad`` (copies, never views)."""
+def set_grads(params: list[torch.nn.Parameter], flat: torch.Tensor, *, owned: bool = False) -> None:
+    """Write consecutive pieces of ``flat`` into the parameters' ``.grad``.
+
+    ``owned``: ``flat`` is a fresh tensor nobody else writes to, so the gradients may be views
+    of it; otherwise (a reused communication buffer) they are copies.
+    """
     offset = 0
     for p in params:
         n = p.numel()
         view = flat[offset:offset + n].view_as(p)
-        if p.grad is None:
+        if owned:
+            p.grad = view
+        elif p.grad is None:
             p.grad = view.clone()
         else:
             p.grad.copy_(view)
