@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -102,6 +103,10 @@ def run_master(
     follower = LogFollower(Path(spec.job_dir) / "logs", out) if follow_logs else None
 
     async def main() -> int:
+        # Long-lived state (worker records, shard tables) would make every full collection walk
+        # thousands of objects mid-request: freeze what exists and collect the young less often.
+        gc.freeze()
+        gc.set_threshold(50_000, 20, 100)
         notifier_box.append(ChangeNotifier())
         app = create_app(master, spec.token, notifier_box[0])
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
