@@ -1,0 +1,95 @@
+"""examples/ctr/train.py as a plain torchrun + DDP script: the peer of tidal in the runtime benchmarks.
+
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 1:2 --nproc-per-node 1 \\
+        --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT --rdzv-conf last_call_timeout=1 \\
+        --local-addr 127.0.0.1 --max-restarts 10 bench/ddp_ctr.py --samples N --stamp-dir DIR
+
+Same model (DLRM), data (ClickDataset, contiguous ``get_range`` batches), per-worker batch size,
+Adam, BCE loss, gloo and one intra-op thread as the tidal run. The data are split with a
+``DistributedSampler`` over *batch indices* (index ranges ``[b * B, (b + 1) * B)``), so each
+rank reads contiguous ranges exactly like tidal's shards, and batch generation costs the same.
+
+Elasticity the torchrun way: on any membership change or worker failure torchrun stops every
+worker and starts them again; the script then resumes from the checkpoint that rank 0 writes
+every ``--ckpt-every`` steps (model, optimizer, step, epoch; written to a temporary file and
+renamed). Steps redone after a restart are *not* counted as pause: the stamp of the first step
+applied after the restart ends the pause, whatever step number it has (favours torchrun).
+
+One line per applied step goes to ``--stamp-dir/<pid>.txt`` (bench/common.py ``StampWriter``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data.distributed import DistributedSampler
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import StampWriter, split_args
+from examples.ctr.data import ClickDataset
+from examples.ctr.model import DLRM
+from examples.ctr.train import parse_args as example_args
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argparse.Namespace]:
+    """(bench arguments, examples/ctr/train.py's arguments): the training arguments are the example's."""
+    bench, rest = split_args(argv, [("--ckpt", {"default": None, "help": "checkpoint file (resume from it if present)"}),
+                                    ("--ckpt-every", {"type": int, "default": 50})])
+    return bench, example_args(rest)
+
+
+def main(argv: list[str] | None = None) -> None:
+    bench, args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    stamps = StampWriter(bench.stamp_dir)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(args.seed)
+    train = ClickDataset(args.samples, seed=args.seed)
+    model = DLRM()
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    step, epoch, skip = -1, 0, 0
+    if bench.ckpt and os.path.exists(bench.ckpt):
+        ck = torch.load(bench.ckpt, weights_only=True)
+        model.load_state_dict(ck["model"])
+        optimizer.load_state_dict(ck["optimizer"])
+        step, epoch, skip = int(ck["step"]), int(ck["epoch"]), int(ck["batches_done"])
+    ddp = DistributedDataParallel(model)
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+    n_batches = (len(train) + args.batch_size - 1) // args.batch_size
+    sampler = DistributedSampler(range(n_batches), num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
+    while epoch < args.epochs:
+        sampler.set_epoch(epoch)
+        # after a restart, skip the batches of this epoch the checkpoint already has (global
+        # batches, so the skip is right whatever the new world size is)
+        order = list(sampler)[skip // world:]
+        for i, b in enumerate(order):
+            batch = train.get_range(b * args.batch_size, min((b + 1) * args.batch_size, len(train)))
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(ddp(batch["dense"], batch["sparse"]), batch["label"])
+            loss.backward()
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
+            optimizer.step()
+            step += 1
+            stamps.stamp(world, len(batch["label"]), step)
+            if bench.ckpt and rank == 0 and step % bench.ckpt_every == 0:
+                tmp = bench.ckpt + ".tmp"
+                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                            "epoch": epoch, "batches_done": skip + (i + 1) * world}, tmp)
+                os.replace(tmp, bench.ckpt)
+        epoch, skip = epoch + 1, 0
+    stamps.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
