@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import math
 import random
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -145,3 +146,19 @@ def policy_metrics(outcomes: list[JobOutcome], usage: list[tuple[float, float, f
         timeline=timeline,
         jcts=jcts,
     )
+
+
+def run_policies(scenario: str, known: list[str], policies: list[str], notes: str,
+                 simulate: Callable[[str], PolicyMetrics]) -> ScenarioResult:
+    """Run ``simulate(policy)`` for each policy (each on its own fresh copy of the jobs).
+
+    Raises:
+        ConfigError: an unknown policy.
+    """
+    unknown = [p for p in policies if p not in known]
+    if unknown:
+        raise ConfigError(f"unknown {scenario} policies {unknown}; known: {', '.join(known)}")
+    result = ScenarioResult(scenario, {}, notes=[notes])
+    for policy in policies:
+        result.policies[policy] = simulate(policy)
+    return result

@@ -47,7 +47,14 @@ from scipy.optimize import nnls
 from tidal.api import ConfigError
 from tidal.brain.easyscale import ElasticJob, InterJobAllocator, IntraJobPlanner, map_ests
 from tidal.brain.yarn import GangRequest, Machine, YarnCapacityFifo
-from tidal.sim.cluster.api import JobOutcome, PolicyMetrics, ScenarioResult, load_philly, policy_metrics
+from tidal.sim.cluster.api import (
+    JobOutcome,
+    PolicyMetrics,
+    ScenarioResult,
+    load_philly,
+    policy_metrics,
+    run_policies,
+)
 
 __all__ = ["POLICIES", "AppProfile", "pollux_profiles", "run"]
 
@@ -315,10 +322,5 @@ def run(trace: Path, jobs: int, seed: int, policies: list[str]) -> ScenarioResul
     Raises:
         ConfigError: an unknown policy, or a trace with fewer usable jobs.
     """
-    unknown = [p for p in policies if p not in POLICIES]
-    if unknown:
-        raise ConfigError(f"unknown easyscale policies {unknown}; known: {', '.join(POLICIES)}")
-    result = ScenarioResult("easyscale", {}, notes=[__doc__ or ""])
-    for policy in policies:
-        result.policies[policy] = _simulate(_make_jobs(trace, jobs, seed), policy)
-    return result
+    return run_policies("easyscale", POLICIES, policies, __doc__ or "",
+                        lambda policy: _simulate(_make_jobs(trace, jobs, seed), policy))

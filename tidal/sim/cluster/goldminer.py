@@ -44,7 +44,6 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tidal.api import ConfigError
 from tidal.brain.goldminer import (
     DataJob,
     DataWorkerAllocator,
@@ -53,7 +52,14 @@ from tidal.brain.goldminer import (
     trainer_cpus,
 )
 from tidal.brain.yarn import GangRequest, Machine, Placement, YarnCapacityFifo
-from tidal.sim.cluster.api import JobOutcome, PolicyMetrics, ScenarioResult, load_philly, policy_metrics
+from tidal.sim.cluster.api import (
+    JobOutcome,
+    PolicyMetrics,
+    ScenarioResult,
+    load_philly,
+    policy_metrics,
+    run_policies,
+)
 
 __all__ = ["MODELS", "POLICIES", "run"]
 
@@ -312,10 +318,5 @@ def run(trace: Path, jobs: int, seed: int, policies: list[str]) -> ScenarioResul
     Raises:
         ConfigError: an unknown policy, or a trace with fewer usable jobs.
     """
-    unknown = [p for p in policies if p not in POLICIES]
-    if unknown:
-        raise ConfigError(f"unknown goldminer policies {unknown}; known: {', '.join(POLICIES)}")
-    result = ScenarioResult("goldminer", {}, notes=[__doc__ or ""])
-    for policy in policies:
-        result.policies[policy] = _simulate(_make_jobs(trace, jobs, seed), policy)
-    return result
+    return run_policies("goldminer", POLICIES, policies, __doc__ or "",
+                        lambda policy: _simulate(_make_jobs(trace, jobs, seed), policy))
