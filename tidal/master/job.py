@@ -26,7 +26,7 @@ import statistics
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 from tidal.api import (
     DatasetRequest,
@@ -802,7 +802,3 @@ def _ledger_line(c: CommittedRange) -> str:
 
 def new_token() -> str:
     return secrets.token_urlsafe(24)
-
-
-def as_dict(obj: Any) -> Any:
-    return obj.model_dump() if hasattr(obj, "model_dump") else obj

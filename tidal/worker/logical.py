@@ -46,6 +46,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tidal.api.sharding import shard_starts
+
 MASK64 = (1 << 64) - 1
 
 
@@ -104,10 +106,8 @@ class BatchSchedule:
         return -(-self.chunks // self.n_logical)
 
     def order(self, epoch: int) -> list[int]:
-        chunks = list(range(self.chunks))
-        if self.shuffle:
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(chunks)
-        return chunks
+        """The epoch's chunk order: the shard-order convention with one chunk per shard."""
+        return shard_starts(self.chunks, 1, self.shuffle, self.seed, epoch)
 
     def batch(self, order: list[int], epoch_step: int, logical_rank: int) -> tuple[int, int]:
         """``[start, end)`` of EST ``logical_rank`` at this step of the epoch ((0, 0): none)."""
