@@ -8,6 +8,7 @@ it with its own ``make_journal``. SQLite-only properties (a file that outlives t
 from __future__ import annotations
 
 import sqlite3
+import time
 from pathlib import Path
 from typing import Any
 
@@ -309,3 +310,31 @@ def test_a_file_that_is_not_a_database_is_a_config_error(tmp_path: Path) -> None
     path.write_bytes(b"this is not a sqlite database, just some text\n" * 100)
     with pytest.raises(ConfigError, match="cannot open journal"):
         SqliteJournal(path, create=False)
+
+
+def test_sqlite_checkpoints_the_log_in_the_background(tmp_path: Path) -> None:
+    """Commits only append to the write-ahead log; the checkpointer thread copies it back."""
+    path = tmp_path / "j.sqlite"
+    j = SqliteJournal(path, checkpoint_s=0.05)
+    ranges = [CommittedRange(0, i, i + 1, i, 0) for i in range(5000)]
+    j.append_ledger(ranges)
+    db_size = path.stat().st_size
+    deadline = time.monotonic() + 10
+    while path.stat().st_size == db_size and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert path.stat().st_size > db_size  # the ledger reached the database file while open
+    j.close()
+    assert not (tmp_path / "j.sqlite-wal").exists() or (tmp_path / "j.sqlite-wal").stat().st_size == 0
+    with sqlite3.connect(path) as db:  # another reader, without the log, sees everything
+        assert db.execute("SELECT count(*) FROM ledger").fetchone() == (1,)
+    reopened = SqliteJournal(path, create=False)
+    assert reopened.load_ledger() == ranges
+    reopened.close()
+
+
+def test_sqlite_ledger_row_of_a_broken_size_is_a_config_error(tmp_path: Path) -> None:
+    j = SqliteJournal(tmp_path / "j.sqlite")
+    j._db.execute("INSERT INTO ledger (ranges) VALUES (?)", (b"\0" * 41,))
+    with pytest.raises(ConfigError, match="whole number of ranges"):
+        j.load_ledger()
+    j.close()

@@ -17,6 +17,7 @@ from tidal.api import ConfigError, PermanentError, Shard
 from tidal.api.sharding import shard_starts
 from tidal.master.shards import (
     ALLOWED_TRANSITIONS,
+    CommittedRange,
     DatasetConfig,
     ShardConflictError,
     ShardEntry,
@@ -333,8 +334,10 @@ def test_dirty_returns_each_change_once() -> None:
     assert sorted(e.start for e in first) == [0, 20]  # the new epoch's table
     assert m.dirty() == []
     m.commit(0, 0, 4)
+    assert m.dirty() == []  # progress inside a shard: the ledger has it, restore replays it
+    m.commit(0, 4, 20)
     (changed,) = m.dirty()
-    assert (changed.start, changed.done_to, changed.state) == (0, 4, S.DOING)
+    assert (changed.start, changed.done_to, changed.state) == (0, 20, S.DONE)
     m.lease(2, 0, size_factor=0.5)
     assert sorted(e.start for e in m.dirty()) == [20, 30]
 
@@ -376,6 +379,61 @@ def test_restore_reproduces_the_next_leases_after_repeated_straggler_splits() ->
     r = ShardManager()
     r.restore(m.config, copy_entries(m))
     assert drain(r, 0, worker=1) == drain(m, 0, worker=1)
+
+
+class _JournalMirror:
+    """What the master journals: the rows ``dirty()`` hands out, and every committed range."""
+
+    def __init__(self, m: ShardManager) -> None:
+        self.m = m
+        self.rows: dict[tuple[int, int], ShardEntry] = {}
+        self.ledger: list[CommittedRange] = []
+
+    def commit(self, epoch: int, start: int, end: int) -> None:
+        if self.m.commit(epoch, start, end):
+            self.ledger.append(CommittedRange(epoch, start, end, 0, 0))
+        self.flush()
+
+    def flush(self) -> None:
+        for e in self.m.dirty():
+            self.rows[(e.epoch, e.start)] = dataclasses.replace(e)
+
+    def restored(self) -> ShardManager:
+        r = ShardManager()
+        r.restore(self.m.config, [dataclasses.replace(e) for e in self.rows.values()], self.ledger)
+        return r
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_restore_from_journaled_rows_and_the_ledger(shuffle: bool) -> None:
+    """Rows journaled before some commits, plus the ledger, rebuild the live table exactly."""
+    m = make(size=200, batch=4, per_shard=5, shuffle=shuffle, seed=3)
+    j = _JournalMirror(m)
+    leased = [m.lease(w, 0) for w in range(3)]
+    j.flush()
+    for s in leased:
+        assert s is not None
+        j.commit(0, s.start, s.start + 4)  # progress only: no row rewritten
+        j.commit(0, s.start + 4, s.start + 8)
+    j.commit(0, leased[0].start + 8, leased[0].end)  # type: ignore[union-attr]  # completes: DONE row
+    m.release(worker=1)
+    j.flush()
+    r = j.restored()
+    assert r.counts() == m.counts()
+    assert sorted((e.epoch, e.start, e.end, e.done_to, e.state) for e in r.entries()) == sorted(
+        (e.epoch, e.start, e.end, e.done_to, e.state) for e in m.entries())
+    assert drain(r, 0, worker=5) == drain(m, 0, worker=5)
+    assert r.release() == m.release()
+
+
+def test_restore_completes_a_shard_whose_last_commit_only_the_ledger_has() -> None:
+    m = make(size=40, batch=4, per_shard=5)  # shards of 20
+    s = m.lease(1, 0)
+    assert s is not None
+    r = ShardManager()
+    r.restore(m.config, copy_entries(m), [CommittedRange(0, 0, 8, 1, 1), CommittedRange(0, 8, 20, 2, 1)])
+    assert r.counts()[0][3] == 1 and r.is_committed(0, 0, 20)
+    assert [x.start for x in drain(r, 0, worker=2)] == [20]
 
 
 def test_restore_keeps_committed_prefixes() -> None:

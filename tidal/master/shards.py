@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import NamedTuple
 
 from tidal.api import ConfigError, PermanentError, Shard
 from tidal.api.sharding import shard_starts
@@ -80,8 +82,9 @@ class DatasetConfig:
         return self.batch_size * self.batches_per_shard
 
 
-@dataclass(frozen=True)
-class CommittedRange:
+class CommittedRange(NamedTuple):
+    """One ledger entry: ``[start, end)`` of ``epoch`` consumed by ``worker`` in step ``step``."""
+
     epoch: int
     start: int
     end: int
@@ -205,7 +208,9 @@ class ShardManager:
         if end == entry.end:
             entry.move(ShardState.DONE)
             entry.worker = None
-        self._dirty[(epoch, entry.start)] = entry
+            # Progress inside a shard is not journaled here: the committed ranges go to the
+            # ledger anyway, and ``restore`` replays them. Only the state change is.
+            self._dirty[(epoch, entry.start)] = entry
         return True
 
     def is_committed(self, epoch: int, start: int, end: int) -> bool:
@@ -257,13 +262,27 @@ class ShardManager:
         return out
 
     # ----------------------------------------------------------------- resume
-    def restore(self, config: DatasetConfig | None, entries: list[ShardEntry]) -> None:
-        """Rebuild from journaled entries (a restarted master)."""
+    def restore(self, config: DatasetConfig | None, entries: list[ShardEntry],
+                committed: Iterable[CommittedRange] = ()) -> None:
+        """Rebuild from journaled entries and the ledger of committed ranges (a restarted master).
+
+        An entry's journaled ``done_to`` may lag: ``commit`` journals a shard only when it
+        completes, and the ranges committed before that are in the ledger, which is replayed here.
+        """
         self.config = config
         self._epochs.clear()
-        for entry in sorted(entries, key=lambda e: (e.epoch, e.order)):
-            table = self._epochs.setdefault(entry.epoch, _Epoch(entry.epoch))
-            table.add(entry)
+        entries = sorted(entries, key=lambda e: (e.epoch, e.order))
+        for entry in entries:
+            self._epochs.setdefault(entry.epoch, _Epoch(entry.epoch)).add(entry)
+        for c in committed:
+            table = self._epochs.get(c.epoch)
+            found = table.containing(c.start) if table else None
+            if found is not None and found.done_to < c.end <= found.end:
+                found.done_to = c.end
+        for entry in entries:
+            if entry.done_to == entry.end and entry.state is not ShardState.DONE:
+                entry.move(ShardState.DONE)
+                entry.worker = None
             if entry.state is ShardState.TODO:
-                table.todo.append(entry.start)
+                self._epochs[entry.epoch].todo.append(entry.start)
         self._dirty.clear()
