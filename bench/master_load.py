@@ -4,7 +4,8 @@
 
 The master runs in its own process, built the way tidal/master/server.py builds it (SQLite
 journal in WAL mode, the "max" planner, FastAPI app with the bearer-token guard, uvicorn on a
-socket bound to 127.0.0.1, ``master.tick()`` every 20 ms on the same event loop), except that its
+socket bound to 127.0.0.1, uvloop and the server's GC settings, ``master.tick()`` every 20 ms
+on the same event loop), except that its
 backend is a *null backend*: ``launch`` only records the worker ids the master assigns (no
 process is started), so the master believes it launched ``--workers`` workers with ids
 0..N-1. No TCPStore is created (the simulated workers never form a process group).
@@ -28,8 +29,9 @@ the client: send to parsed answer, so the clients' own event-loop delay is inclu
 and leases of the steady window only, joins of the set-up phase), the
 master-side service time of reports and leases (an ASGI wrapper around tidal's app: request
 received to response sent, so it includes waiting for the master's event loop but not the
-clients' delays), errors (non-2xx, timeouts, connection errors), the CPU each process used in
-the window, and what the master saw (rounds, failures, slow ticks).
+clients' delays), how late the master's event loop woke a 5 ms sleep (time it could serve
+nobody), errors (non-2xx, timeouts, connection errors), the CPU each process used in the
+window, and what the master saw (rounds, failures, slow ticks).
 
 Fairness: the master and the client processes share the machine's 2 cores, so every latency
 includes CPU contention with the load generator. The default load generator (``--client raw``,
@@ -102,7 +104,7 @@ def serve_master(work: Path, workers: int) -> None:
     from tidal.master.api import JobSpec
     from tidal.master.job import JobMaster, new_token
     from tidal.master.journal import SqliteJournal
-    from tidal.master.server import TICK_S, bind_socket
+    from tidal.master.server import TICK_S, bind_socket, loop_factory, tune_gc
     from tidal.master.service import ChangeNotifier, create_app
 
     sock = bind_socket("127.0.0.1", 0)
@@ -117,6 +119,17 @@ def serve_master(work: Path, workers: int) -> None:
     stopping = asyncio.Event()
 
     async def main() -> None:
+        tune_gc()
+        lags: list[tuple[float, float]] = []
+
+        async def lag_monitor() -> None:
+            """How late the event loop wakes a 5 ms sleep: time the master could not serve."""
+            while True:
+                t0 = time.perf_counter()
+                await asyncio.sleep(0.005)
+                lags.append((time.time(), time.perf_counter() - t0 - 0.005))
+
+        monitor = asyncio.create_task(lag_monitor())
         box.append(ChangeNotifier())
         inner = create_app(master, spec.token, box[0])
         served: dict[str, list[tuple[float, float]]] = {}
@@ -150,13 +163,17 @@ def serve_master(work: Path, workers: int) -> None:
         for path in ("/v1/report", "/v1/shards/lease"):
             v = [d for t, d in served.get(path, []) if window[0] <= t <= window[1]]
             service[path.rsplit("/", 1)[-1]] = {"n": len(v), "p50_ms": 1e3 * pct(v, 0.5), "p99_ms": 1e3 * pct(v, 0.99)}
-        (work / "master-stats.json").write_text(json.dumps({"slow_ticks_over_10ms": slow_ticks, "worst_tick_s": worst,
-                                                            "service_ms": service}))
+        monitor.cancel()
+        lag = [d for t, d in lags if window[0] <= t <= window[1]]
+        (work / "master-stats.json").write_text(json.dumps({
+            "slow_ticks_over_10ms": slow_ticks, "worst_tick_s": worst, "service_ms": service,
+            "loop_lag_ms": {"p50": 1e3 * pct(lag, 0.5), "p99": 1e3 * pct(lag, 0.99), "max": 1e3 * max(lag, default=0.0)}}))
         server.should_exit = True
         with contextlib.suppress(BaseException):
             await asyncio.wait_for(task, 5)
 
-    asyncio.run(main())
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:  # uvloop, as tidal's master
+        runner.run(main())
     journal.close()
 
 
@@ -477,6 +494,10 @@ def main() -> None:
     for k, v in mstats.get("service_ms", {}).items():
         print(f"master-side service time of {k} (receive to response sent, in the master): "
               f"p50 {v['p50_ms']:.1f} ms, p99 {v['p99_ms']:.1f} ms (n {v['n']})")
+    if "loop_lag_ms" in mstats:
+        lag = mstats["loop_lag_ms"]
+        print(f"master event-loop lag (a 5 ms sleep woken late by): p50 {lag['p50']:.1f} ms, "
+              f"p99 {lag['p99']:.1f} ms, max {lag['max']:.1f} ms")
     print(f"requests/s (steady window, all kinds): {summary['requests_per_s']:.0f}; "
           f"CPU % of one core in the window: {cpu}")
     shown = dict(sorted(errors.items(), key=lambda kv: -kv[1])[:5])

@@ -25,6 +25,7 @@ import secrets
 import statistics
 from collections import deque
 from collections.abc import Callable
+from operator import attrgetter
 from pathlib import Path
 from typing import TextIO
 
@@ -100,7 +101,8 @@ class JobMaster:
 
         # membership rounds
         self.round = -1
-        self.members: list[int] = []
+        self._members: list[int] = []
+        self._member_set: frozenset[int] = frozenset()
         self.reforming = False
         self.reform_cause = ""
         self.waiting: dict[int, RendezvousRequest] = {}
@@ -123,7 +125,21 @@ class JobMaster:
         self.start_failures = 0
         self._launch_seq = 0
         self._next_launch_at = 0.0
+        self._next_launch_check = 0.0
         self._ledger: TextIO | None = None
+
+    @property
+    def members(self) -> list[int]:
+        """The current round's workers in rank order (``is_member`` for the O(1) test)."""
+        return self._members
+
+    @members.setter
+    def members(self, workers: list[int]) -> None:
+        self._members = list(workers)
+        self._member_set = frozenset(workers)
+
+    def is_member(self, worker_id: int) -> bool:
+        return worker_id in self._member_set
 
     # ================================================================== lifecycle
     def open_ledger(self, rewrite: bool = False) -> None:
@@ -162,7 +178,7 @@ class JobMaster:
         self.error = meta.get("error")
         self.assignments = {int(k): RendezvousResponse(**v) for k, v in (j.get_meta("assignments") or {}).items()}
         dataset = meta.get("dataset")
-        self.shards.restore(DatasetConfig(**dataset) if dataset else None, j.load_shards())
+        self.shards.restore(DatasetConfig(**dataset) if dataset else None, j.load_shards(), j.load_ledger())
         now = self.clock()
         for worker_id, row in j.load_workers().items():
             rec = WorkerRecord.from_row(worker_id, row)
@@ -224,15 +240,20 @@ class JobMaster:
             return assigned
         if rec.state is W.LEAVING:
             return RendezvousResponse(status="leave")
-        if req.worker_id in self.members and req.after_round == self.round and not self.reforming:
+        if self.is_member(req.worker_id) and req.after_round == self.round and not self.reforming:
             self._start_reform(f"worker {req.worker_id} left the collective")
         self._check_records(req)
         if rec.state in (W.JOINED, W.ACTIVE):
             rec.move(W.WAITING, now)
+        prior = self.waiting.get(req.worker_id)
         self.waiting[req.worker_id] = req
         self.waiting_since.setdefault(req.worker_id, now)
         rec.applied_step = max(rec.applied_step, req.applied_step)
-        self._try_close_round()
+        if prior is None or (prior.after_round, prior.applied_step) != (req.after_round, req.applied_step):
+            # A long-poll's re-poll changes nothing the round depends on: the tick (every 20 ms)
+            # re-checks time-based conditions, and 2,000 re-polls a second must not each scan
+            # every worker.
+            self._try_close_round()
         assigned = self.assignments.get(req.worker_id)
         if assigned is not None and assigned.round == self.round and req.worker_id not in self.waiting:
             return assigned
@@ -265,7 +286,7 @@ class JobMaster:
         rec.samples_per_s = req.samples_per_s
         if req.compute_s_per_sample > 0:
             rec.compute_s_per_sample = req.compute_s_per_sample
-        if req.round == self.round and req.worker_id in self.members and rec.state in (W.ACTIVE, W.WAITING):
+        if req.round == self.round and self.is_member(req.worker_id) and rec.state in (W.ACTIVE, W.WAITING):
             rec.applied_step = max(rec.applied_step, req.applied_step)
             for r in req.records:
                 if r.worker != req.worker_id:
@@ -308,7 +329,7 @@ class JobMaster:
         """A member of the current round names the dataset; True if it was the first to."""
         rec = self._worker(req.worker_id)
         rec.last_seen = self.clock()
-        if req.round != self.round or req.worker_id not in self.members:
+        if req.round != self.round or not self.is_member(req.worker_id):
             raise StaleRoundMasterError(f"worker {req.worker_id} is not in round {req.round} (current {self.round})")
         first = self.shards.config is None
         self.shards.configure(DatasetConfig(req.dataset_size, req.batch_size, req.batches_per_shard, req.shuffle, req.seed))
@@ -338,6 +359,7 @@ class JobMaster:
         self._event("scale", f"target set to {workers} workers (was {self.target})")
         self.target = workers
         self._persist()
+        self._next_launch_check = 0.0
         self.tick()
         return workers
 
@@ -396,6 +418,11 @@ class JobMaster:
             self._persist()
 
     def _launch_missing(self, now: float) -> None:
+        # a scan of every worker: ten times a second is soon enough for a replacement that
+        # takes seconds to start (``scale`` resets it so a user's change acts at once)
+        if now < self._next_launch_check:
+            return
+        self._next_launch_check = now + 0.1
         alive = [r for r in self.workers.values() if r.alive]
         missing = self.target - len(alive)
         if missing <= 0 or now < self._next_launch_at:
@@ -436,10 +463,10 @@ class JobMaster:
 
     # ================================================================== rounds
     def _maybe_start_reform(self) -> None:
-        if self.round < 0 or self.reforming:
-            return
+        if self.round < 0 or self.reforming or (not self.waiting and len(self.members) <= self.target):
+            return  # nothing to scale in and nobody to let in (the common case, checked every tick)
         members = [m for m in self.members if self.workers[m].alive]
-        newcomers = [w for w in self.waiting if w not in self.members]
+        newcomers = [w for w in self.waiting if not self.is_member(w)]
         if len(members) > self.target:
             self._start_reform(f"scale-in to {self.target}")
         elif newcomers and len(members) < self.target:
@@ -461,7 +488,7 @@ class JobMaster:
             return
         if any(m not in self.waiting for m in members):
             return  # survivors still training; they see ``reform`` in their next report
-        newcomers = sorted(w for w in self.waiting if w not in self.members)
+        newcomers = sorted(w for w in self.waiting if not self.is_member(w))
         if self.round < 0 or not members:
             # The first round (or a restart from nothing) waits for every launched worker,
             # or for MIN of them and a grace period.
@@ -504,7 +531,7 @@ class JobMaster:
         resume_step = max(resume_step, self.finalized_step) if with_state else self.finalized_step
         sync = (
             prev_round < 0
-            or any(w not in self.members for w in chosen)
+            or any(not self.is_member(w) for w in chosen)
             or len({reqs[w].applied_step for w in chosen}) > 1
         )
         # finalize what the source applied, discard every other tentative record
@@ -552,7 +579,7 @@ class JobMaster:
         self._on_change()
 
     def _old_rank(self, worker_id: int) -> int:
-        return self.workers[worker_id].rank if worker_id in self.members else 1 << 30
+        return self.workers[worker_id].rank if self.is_member(worker_id) else 1 << 30
 
     # ================================================================== commits
     def _finalize_reported(self) -> None:
@@ -568,7 +595,7 @@ class JobMaster:
 
     def _commit_records(self, records: list[StepRecord]) -> list[CommittedRange]:
         out = []
-        for r in sorted(records, key=lambda r: (r.step, r.worker)):
+        for r in sorted(records, key=attrgetter("step", "worker")):
             if r.end <= r.start:
                 continue
             try:
@@ -599,7 +626,7 @@ class JobMaster:
             return
         now = self.clock()
         if code == 0 or rec.state is W.LEAVING or (code is None and rec.finished):
-            was_member = rec.worker_id in self.members and rec.state is W.ACTIVE
+            was_member = self.is_member(rec.worker_id) and rec.state is W.ACTIVE
             rec.move(W.SUCCEEDED, now)
             self.waiting.pop(rec.worker_id, None)
             self._event("exit", f"worker {rec.worker_id} exited (code {code})", worker=rec.worker_id)
@@ -615,7 +642,7 @@ class JobMaster:
         now = self.clock()
         if not rec.alive:
             return
-        was_member = rec.worker_id in self.members and rec.state in (W.ACTIVE, W.WAITING)
+        was_member = self.is_member(rec.worker_id) and rec.state in (W.ACTIVE, W.WAITING)
         rec.move(W.FAILED, now)
         rec.exit_code = code if code is not None else rec.exit_code
         self.waiting.pop(rec.worker_id, None)

@@ -103,10 +103,7 @@ def run_master(
     follower = LogFollower(Path(spec.job_dir) / "logs", out) if follow_logs else None
 
     async def main() -> int:
-        # Long-lived state (worker records, shard tables) would make every full collection walk
-        # thousands of objects mid-request: freeze what exists and collect the young less often.
-        gc.freeze()
-        gc.set_threshold(50_000, 20, 100)
+        tune_gc()
         notifier_box.append(ChangeNotifier())
         app = create_app(master, spec.token, notifier_box[0])
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
@@ -153,7 +150,7 @@ def run_master(
         return 0 if master.state is JobState.SUCCEEDED else 1
 
     try:
-        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        with asyncio.Runner(loop_factory=loop_factory()) as runner:
             code = runner.run(main())
     finally:
         master.close()
@@ -163,7 +160,14 @@ def run_master(
     return code, master
 
 
-def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+def tune_gc() -> None:
+    """Long-lived state (worker records, shard tables) would make every full collection walk
+    thousands of objects mid-request: freeze what exists and collect the young less often."""
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
+
+
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     """uvloop when installed (uvicorn[standard] brings it): about a third less CPU per request."""
     try:
         import uvloop
