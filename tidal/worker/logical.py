@@ -119,20 +119,24 @@ class BatchSchedule:
 
 
 class GradientStash:
-    """One flat gradient per EST of this process, weighted for the step (EasyScale 3.2)."""
+    """One flat gradient per EST of this process, weighted for the step (EasyScale 3.2).
+
+    Each ``put`` makes a new flat (the previous one of that EST is dropped, so memory stays one
+    gradient copy per EST): what ``ordered`` hands out is never written again by the stash, so
+    the reduction may return it and the parameters' ``.grad`` may be views of it.
+    """
 
     def __init__(self) -> None:
         self.flats: dict[int, torch.Tensor] = {}
 
     def put(self, logical_rank: int, params: list[torch.nn.Parameter], weight: float) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = self.flats.get(logical_rank)
-        total = sum(g.numel() for g in grads)
-        if flat is None or flat.numel() != total:
-            flat = torch.empty(total, dtype=grads[0].dtype, device=grads[0].device)
-            self.flats[logical_rank] = flat
-        torch.cat([g.reshape(-1) for g in grads], out=flat)
-        flat.mul_(weight)
+        grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+                 for p in params]
+        self.flats.pop(logical_rank, None)
+        flat = torch.cat(grads)
+        if weight != 1.0:  # x * 1.0 == x bitwise: the one-EST-per-step case skips a pass
+            flat.mul_(weight)
+        self.flats[logical_rank] = flat
         for p in params:
             p.grad = None
 
@@ -141,7 +145,12 @@ class GradientStash:
 
 
 def sum_in_order(contributions: list[torch.Tensor]) -> torch.Tensor:
-    """Left-to-right sum: ``((c0 + c1) + c2) + ...``, the one summation order used everywhere."""
+    """Left-to-right sum: ``((c0 + c1) + c2) + ...``, the one summation order used everywhere.
+
+    A single contribution is returned as is (the stash never writes a flat it handed out).
+    """
+    if len(contributions) == 1:
+        return contributions[0]
     acc = contributions[0].clone()
     for c in contributions[1:]:
         acc.add_(c)
@@ -154,14 +163,12 @@ def set_grads(params: list[torch.nn.Parameter], flat: torch.Tensor, *, owned: bo
     ``owned``: ``flat`` is a fresh tensor nobody else writes to, so the gradients may be views
     of it; otherwise (a reused communication buffer) they are copies.
     """
-    offset = 0
-    for p in params:
-        n = p.numel()
-        view = flat[offset:offset + n].view_as(p)
+    pieces = flat.split([p.numel() for p in params])
+    for p, piece in zip(params, pieces, strict=True):
+        view = piece.view(p.shape)
         if owned:
             p.grad = view
         elif p.grad is None:
             p.grad = view.clone()
         else:
             p.grad.copy_(view)
-        offset += n
