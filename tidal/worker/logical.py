@@ -163,7 +163,8 @@ def set_grads(params: list[torch.nn.Parameter], flat: torch.Tensor, *, owned: bo
     ``owned``: ``flat`` is a fresh tensor nobody else writes to, so the gradients may be views
     of it; otherwise (a reused communication buffer) they are copies.
     """
-    pieces = flat.split([p.numel() for p in params])
+    sizes = [p.numel() for p in params]
+    pieces = flat[:sum(sizes)].split(sizes)  # ``flat`` may carry more (the step header) after them
     for p, piece in zip(params, pieces, strict=True):
         view = piece.view(p.shape)
         if owned:
