@@ -338,3 +338,11 @@ def test_sqlite_ledger_row_of_a_broken_size_is_a_config_error(tmp_path: Path) ->
     with pytest.raises(ConfigError, match="whole number of ranges"):
         j.load_ledger()
     j.close()
+
+
+def test_a_journal_with_a_ledger_of_another_format_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "old.sqlite"
+    with sqlite3.connect(path) as db:
+        db.execute('CREATE TABLE ledger (seq INTEGER PRIMARY KEY, epoch INTEGER, start INTEGER, "end" INTEGER)')
+    with pytest.raises(ConfigError, match="ledger of another format"):
+        SqliteJournal(path, create=False)

@@ -154,6 +154,13 @@ class SqliteJournal:
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA wal_autocheckpoint=0")
             self._db.executescript(_SCHEMA)
+            columns = [r[1] for r in self._db.execute("PRAGMA table_info(ledger)")]
+            if columns != ["seq", "ranges"]:
+                self._db.close()
+                raise ConfigError(
+                    f"journal {path} has a ledger of another format (columns {columns}): "
+                    "it was written by another version of tidal; resume it with that version"
+                )
             checkpointer = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
         except sqlite3.Error as exc:
             raise ConfigError(f"cannot open journal {path}: {exc}") from exc
