@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from tidal.worker.api import CollectiveError
-from tidal.worker.logical import set_grads, sum_in_order
+from tidal.worker.logical import grad_pieces, set_grads, sum_in_order
 from tidal.worker.state import pack_state, unpack_state
 
 log = logging.getLogger(__name__)
@@ -121,13 +121,13 @@ class RoundComm:
         row. Saves a collective per step over a separate all-gather. Returns the headers
         ``[world_size, HEADER_FIELDS]``; ``apply_reduced`` then writes the gradients back.
         """
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        length = sum(g.numel() for g in grads)
-        dtype = grads[0].dtype if grads else torch.float32
         self._reduced = None
         if self.group is None:
             self._scale_grads = False  # one worker: its gradient is the mean already
             return self.exchange_headers(row)
+        grads = grad_pieces(params)
+        length = sum(g.numel() for g in grads)
+        dtype = grads[0].dtype if grads else torch.float32
         if dtype not in (torch.float32, torch.float64):
             headers = self.exchange_headers(row)  # a dtype too narrow to carry the header exactly
             self.reduce_gradients(params, weight)
@@ -135,7 +135,8 @@ class RoundComm:
             return headers
         slots = self.world_size * HEADER_FIELDS * _CHUNKS
         flat = self._buffer(length + slots, dtype)
-        torch.cat([g.reshape(-1) for g in grads], out=flat[:length])
+        if grads:
+            torch.cat(grads, out=flat[:length])
         if weight != 1.0:
             flat[:length].mul_(weight)
         header = flat[length:]
@@ -175,15 +176,12 @@ class RoundComm:
         loss over the global batch, whatever the split (uneven batches, idle workers) was.
         Parameters without a gradient count as zeros, so every worker ends with the same grads.
         """
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        grads = grad_pieces(params)
         total = sum(g.numel() for g in grads)
         dtype = grads[0].dtype if grads else torch.float32
         flat = self._buffer(total, dtype)
-        offset = 0
-        for g in grads:
-            n = g.numel()
-            flat[offset:offset + n].copy_(g.reshape(-1))
-            offset += n
+        if grads:
+            torch.cat(grads, out=flat)
         if weight != 1.0:
             flat.mul_(weight)
         if self.group is not None:

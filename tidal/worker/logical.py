@@ -130,10 +130,8 @@ class GradientStash:
         self.flats: dict[int, torch.Tensor] = {}
 
     def put(self, logical_rank: int, params: list[torch.nn.Parameter], weight: float) -> None:
-        grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
-                 for p in params]
         self.flats.pop(logical_rank, None)
-        flat = torch.cat(grads)
+        flat = torch.cat(grad_pieces(params))
         if weight != 1.0:  # x * 1.0 == x bitwise: the one-EST-per-step case skips a pass
             flat.mul_(weight)
         self.flats[logical_rank] = flat
@@ -155,6 +153,12 @@ def sum_in_order(contributions: list[torch.Tensor]) -> torch.Tensor:
     for c in contributions[1:]:
         acc.add_(c)
     return acc
+
+
+def grad_pieces(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """Each parameter's gradient as a 1-D tensor, zeros where it has none (``set_grads`` undoes it)."""
+    return [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+            for p in params]
 
 
 def set_grads(params: list[torch.nn.Parameter], flat: torch.Tensor, *, owned: bool = False) -> None:
