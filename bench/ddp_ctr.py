@@ -16,11 +16,19 @@ renamed). Steps redone after a restart are *not* counted as pause: the stamp of 
 applied after the restart ends the pause, whatever step number it has (favours torchrun).
 
 One line per applied step goes to ``--stamp-dir/<pid>.txt`` (bench/common.py ``StampWriter``).
+
+Two more uses, as the plain-PyTorch peer of logical workers (bench/est.py part 2):
+``--accumulate A`` applies one optimizer step per A micro-batches of ``--batch-size`` (gradient
+accumulation, DDP's ``no_sync`` on all but the last; each micro-batch's loss scaled by its share
+of the step's samples, so the gradient is that of the mean loss over the A batches), and run
+with plain ``python`` (no ``RANK`` in the environment) it is one process without
+``torch.distributed`` or DDP at all.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -42,7 +50,11 @@ from examples.ctr.train import parse_args as example_args
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argparse.Namespace]:
     """(bench arguments, examples/ctr/train.py's arguments): the training arguments are the example's."""
     bench, rest = split_args(argv, [("--ckpt", {"default": None, "help": "checkpoint file (resume from it if present)"}),
-                                    ("--ckpt-every", {"type": int, "default": 50})])
+                                    ("--ckpt-every", {"type": int, "default": 50}),
+                                    ("--accumulate", {"type": int, "default": 1,
+                                                      "help": "micro-batches per optimizer step"})])
+    if bench.accumulate < 1:
+        raise SystemExit(f"--accumulate must be >= 1, got {bench.accumulate}")
     return bench, example_args(rest)
 
 
@@ -50,8 +62,10 @@ def main(argv: list[str] | None = None) -> None:
     bench, args = parse_args(argv)
     torch.set_num_threads(args.threads)
     stamps = StampWriter(bench.stamp_dir)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    distributed = "RANK" in os.environ  # under torchrun; plain python: one process, no DDP
+    if distributed:
+        dist.init_process_group("gloo")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     torch.manual_seed(args.seed)
     train = ClickDataset(args.samples, seed=args.seed)
     model = DLRM()
@@ -62,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
         model.load_state_dict(ck["model"])
         optimizer.load_state_dict(ck["optimizer"])
         step, epoch, skip = int(ck["step"]), int(ck["epoch"]), int(ck["batches_done"])
-    ddp = DistributedDataParallel(model)
+    ddp = DistributedDataParallel(model) if distributed else model
     loss_fn = torch.nn.BCEWithLogitsLoss()
     n_batches = (len(train) + args.batch_size - 1) // args.batch_size
     sampler = DistributedSampler(range(n_batches), num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
@@ -71,24 +85,31 @@ def main(argv: list[str] | None = None) -> None:
         # after a restart, skip the batches of this epoch the checkpoint already has (global
         # batches, so the skip is right whatever the new world size is)
         order = list(sampler)[skip // world:]
-        for i, b in enumerate(order):
-            batch = train.get_range(b * args.batch_size, min((b + 1) * args.batch_size, len(train)))
+        acc = bench.accumulate
+        for i in range(0, len(order), acc):
+            ranges = [(b * args.batch_size, min((b + 1) * args.batch_size, len(train))) for b in order[i:i + acc]]
+            samples = sum(e - s for s, e in ranges)
             optimizer.zero_grad(set_to_none=True)
-            loss = loss_fn(ddp(batch["dense"], batch["sparse"]), batch["label"])
-            loss.backward()
+            for j, (s, e) in enumerate(ranges):
+                batch = train.get_range(s, e)
+                sync = ddp.no_sync() if distributed and j < len(ranges) - 1 else contextlib.nullcontext()
+                with sync:
+                    loss = loss_fn(ddp(batch["dense"], batch["sparse"]), batch["label"])
+                    (loss * ((e - s) / samples) if len(ranges) > 1 else loss).backward()
             if args.step_sleep:
                 time.sleep(args.step_sleep)
             optimizer.step()
             step += 1
-            stamps.stamp(world, len(batch["label"]), step)
+            stamps.stamp(world, samples, step)
             if bench.ckpt and rank == 0 and step % bench.ckpt_every == 0:
                 tmp = bench.ckpt + ".tmp"
                 torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                            "epoch": epoch, "batches_done": skip + (i + 1) * world}, tmp)
+                            "epoch": epoch, "batches_done": skip + (i + len(ranges)) * world}, tmp)
                 os.replace(tmp, bench.ckpt)
         epoch, skip = epoch + 1, 0
     stamps.close()
-    dist.destroy_process_group()
+    if distributed:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -18,18 +18,27 @@ Three measurements, each printed as a table with its peer side by side and the r
 
 2. **ests** (target: throughput >= 0.95x; memory growth about the stashed gradients). E
    logical workers in ONE process (``python bench/common.py --logical-workers E --batch-size B``,
-   a local job without a master: the E batches of a step run one after the other, as EasyScale's
-   ESTs do) against one plain process with the same global batch (``--batch-size E*B``, no
-   logical workers), the same samples per run. Reported: samples/s as above (warm-up 1 s) and
-   the peak resident set while training (the largest of the RSS samples the worker takes every
-   16 stamps, bench/common.py ``StampWriter``; ``VmHWM``, the peak over the whole process life,
-   is in the JSON: start-up and the example's final evaluation dominate it). The
-   expected memory growth is the gradient stash, one flat fp32 copy per EST: E x 134,193
-   parameters x 4 bytes = E x 0.51 MiB (the "(E-1) x" of the stash beyond the first, plus the
-   first, which the plain run holds as ``.grad``); the plain run instead holds E times larger
-   activations, so the difference can be negative. Fairness: the logical run also pays what D1
-   implies (``torch.use_deterministic_algorithms(True)``, per-EST reseeding of the generators,
-   the buffer save/restore of every EST switch): that is the feature's cost as shipped.
+   a local tidal job without a master: the E batches of a step run one after the other, as
+   EasyScale's ESTs do) against one plain PyTorch process with the same global batch, no tidal
+   (bench/ddp_ctr.py under plain ``python``: no process group, no DDP), in two forms:
+   - **accumulated** (the target's peer): ``--accumulate E --batch-size B``, E micro-batches of
+     B per optimizer step, each loss scaled by its share: the same arithmetic per sample as the
+     ESTs (E forward/backward passes of B samples and one Adam step), the same activation
+     memory, so the only differences are what tidal adds: the stash, the ordered sum, D1;
+   - **one batch** (shown, no target): ``--batch-size E*B``, the E batches as one forward and
+     backward. On this small model a larger batch is much more efficient per sample (E times
+     fewer kernel launches and Python calls), and its activations are E times larger, so
+     memory can come out lower for the ESTs. This is the cost of keeping N workers' semantics
+     on fewer processes, not of tidal's machinery: a one-batch run computes a different sum.
+   The same samples per run. Reported: samples/s (bench/common.py ``steady_rate``, warm-up 1 s)
+   and the peak resident set while training (the largest of the RSS samples the worker takes
+   every 16 stamps, bench/common.py ``StampWriter``; ``VmHWM``, the peak over the whole process
+   life, is in the JSON: start-up and the example's final evaluation dominate it). The expected
+   memory growth over the accumulated run is the gradient stash: the gradients of E-1 ESTs
+   wait while the next runs (E x 134,193 parameters x 4 bytes = E x 0.51 MiB is the bound shown,
+   the accumulated run holds one ``.grad``). Fairness: the logical run also pays what D1 implies
+   (``torch.use_deterministic_algorithms(True)``, per-EST reseeding of the generators, the
+   buffer save/restore of every EST switch): that is the feature's cost as shipped.
 
 3. **reduce** (no target: the cost of D1's reduction). k processes (started with
    ``subprocess``, each forms its group with ``tidal.worker.comm.RoundComm.connect`` against a
@@ -62,6 +71,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (
+    DDP_WORKER,
     PYTHON,
     ROOT,
     WORKER,
@@ -106,26 +116,36 @@ def overhead(base: Path, procs: list[int], samples: int, repeats: int) -> list[d
 
 # ---------------------------------------------------------------------------- 2. ESTs per process
 def ests(base: Path, counts: list[int], samples: int, repeats: int) -> list[dict[str, Any]]:
+    """Part 2: E ESTs in one tidal process against two plain-PyTorch processes (no tidal)."""
+    kinds = ("logical", "accumulate", "one_pass")
     out = []
     for e in counts:
-        res: dict[str, dict[str, list[float]]] = {k: {"rate": [], "rss_mib": [], "hwm_mib": []}
-                                                  for k in ("logical", "plain")}
+        res: dict[str, dict[str, list[float]]] = {k: {"rate": [], "rss_mib": [], "hwm_mib": []} for k in kinds}
         load: list[float] = []
+        commands = {
+            "logical": [PYTHON, WORKER, *one_epoch_args(samples), "--logical-workers", str(e)],
+            "accumulate": [PYTHON, DDP_WORKER, *one_epoch_args(samples), "--accumulate", str(e)],
+            "one_pass": [PYTHON, DDP_WORKER, *one_epoch_args(samples, e * BATCH)],
+        }
         for i in range(repeats):
             load.append(load_average())
-            for kind, extra in (("logical", [*one_epoch_args(samples), "--logical-workers", str(e)]),
-                                ("plain", one_epoch_args(samples, e * BATCH))):
+            for kind in kinds:
+                if kind == "one_pass" and e == 1:
+                    continue  # the same command as "accumulate"
                 work = base / f"ests-{e}-{i}-{kind}"
-                run_to_end([PYTHON, WORKER, *extra, "--stamp-dir", str(work)], base / f"ests-{e}-{i}-{kind}.log",
+                run_to_end([*commands[kind], "--stamp-dir", str(work)], base / f"ests-{e}-{i}-{kind}.log",
                            bench_env(), timeout=400)
                 res[kind]["rate"].append(steady_rate(work, 1.0)[0])
                 ((rss, hwm),) = load_peak_rss(work).values()
                 res[kind]["rss_mib"].append(rss / 1024)
                 res[kind]["hwm_mib"].append(hwm / 1024)
+        if e == 1:
+            res["one_pass"] = res["accumulate"]
         med = {k: {m: median(v) for m, v in d.items()} for k, d in res.items()}
         out.append({"ests": e, "median": med, "runs": res, "load_average": load,
-                    "ratio": med["logical"]["rate"] / med["plain"]["rate"],
-                    "rss_growth_mib": med["logical"]["rss_mib"] - med["plain"]["rss_mib"],
+                    "ratio": med["logical"]["rate"] / med["accumulate"]["rate"],
+                    "ratio_one_pass": med["logical"]["rate"] / med["one_pass"]["rate"],
+                    "rss_growth_mib": med["logical"]["rss_mib"] - med["accumulate"]["rss_mib"],
                     "expected_stash_mib": e * PARAM_MIB})
     return out
 
@@ -137,6 +157,7 @@ def reduce_worker(args: argparse.Namespace) -> None:
 
     from bench.common import peak_rss_kb
     from tidal.worker.comm import RoundComm
+    from tidal.worker.logical import Weighting
 
     torch.set_num_threads(1)
     comm = RoundComm.connect(host="127.0.0.1", port=args.port, prefix="est-bench/", rank=args.rank,
@@ -146,11 +167,15 @@ def reduce_worker(args: argparse.Namespace) -> None:
     for mb in args.sizes_mb:
         n = int(mb * 2**20) // 4
         gen = torch.Generator().manual_seed(1000 + args.rank)
-        local = [torch.randn(n, generator=gen)]
-        counts = [1] * args.world
-        ref, t_logical = _timed(comm, barrier, args.reps, partial(comm.reduce_in_logical_order, local, counts))
-        out, t_allreduce = _timed(comm, barrier, args.reps, partial(comm.reduce_by_allreduce, local))
-        agree = bool(torch.allclose(ref, out, rtol=1e-5, atol=1e-5))
+        local = [[torch.randn(n, generator=gen)]]  # one logical worker per process, one flat parameter
+        counts, row = [1] * args.world, [0] * 6
+        # the mean over the k contributions: summed, then scaled once (both leave ``local`` as it is:
+        # the logical order copies it into its send buffer, the all-reduce adds it unweighted)
+        mean = Weighting.of([1] * args.world)
+        ref, t_logical = _timed(comm, barrier, args.reps,
+                                partial(comm.reduce_in_logical_order, local, counts, mean, row))
+        out, t_allreduce = _timed(comm, barrier, args.reps, partial(comm.reduce_by_allreduce, local, [1.0], row))
+        agree = bool(torch.allclose(ref[0][0], out[0][0] * mean.after, rtol=1e-5, atol=1e-5))
         del ref, out
         times = {"logical": t_logical, "allreduce": t_allreduce}
         result["sizes"][str(mb)] = {"times": times, "agree": agree}
@@ -226,17 +251,20 @@ def report(result: dict[str, Any]) -> None:
         print("1. N logical workers on N processes vs DDP on N processes (batch 512 per worker)")
         print(table(rows) + "\n")
     if "ests" in result:
-        rows = [["ESTs in 1 process", "LW samples/s", "plain samples/s (batch E*512)", "ratio", "target",
-                 "LW RSS MiB", "plain RSS MiB", "growth MiB", "stash E x params MiB", "runs LW | plain",
-                 "load"]]
+        rows = [["ESTs E", "LW samples/s", "plain, E x 512 accumulated", "ratio", "target",
+                 "plain, one batch of E x 512", "ratio", "LW RSS MiB", "accumulated RSS MiB", "growth MiB",
+                 "stash E x params MiB", "runs LW | accumulated | one batch", "load"]]
         for r in result["ests"]:
             m, fmt = r["median"], "{:,.0f}"
-            rows.append([str(r["ests"]), fmt.format(m["logical"]["rate"]), fmt.format(m["plain"]["rate"]),
-                         f"{r['ratio']:.2f}x", ">= 0.95x", f"{m['logical']['rss_mib']:.1f}",
-                         f"{m['plain']['rss_mib']:.1f}", f"{r['rss_growth_mib']:+.1f}", f"{r['expected_stash_mib']:.2f}",
-                         f"{runs(r['runs']['logical']['rate'], fmt)} | {runs(r['runs']['plain']['rate'], fmt)}",
+            rows.append([str(r["ests"]), fmt.format(m["logical"]["rate"]), fmt.format(m["accumulate"]["rate"]),
+                         f"{r['ratio']:.2f}x", ">= 0.95x", fmt.format(m["one_pass"]["rate"]),
+                         f"{r['ratio_one_pass']:.2f}x", f"{m['logical']['rss_mib']:.1f}",
+                         f"{m['accumulate']['rss_mib']:.1f}", f"{r['rss_growth_mib']:+.1f}",
+                         f"{r['expected_stash_mib']:.2f}",
+                         " | ".join(runs(r["runs"][k]["rate"], fmt) for k in ("logical", "accumulate", "one_pass")),
                          runs(r["load_average"], "{:.2f}")])
-        print("2. E logical workers in one process vs one process with the global batch (RSS: peak while training)")
+        print("2. E logical workers in one process vs one plain PyTorch process with the same global batch "
+              "(RSS: peak while training)")
         print(table(rows) + "\n")
     if "reduce" in result:
         rows = [["processes", "gradient MiB", "logical order ms", "gloo all-reduce ms", "ratio", "results agree",

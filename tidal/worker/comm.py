@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from tidal.worker.api import CollectiveError
-from tidal.worker.logical import grad_pieces, set_grads, sum_in_order
+from tidal.worker.logical import Grads, Weighting, flatten, grad_pieces, set_grads, unflatten, weighted_sum
 from tidal.worker.state import pack_state, unpack_state
 
 log = logging.getLogger(__name__)
@@ -191,9 +191,9 @@ class RoundComm:
                 raise CollectiveError(f"gradient all-reduce failed: {exc}") from exc
         set_grads(params, flat)
 
-    def reduce_in_logical_order(self, local: list[torch.Tensor], counts: list[int],
-                                row: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sum every logical worker's (weighted, flat) gradient in logical rank order.
+    def reduce_in_logical_order(self, local: list[Grads], counts: list[int], weighting: Weighting,
+                                row: list[int]) -> tuple[Grads, list[list[int]]]:
+        """Sum every logical worker's gradient in logical rank order, weighted by ``weighting``.
 
         ``local`` are this process's contributions in logical order, ``counts[p]`` how many
         logical workers process ``p`` runs (contiguous blocks, so rank order is logical order).
@@ -201,17 +201,20 @@ class RoundComm:
         to its slice, it adds them left to right, and an all-gather returns the whole result.
         Every element is the same sum in the same order for any number of processes. The step
         header ``row`` rides in the all-gather (as in ``reduce_with_header``). Returns the
-        reduced gradient (a fresh tensor) and the headers ``[world_size, HEADER_FIELDS]``.
+        reduced gradient (tensors nobody else writes, shaped as the contributions; alone, the
+        sum is made in ``local``'s own tensors) and the headers, one row per process.
         """
         if self.group is None:
-            return sum_in_order(local), torch.tensor([row], dtype=torch.int64)
-        k, length = self.world_size, local[0].numel()
+            return weighted_sum(local, weighting), [list(row)]
+        like = local[0]
+        flats = [flatten(c) for c in local]
+        k, length = self.world_size, flats[0].numel()
         bounds = [p * length // k for p in range(k + 1)]
         sizes = [bounds[p + 1] - bounds[p] for p in range(k)]
         mine = sizes[self.rank]
         # one contribution per process: its slices are already in destination order
-        send = local[0] if len(local) == 1 else torch.cat(
-            [c[bounds[q]:bounds[q + 1]] for q in range(k) for c in local])
+        send = flats[0] if len(flats) == 1 else torch.cat(
+            [c[bounds[q]:bounds[q + 1]] for q in range(k) for c in flats])
         recv = torch.empty(sum(counts) * mine, dtype=send.dtype, device=send.device)
         width = max(sizes)
         stride = width + HEADER_FIELDS * _CHUNKS
@@ -220,29 +223,39 @@ class RoundComm:
         gathered = torch.empty(k * stride, dtype=send.dtype, device=send.device)
         try:
             self.group.alltoall_base(recv, send, [n * mine for n in counts], [len(local) * s for s in sizes]).wait()
-            if mine:
+            if mine:  # weighted_sum, on this slice
                 rows = recv.view(sum(counts), mine)
+                if weighting.per is not None:
+                    for r, w in enumerate(weighting.per):
+                        if w != 1.0:
+                            rows[r].mul_(w)
                 acc = part[:mine]
                 acc.copy_(rows[0])
                 for r in range(1, rows.shape[0]):
                     acc.add_(rows[r])  # left to right, as sum_in_order
+                if weighting.after != 1.0:
+                    acc.mul_(weighting.after)
             self.group._allgather_base(gathered, part).wait()
         except (RuntimeError, ValueError) as exc:
             raise CollectiveError(f"logical-order reduction failed: {exc}") from exc
         blocks = gathered.view(k, stride)
         reduced = torch.cat([blocks[p, :sizes[p]] for p in range(k)])
-        return reduced, _decode_header(blocks[:, width:])
+        return unflatten(reduced, like), _decode_header(blocks[:, width:]).tolist()
 
-    def reduce_by_allreduce(self, local: list[torch.Tensor], row: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The world-size-dependent way (``TIDAL_REDUCTION=allreduce``): not reproducible."""
-        headers = self.exchange_headers(row)
-        flat = sum_in_order(local)
+    def reduce_by_allreduce(self, local: list[Grads], local_weights: list[float],
+                            row: list[int]) -> tuple[Grads, list[list[int]]]:
+        """The world-size-dependent way (``TIDAL_REDUCTION=allreduce``): not reproducible.
+
+        ``local_weights``: each local contribution's share of the step's samples."""
+        headers = self.exchange_headers(row).tolist()
+        like = local[0]
+        flat = flatten(weighted_sum(local, Weighting(tuple(local_weights), 1.0)))
         if self.group is not None:
             try:
                 self.group.allreduce([flat]).wait()
             except (RuntimeError, ValueError) as exc:
                 raise CollectiveError(f"gradient all-reduce failed: {exc}") from exc
-        return flat, headers
+        return unflatten(flat, like), headers
 
     def broadcast_tensors(self, tensors: list[torch.Tensor], source: int) -> None:
         """In place: every member ends with the source's values (module buffers), in one message."""

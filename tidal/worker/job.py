@@ -44,7 +44,7 @@ from tidal.worker.api import CollectiveError, UsageError, WorkerGoneError
 from tidal.worker.checkpoint import save_checkpoint
 from tidal.worker.client import MasterClient
 from tidal.worker.comm import END, EPOCH, REFORM, START, WORKER, N, RoundComm
-from tidal.worker.logical import GradientStash, enter_context, est_ranks, est_seed, set_grads
+from tidal.worker.logical import GradientStash, Weighting, enter_context, est_ranks, est_seed
 from tidal.worker.state import State
 
 log = logging.getLogger(__name__)
@@ -232,10 +232,13 @@ class Job:
             a = 0.2 if self._samples_per_s else 1.0
             self._samples_per_s = (1 - a) * self._samples_per_s + a * rate
             self._compute_per_sample = (1 - a) * self._compute_per_sample + a * compute
-        records = pending.records if pending.records is not None else [
-            StepRecord(step=pending.step, worker=h[WORKER], epoch=h[EPOCH], start=h[START], end=h[END])
-            for h in pending.headers if h[N] > 0
-        ]
+        if pending.records is not None:
+            records = pending.records
+        elif self.client is None:  # a local job: no master keeps a ledger
+            records = []
+        else:
+            records = [StepRecord(step=pending.step, worker=h[WORKER], epoch=h[EPOCH], start=h[START], end=h[END])
+                       for h in pending.headers if h[N] > 0]
         with self._lock:  # the reporter must never see the step without its records
             state.applied_step = pending.step
             if records:
@@ -287,9 +290,7 @@ class Job:
         r = lstep.current
         if r is None:
             raise UsageError("job.step() called twice for one batch")
-        s, e = lstep.batches[r]
-        params = state.trainable()
-        self._stash.put(r, params, (e - s) / lstep.pending.total)
+        self._stash.put(r, state.trainable())
         if r == 0 and state.buffers():
             lstep.buffers_est0 = [b.detach().clone() for b in state.buffers()]
         lstep.current = None
@@ -305,7 +306,7 @@ class Job:
             if e <= s:  # no data for this EST at this step: it adds exact zeros
                 for p in params:
                     p.grad = None
-                self._stash.put(r, params, 0.0)
+                self._stash.put(r, params)
         assert self._comm is not None and self.logical is not None
         pending = lstep.pending
         assert pending.span is not None
@@ -313,11 +314,13 @@ class Job:
         row = [pending.mine, int(self._reform_notice), epoch, 0, 0, self.worker_id]
         t0 = time.monotonic()
         try:
-            local = self._stash.ordered(self.local_ests)
+            local = self._stash.take(self.local_ests)
+            sizes = [e - s for s, e in lstep.batches]
             if self._reduction == "allreduce":
-                flat, headers = self._comm.reduce_by_allreduce(local, row)
+                grads, rows = self._comm.reduce_by_allreduce(
+                    local, [sizes[r] / pending.total for r in self.local_ests], row)
             else:
-                flat, headers = self._comm.reduce_in_logical_order(local, self._est_counts, row)
+                grads, rows = self._comm.reduce_in_logical_order(local, self._est_counts, Weighting.of(sizes), row)
             # buffers follow EST 0, like DDP's follow rank 0; integer ones (counters, indices)
             # evolve the same everywhere, floating ones (BatchNorm statistics) are sent
             floating = [b for b in state.buffers() if b.is_floating_point()]
@@ -329,17 +332,20 @@ class Job:
         except CollectiveError as exc:
             self._broken(exc)
             return False
-        set_grads(params, flat, owned=self._reduction != "allreduce")
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
         if state.optimizer is not None:
             state.optimizer.step()
         state.epoch_step += 1
-        rows = headers.tolist()
-        holders = {r: rows[p][WORKER] for p in range(self.world_size)
-                   for r in est_ranks(self.logical, self.world_size, p)}
         pending.headers = rows
-        # built from values this worker computed itself: no validation needed on the hot path
-        pending.records = [StepRecord.model_construct(step=pending.step, worker=holders[r], epoch=epoch, start=s, end=e)
-                           for r, (s, e) in enumerate(lstep.batches) if e > s]
+        pending.records = []
+        if self.client is not None:  # the master's exactly-once ledger; a local job has none
+            holders = {r: rows[p][WORKER] for p in range(self.world_size)
+                       for r in est_ranks(self.logical, self.world_size, p)}
+            # built from values this worker computed itself: no validation needed on the hot path
+            pending.records = [StepRecord.model_construct(step=pending.step, worker=holders[r], epoch=epoch,
+                                                          start=s, end=e)
+                               for r, (s, e) in enumerate(lstep.batches) if e > s]
         self._applied(state, pending, time.monotonic() - t0)
         if any(r[REFORM] for r in rows):
             self._leave_for_rendezvous("re-form requested by the master")

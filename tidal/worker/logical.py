@@ -41,6 +41,7 @@ Levels (``TIDAL_DETERMINISM``):
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -118,62 +119,106 @@ class BatchSchedule:
         return (start, min(start + self.batch_size, self.size))
 
 
-class GradientStash:
-    """One flat gradient per EST of this process, weighted for the step (EasyScale 3.2).
+Grads = list[torch.Tensor]
+"""One tensor per trainable parameter, in the parameters' order and shapes: a gradient."""
 
-    Each ``put`` makes a new flat (the previous one of that EST is dropped, so memory stays one
-    gradient copy per EST): what ``ordered`` hands out is never written again by the stash, so
-    the reduction may return it and the parameters' ``.grad`` may be views of it.
+
+@dataclass(frozen=True)
+class Weighting:
+    """How the N contributions of a step make the gradient of the mean loss over its samples.
+
+    EST ``r`` trained ``n_r`` samples; the step's gradient is ``sum_r (n_r / total) * g_r``.
+    When every EST had a full batch (all ``n_r`` equal, the usual case) the contributions are
+    summed as they are and the sum is scaled once (``after = n / total``, exactly 1.0 for one
+    EST); otherwise each is scaled by its share first (``per``). Both reductions (the local sum
+    and the slices of ``RoundComm.reduce_in_logical_order``) apply the same rule elementwise,
+    and it depends only on the step's batches, so the bits do not depend on the processes.
+    """
+
+    per: tuple[float, ...] | None
+    after: float
+
+    @classmethod
+    def of(cls, sizes: Sequence[int]) -> Weighting:
+        total = sum(sizes)
+        if total <= 0:
+            raise ValueError("a step without samples has no gradient")
+        if all(n == sizes[0] for n in sizes):
+            return cls(None, sizes[0] / total)
+        return cls(tuple(n / total for n in sizes), 1.0)
+
+
+class GradientStash:
+    """One gradient per EST of this process, kept until the step's reduction (EasyScale 3.2).
+
+    ``put`` keeps the parameters' ``.grad`` tensors themselves (autograd made them for this EST
+    alone and nothing else holds them) and leaves ``.grad`` empty for the next EST: no copy.
+    ``take`` hands them over to the reduction, which may scale and add into them and make them
+    the parameters' ``.grad``; the stash keeps nothing between steps, so memory is one
+    gradient per EST of this process, during a step.
     """
 
     def __init__(self) -> None:
-        self.flats: dict[int, torch.Tensor] = {}
+        self.grads: dict[int, Grads] = {}
 
-    def put(self, logical_rank: int, params: list[torch.nn.Parameter], weight: float) -> None:
-        self.flats.pop(logical_rank, None)
-        flat = torch.cat(grad_pieces(params))
-        if weight != 1.0:  # x * 1.0 == x bitwise: the one-EST-per-step case skips a pass
-            flat.mul_(weight)
-        self.flats[logical_rank] = flat
+    def put(self, logical_rank: int, params: list[torch.nn.Parameter]) -> None:
+        self.grads[logical_rank] = param_grads(params)
         for p in params:
             p.grad = None
 
-    def ordered(self, ranks: list[int]) -> list[torch.Tensor]:
-        return [self.flats[r] for r in ranks]
+    def take(self, ranks: list[int]) -> list[Grads]:
+        """The gradients of ``ranks``, in that order; the stash forgets them."""
+        return [self.grads.pop(r) for r in ranks]
 
 
-def sum_in_order(contributions: list[torch.Tensor]) -> torch.Tensor:
+def sum_in_order(contributions: list[Grads]) -> Grads:
     """Left-to-right sum: ``((c0 + c1) + c2) + ...``, the one summation order used everywhere.
 
-    A single contribution is returned as is (the stash never writes a flat it handed out).
+    Adds into the first contribution's tensors (the caller hands them over) and returns them;
+    elementwise, so the same as the flat sums of ``RoundComm.reduce_in_logical_order``.
     """
-    if len(contributions) == 1:
-        return contributions[0]
-    acc = contributions[0].clone()
+    acc = contributions[0]
     for c in contributions[1:]:
-        acc.add_(c)
+        torch._foreach_add_(acc, c)
     return acc
+
+
+def weighted_sum(contributions: list[Grads], weighting: Weighting) -> Grads:
+    """The step's gradient from all N contributions (in logical order), in their own tensors."""
+    if weighting.per is not None:
+        for c, w in zip(contributions, weighting.per, strict=True):
+            if w != 1.0:
+                torch._foreach_mul_(c, w)
+    acc = sum_in_order(contributions)
+    if weighting.after != 1.0:  # x * 1.0 == x bitwise: skip the pass
+        torch._foreach_mul_(acc, weighting.after)
+    return acc
+
+
+def param_grads(params: list[torch.nn.Parameter]) -> Grads:
+    """Each parameter's gradient, zeros where it has none."""
+    return [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
 
 
 def grad_pieces(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
     """Each parameter's gradient as a 1-D tensor, zeros where it has none (``set_grads`` undoes it)."""
-    return [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
-            for p in params]
+    return [g.reshape(-1) for g in param_grads(params)]
 
 
-def set_grads(params: list[torch.nn.Parameter], flat: torch.Tensor, *, owned: bool = False) -> None:
-    """Write consecutive pieces of ``flat`` into the parameters' ``.grad``.
+def flatten(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([g.reshape(-1) for g in grads])
 
-    ``owned``: ``flat`` is a fresh tensor nobody else writes to, so the gradients may be views
-    of it; otherwise (a reused communication buffer) they are copies.
-    """
-    sizes = [p.numel() for p in params]
-    pieces = flat[:sum(sizes)].split(sizes)  # ``flat`` may carry more (the step header) after them
-    for p, piece in zip(params, pieces, strict=True):
-        view = piece.view(p.shape)
-        if owned:
-            p.grad = view
-        elif p.grad is None:
-            p.grad = view.clone()
+
+def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> Grads:
+    """Views of consecutive pieces of ``flat`` shaped as ``like``."""
+    sizes = [g.numel() for g in like]
+    return [piece.view(g.shape) for piece, g in zip(flat[:sum(sizes)].split(sizes), like, strict=True)]
+
+
+def set_grads(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
+    """Copy consecutive pieces of ``flat`` (a reused communication buffer) into ``.grad``."""
+    for p, piece in zip(params, unflatten(flat, params), strict=True):
+        if p.grad is None:
+            p.grad = piece.clone()
         else:
-            p.grad.copy_(view)
+            p.grad.copy_(piece)
