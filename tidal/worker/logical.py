@@ -12,8 +12,9 @@ EasyScale section 3.3). What each logical worker (EST) owns:
   another process, or bringing it back after its process died, moves nothing else. (EasyScale
   saves the evolving RNG states in the EST context; deriving them per step gives the same
   guarantee with a context that cannot be lost.)
-* **its gradient**: after its backward pass the gradient is stashed (one flat copy per EST;
-  parameters and optimizer state are shared by the ESTs of a process, as in the paper);
+* **its gradient**: after its backward pass the gradient autograd made is kept aside until the
+  step's reduction (no copy; parameters and optimizer state are shared by the ESTs of a
+  process, as in the paper);
 * **module buffers follow EST 0**, as DDP's follow rank 0: every EST's forward starts from the
   buffers the step started with, and the step ends with the buffers EST 0 produced.
 
@@ -26,7 +27,9 @@ show that it breaks reproducibility.
 Levels (``TIDAL_DETERMINISM``):
 
 * ``D0``: fixed seeds and ``torch.use_deterministic_algorithms(True)``: the same run on the same
-  number of processes repeats bitwise. Cost: deterministic kernels may be slower on GPU.
+  number of processes repeats bitwise. Cost: deterministic kernels may be slower; on CPU the
+  example's DLRM loses ~3.5% (its ``gram[:, rows, cols]`` backward takes a sort-based
+  ``index_put_``; bench/RESULTS.md), on GPU convolutions lose vendor kernels.
 * ``D1`` (default with logical workers): D0 plus the logical-order reduction: identical across
   process counts, rescales and failures. Cost: an all-to-all and an all-gather instead of one
   all-reduce, and one stashed gradient per EST beyond the first in a process.
