@@ -275,7 +275,7 @@ class Job:
     def _enter_est(self, lstep: LogicalStep, logical_rank: int) -> None:
         """Context switch: the EST's random streams, and the buffers the step started with."""
         state = self._require_state()
-        buffers = state.buffers()
+        buffers = state.buffers() if len(self.local_ests) > 1 else []  # alone: nothing to undo
         if buffers:
             if lstep.buffers_start is None:
                 lstep.buffers_start = [b.detach().clone() for b in buffers]
@@ -291,7 +291,7 @@ class Job:
         if r is None:
             raise UsageError("job.step() called twice for one batch")
         self._stash.put(r, state.trainable())
-        if r == 0 and state.buffers():
+        if r == 0 and len(self.local_ests) > 1 and state.buffers():  # the ESTs after it will change them
             lstep.buffers_est0 = [b.detach().clone() for b in state.buffers()]
         lstep.current = None
         return True
