@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from tidal.worker.api import CollectiveError
-from tidal.worker.logical import Grads, Weighting, flatten, grad_pieces, set_grads, unflatten, weighted_sum
+from tidal.worker.logical import Grads, Weighting, flatten, param_grads, set_grads, unflatten, weighted_sum
 from tidal.worker.state import pack_state, unpack_state
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ class RoundComm:
         if self.group is None:
             self._scale_grads = False  # one worker: its gradient is the mean already
             return self.exchange_headers(row)
-        grads = grad_pieces(params)
+        grads = param_grads(params)
         length = sum(g.numel() for g in grads)
         dtype = grads[0].dtype if grads else torch.float32
         if dtype not in (torch.float32, torch.float64):
@@ -136,7 +136,7 @@ class RoundComm:
         slots = self.world_size * HEADER_FIELDS * _CHUNKS
         flat = self._buffer(length + slots, dtype)
         if grads:
-            torch.cat(grads, out=flat[:length])
+            flatten(grads, out=flat[:length])
         if weight != 1.0:
             flat[:length].mul_(weight)
         header = flat[length:]
@@ -176,12 +176,12 @@ class RoundComm:
         loss over the global batch, whatever the split (uneven batches, idle workers) was.
         Parameters without a gradient count as zeros, so every worker ends with the same grads.
         """
-        grads = grad_pieces(params)
+        grads = param_grads(params)
         total = sum(g.numel() for g in grads)
         dtype = grads[0].dtype if grads else torch.float32
         flat = self._buffer(total, dtype)
         if grads:
-            torch.cat(grads, out=flat)
+            flatten(grads, out=flat)
         if weight != 1.0:
             flat.mul_(weight)
         if self.group is not None:

@@ -232,10 +232,10 @@ class Job:
             a = 0.2 if self._samples_per_s else 1.0
             self._samples_per_s = (1 - a) * self._samples_per_s + a * rate
             self._compute_per_sample = (1 - a) * self._compute_per_sample + a * compute
-        if pending.records is not None:
-            records = pending.records
-        elif self.client is None:  # a local job: no master keeps a ledger
+        if self.client is None:  # a local job: no master keeps a ledger
             records = []
+        elif pending.records is not None:
+            records = pending.records
         else:
             records = [StepRecord(step=pending.step, worker=h[WORKER], epoch=h[EPOCH], start=h[START], end=h[END])
                        for h in pending.headers if h[N] > 0]
@@ -303,10 +303,8 @@ class Job:
         params = state.trainable()
         for r in self.local_ests:
             s, e = lstep.batches[r]
-            if e <= s:  # no data for this EST at this step: it adds exact zeros
-                for p in params:
-                    p.grad = None
-                self._stash.put(r, params)
+            if e <= s:  # no data for this EST at this step
+                self._stash.put_zeros(r, params)
         assert self._comm is not None and self.logical is not None
         pending = lstep.pending
         assert pending.span is not None
@@ -338,8 +336,7 @@ class Job:
             state.optimizer.step()
         state.epoch_step += 1
         pending.headers = rows
-        pending.records = []
-        if self.client is not None:  # the master's exactly-once ledger; a local job has none
+        if self.client is not None:  # for the master's exactly-once ledger (``_applied``)
             holders = {r: rows[p][WORKER] for p in range(self.world_size)
                        for r in est_ranks(self.logical, self.world_size, p)}
             # built from values this worker computed itself: no validation needed on the hot path

@@ -169,6 +169,10 @@ class GradientStash:
         for p in params:
             p.grad = None
 
+    def put_zeros(self, logical_rank: int, params: list[torch.nn.Parameter]) -> None:
+        """An EST without data this step: it adds exact zeros."""
+        self.grads[logical_rank] = [torch.zeros_like(p) for p in params]
+
     def take(self, ranks: list[int]) -> list[Grads]:
         """The gradients of ``ranks``, in that order; the stash forgets them."""
         return [self.grads.pop(r) for r in ranks]
@@ -203,13 +207,9 @@ def param_grads(params: list[torch.nn.Parameter]) -> Grads:
     return [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
 
 
-def grad_pieces(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
-    """Each parameter's gradient as a 1-D tensor, zeros where it has none (``set_grads`` undoes it)."""
-    return [g.reshape(-1) for g in param_grads(params)]
-
-
-def flatten(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([g.reshape(-1) for g in grads])
+def flatten(grads: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """The tensors one after the other in one 1-D tensor (``unflatten``/``set_grads`` undo it)."""
+    return torch.cat([g.reshape(-1) for g in grads], out=out)
 
 
 def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> Grads:
