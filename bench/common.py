@@ -4,16 +4,15 @@ Run as a script (``tidal run ... bench/common.py --stamp-dir DIR [example args]`
 ``python bench/common.py ...`` for a local job without a master) this file runs
 examples/ctr/train.py's ``main`` itself, unchanged: same arguments, ClickDataset, DLRM, Adam,
 BCE loss, ``job.loader``/``job.step()`` calls, ``--step-sleep`` pacing, ``--logical-workers``.
-The only addition is made from outside: ``tidal.worker.init`` is wrapped so that every
-``job.step()`` that returns True appends one line ``wall_time world_size local_samples step``
-to ``DIR/<pid>.txt``, and the process's peak RSS (``VmHWM``, kB) is written to ``DIR/<pid>.mem``
+The only addition is made from outside: ``tidal.worker.init`` is wrapped so that every step the
+process applies appends one line ``wall_time world_size local_samples step`` to
+``DIR/<pid>.txt``, and the process's peak RSS (``VmHWM``, kB) is written to ``DIR/<pid>.mem``
 when the script ends. bench/ddp_ctr.py writes the same lines under torchrun, so both runtimes are
 measured by the same code (``load_stamps``, ``largest_gap``, ``throughput``) from the same files.
 
-Stamps are written with ``time.time()`` right after ``job.step()`` returned True (DDP: after
-``optimizer.step()``), one small line-buffered ``write`` each. With logical workers ``job.step()``
-returns True when a logical worker's gradient is stashed, so there is one stamp per logical
-worker's batch (its samples), not per applied step: rates over a window are the same.
+Stamps are written with ``time.time()`` right after the step's ``optimizer.step()``, one small
+line-buffered ``write`` each, on both sides. With logical workers a stamp carries the samples of
+every EST of the process in that step: one stamp per optimizer step, as DDP's.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -305,26 +304,24 @@ def split_args(argv: list[str] | None = None, extra: Sequence[tuple[str, dict[st
 
 
 def _instrument(job: Any, stamps: StampWriter) -> None:
-    """Wrap ``job.loader`` (to know each batch's size) and ``job.step`` (to stamp it)."""
-    loader, step = job.loader, job.step
-    size = [0]
+    """Stamp every step this process applies, with its own samples of that step.
 
-    def stamped_loader(*args: Any, **kwargs: Any) -> Iterator[Any]:
-        for batch in loader(*args, **kwargs):
-            size[0] = len(batch["label"])
-            yield batch
+    Wraps the job's ``_applied`` (called once per applied step, after ``optimizer.step()``, in
+    both the plain and the logical-worker path), so there is one stamp per optimizer step, as
+    bench/ddp_ctr.py writes one: with E logical workers in a process, one stamp carries their
+    E batches (a stamp per EST would cost the logical run E writes per step to the peer's one).
+    """
+    applied = job._applied
 
-    def stamped_step() -> bool:
-        ok = bool(step())
-        if ok:
-            stamps.stamp(job.world_size, size[0], job.applied_step)
-        return ok
+    def stamped_applied(state: Any, pending: Any, collective_s: float) -> None:
+        applied(state, pending, collective_s)
+        stamps.stamp(job.world_size, pending.mine, state.applied_step)
 
-    job.loader, job.step = stamped_loader, stamped_step
+    job._applied = stamped_applied
 
 
 def tidal_worker(argv: list[str] | None = None) -> None:
-    """examples/ctr/train.py's ``main``, with a stamp per ``job.step()`` that returned True."""
+    """examples/ctr/train.py's ``main``, with a stamp per applied step."""
     import tidal.worker
     from examples.ctr import train
 
