@@ -221,6 +221,17 @@ def test_unpack_rejects_an_oversized_header() -> None:
 
 
 # ----------------------------------------------------------------------------- commit / restore
+def test_state_tracks_the_persistent_buffers_only() -> None:
+    """BatchNorm statistics are state; a non-persistent buffer (an index table) is not: it is in
+    no checkpoint and no new worker receives it, so a step neither snapshots nor restores it."""
+    model = make_model()
+    model.register_buffer("index", torch.arange(4), persistent=False)
+    state = State(model)
+    tracked = {id(b) for b in state.buffers()}
+    assert tracked == {id(b) for name, b in model.named_buffers() if name != "index"}
+    assert len(tracked) == 3  # running_mean, running_var, num_batches_tracked
+
+
 def test_restore_puts_back_buffers_and_extras_but_not_parameters() -> None:
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

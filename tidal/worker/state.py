@@ -47,10 +47,16 @@ class State:
         self.epoch_step = 0  # steps done in this epoch (logical workers' data order)
         self._committed: dict[str, Any] = {}
         self._params: list[torch.nn.Parameter] | None = None
-        self._buffers = list(model.named_buffers())  # walking the module tree every step is slow
+        # the buffers that are part of the model's state (in its state_dict): what a checkpoint
+        # holds and a new worker receives. Non-persistent ones (index tables, masks, position
+        # ids) are not state: they are neither restored nor sent. Looked up once: walking the
+        # module tree every step is slow.
+        persistent = set(model.state_dict(keep_vars=True))
+        self._buffers = [(name, b) for name, b in model.named_buffers() if name in persistent]
         self.commit()
 
     def buffers(self) -> list[torch.Tensor]:
+        """The model's persistent buffers (BatchNorm statistics, ...), in a fixed order."""
         return [b for _, b in self._buffers]
 
     def trainable(self) -> list[torch.nn.Parameter]:
