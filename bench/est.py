@@ -173,8 +173,8 @@ def reduce_worker(args: argparse.Namespace) -> None:
         # the logical order copies it into its send buffer, the all-reduce adds it unweighted)
         mean = Weighting.of([1] * args.world)
         ref, t_logical = _timed(comm, barrier, args.reps,
-                                partial(comm.reduce_in_logical_order, local, counts, mean, row))
-        out, t_allreduce = _timed(comm, barrier, args.reps, partial(comm.reduce_by_allreduce, local, [1.0], row))
+                                partial(comm.reduce_in_logical_order, local, counts, mean.after, row))
+        out, t_allreduce = _timed(comm, barrier, args.reps, partial(comm.reduce_by_allreduce, local, 1.0, row))
         agree = bool(torch.allclose(ref[0][0], out[0][0] * mean.after, rtol=1e-5, atol=1e-5))
         del ref, out
         times = {"logical": t_logical, "allreduce": t_allreduce}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tidal.worker.logical import (
@@ -9,9 +10,9 @@ from tidal.worker.logical import (
     Weighting,
     flatten,
     set_grads,
+    sum_and_scale,
     sum_in_order,
     unflatten,
-    weighted_sum,
 )
 
 
@@ -36,13 +37,42 @@ def test_stash_keeps_the_gradients_and_empties_grad() -> None:
     for p, g in zip(params, made, strict=True):
         p.grad = g
     stash = GradientStash()
+    stash.begin(Weighting(None, 1.0), fold=False)
     stash.put(3, params)
     assert all(p.grad is None for p in params)
     stash.put(5, params)  # no gradient at all: exact zeros
-    (three, five) = stash.take([3, 5])
+    (three, five) = stash.take()
     assert all(a is b for a, b in zip(three, made, strict=True))  # no copy: autograd's own tensors
     assert all(torch.equal(g, torch.zeros_like(p)) for g, p in zip(five, params, strict=True))
-    assert stash.grads == {}  # nothing kept between steps
+    assert stash.take() == []  # nothing kept between steps
+    with pytest.raises(RuntimeError, match="out of order"):
+        stash.put(4, params)
+
+
+def _contributions(n: int) -> list[list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(n)
+    return [[torch.randn(2, 3, generator=g) * 10.0 ** i, torch.randn(4, generator=g)] for i in range(n)]
+
+
+@pytest.mark.parametrize("sizes", [[512, 512, 512], [512, 300, 0]])
+def test_folding_as_stashed_gives_the_bits_of_the_sum_in_logical_order(sizes: list[int]) -> None:
+    """The process holding logical rank 0 adds each contribution into the first as it comes."""
+    weighting = Weighting.of(sizes)
+    expect = sum_and_scale([[t * w for t in c] if weighting.per else c
+                            for c, w in zip(_contributions(3), weighting.per or [1.0] * 3, strict=True)],
+                           weighting.after)
+    params = _params()
+    for fold in (True, False):
+        stash = GradientStash()
+        stash.begin(weighting, fold=fold)
+        for r, c in enumerate(_contributions(3)):
+            for p, t in zip(params, c, strict=True):
+                p.grad = t
+            stash.put(r, params)
+        local = stash.take()
+        assert len(local) == (1 if fold else 3)  # folded: one gradient kept, not one per EST
+        got = sum_and_scale(local, weighting.after)
+        assert all(torch.equal(a, b) for a, b in zip(got, expect, strict=True))
 
 
 def test_sum_in_order_is_left_to_right_and_elementwise_like_the_flat_sum() -> None:
@@ -66,8 +96,15 @@ def test_weighting_scales_once_when_batches_are_full_and_each_share_otherwise() 
     assert Weighting.of([512, 512, 512, 512]) == Weighting(None, 0.25)
     assert Weighting.of([512]) == Weighting(None, 1.0)
     assert Weighting.of([512, 88, 0]) == Weighting((512 / 600, 88 / 600, 0.0), 1.0)
-    full = weighted_sum([[torch.tensor([1.0, 3.0])], [torch.tensor([2.0, 5.0])]], Weighting.of([4, 4]))
+    full = sum_and_scale([[torch.tensor([1.0, 3.0])], [torch.tensor([2.0, 5.0])]], Weighting.of([4, 4]).after)
     assert torch.equal(full[0], torch.tensor([1.5, 4.0]))
-    uneven = weighted_sum([[torch.tensor([1.0])], [torch.tensor([7.0])], [torch.tensor([9.0])]],
-                          Weighting.of([3, 1, 0]))
-    assert torch.equal(uneven[0], torch.tensor([1.0 * 0.75 + 7.0 * 0.25]))
+    stash = GradientStash()
+    stash.begin(Weighting.of([3, 1, 0]), fold=True)
+    params = [torch.nn.Parameter(torch.zeros(1))]
+    for r, value in enumerate([1.0, 7.0]):
+        params[0].grad = torch.tensor([value])
+        stash.put(r, params)
+    stash.put_zeros(2, params)
+    assert torch.equal(sum_and_scale(stash.take(), 1.0)[0], torch.tensor([1.0 * 0.75 + 7.0 * 0.25]))
+    with pytest.raises(ValueError):
+        Weighting.of([0, 0])

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from tidal.worker.api import CollectiveError
-from tidal.worker.logical import Grads, Weighting, flatten, param_grads, set_grads, unflatten, weighted_sum
+from tidal.worker.logical import Grads, flatten, param_grads, set_grads, sum_and_scale, unflatten
 from tidal.worker.state import pack_state, unpack_state
 
 log = logging.getLogger(__name__)
@@ -191,12 +191,13 @@ class RoundComm:
                 raise CollectiveError(f"gradient all-reduce failed: {exc}") from exc
         set_grads(params, flat)
 
-    def reduce_in_logical_order(self, local: list[Grads], counts: list[int], weighting: Weighting,
+    def reduce_in_logical_order(self, local: list[Grads], counts: list[int], after: float,
                                 row: list[int]) -> tuple[Grads, list[list[int]]]:
-        """Sum every logical worker's gradient in logical rank order, weighted by ``weighting``.
+        """Sum every logical worker's contribution in logical rank order, then scale by ``after``.
 
-        ``local`` are this process's contributions in logical order, ``counts[p]`` how many
-        logical workers process ``p`` runs (contiguous blocks, so rank order is logical order).
+        ``local`` are this process's contributions in logical order (tidal.worker.logical
+        ``GradientStash``), ``counts[p]`` how many process ``p`` sends (contiguous blocks, so
+        rank order is logical order; the first process sends its block folded, as one).
         Each process owns a slice of the gradient: an all-to-all brings it the N contributions
         to its slice, it adds them left to right, and an all-gather returns the whole result.
         Every element is the same sum in the same order for any number of processes. The step
@@ -205,7 +206,7 @@ class RoundComm:
         sum is made in ``local``'s own tensors) and the headers, one row per process.
         """
         if self.group is None:
-            return weighted_sum(local, weighting), [list(row)]
+            return sum_and_scale(local, after), [list(row)]
         like = local[0]
         flats = [flatten(c) for c in local]
         k, length = self.world_size, flats[0].numel()
@@ -223,18 +224,14 @@ class RoundComm:
         gathered = torch.empty(k * stride, dtype=send.dtype, device=send.device)
         try:
             self.group.alltoall_base(recv, send, [n * mine for n in counts], [len(local) * s for s in sizes]).wait()
-            if mine:  # weighted_sum, on this slice
+            if mine:  # sum_and_scale, on this slice
                 rows = recv.view(sum(counts), mine)
-                if weighting.per is not None:
-                    for r, w in enumerate(weighting.per):
-                        if w != 1.0:
-                            rows[r].mul_(w)
                 acc = part[:mine]
                 acc.copy_(rows[0])
                 for r in range(1, rows.shape[0]):
                     acc.add_(rows[r])  # left to right, as sum_in_order
-                if weighting.after != 1.0:
-                    acc.mul_(weighting.after)
+                if after != 1.0:
+                    acc.mul_(after)
             self.group._allgather_base(gathered, part).wait()
         except (RuntimeError, ValueError) as exc:
             raise CollectiveError(f"logical-order reduction failed: {exc}") from exc
@@ -242,14 +239,15 @@ class RoundComm:
         reduced = torch.cat([blocks[p, :sizes[p]] for p in range(k)])
         return unflatten(reduced, like), _decode_header(blocks[:, width:]).tolist()
 
-    def reduce_by_allreduce(self, local: list[Grads], local_weights: list[float],
+    def reduce_by_allreduce(self, local: list[Grads], after: float,
                             row: list[int]) -> tuple[Grads, list[list[int]]]:
         """The world-size-dependent way (``TIDAL_REDUCTION=allreduce``): not reproducible.
 
-        ``local_weights``: each local contribution's share of the step's samples."""
+        Sums and scales this process's contributions (as ``reduce_in_logical_order`` does), then
+        all-reduces the partial sums."""
         headers = self.exchange_headers(row).tolist()
         like = local[0]
-        flat = flatten(weighted_sum(local, Weighting(tuple(local_weights), 1.0)))
+        flat = flatten(sum_and_scale(local, after))
         if self.group is not None:
             try:
                 self.group.allreduce([flat]).wait()

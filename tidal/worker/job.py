@@ -44,7 +44,14 @@ from tidal.worker.api import CollectiveError, UsageError, WorkerGoneError
 from tidal.worker.checkpoint import save_checkpoint
 from tidal.worker.client import MasterClient
 from tidal.worker.comm import END, EPOCH, REFORM, START, WORKER, N, RoundComm
-from tidal.worker.logical import GradientStash, Weighting, enter_context, est_ranks, est_seed
+from tidal.worker.logical import (
+    GradientStash,
+    Weighting,
+    enter_context,
+    est_ranks,
+    est_seed,
+    skip_empty_zero_grad,
+)
 from tidal.worker.state import State
 
 log = logging.getLogger(__name__)
@@ -72,6 +79,7 @@ class LogicalStep:
 
     pending: PendingStep
     batches: list[tuple[int, int]]  # [start, end) of every logical rank
+    weighting: Weighting
     current: int | None = None  # the EST whose batch the script is computing
     buffers_start: list[torch.Tensor] | None = None
     buffers_est0: list[torch.Tensor] | None = None
@@ -130,6 +138,8 @@ class Job:
         """Register what is committed, restored and sent to new workers."""
         if self._state is not None:
             raise UsageError("job.state() was already called")
+        if self.logical is not None and optimizer is not None:
+            skip_empty_zero_grad(optimizer)  # called once per EST, after the stash emptied .grad
         self._state = State(model, optimizer, **extras)
         return self._state
 
@@ -258,18 +268,21 @@ class Job:
             raise UsageError(f"{self.world_size} processes for {self.logical} logical workers: "
                              "run with --workers MAX no larger than --logical-workers")
         self.local_ests = est_ranks(self.logical, self.world_size, self.rank)
-        self._est_counts = [len(est_ranks(self.logical, self.world_size, p)) for p in range(self.world_size)]
+        # contributions each process sends: the first folds its block into one (GradientStash)
+        self._est_counts = [1] + [len(est_ranks(self.logical, self.world_size, p)) for p in range(1, self.world_size)]
 
     def _begin_logical_step(self, epoch: int, batches: list[tuple[int, int]]) -> LogicalStep:
         """The step this process is about to run for its logical workers (nothing is exchanged:
         the step header rides in the reduction at the end of the step)."""
         state = self._require_state()
         self._check_gone()
-        mine = sum(batches[r][1] - batches[r][0] for r in self.local_ests)
-        total = sum(e - s for s, e in batches)
-        pending = PendingStep(state.applied_step + 1, [], total, mine, time.monotonic(), 0.0,
+        sizes = [e - s for s, e in batches]
+        mine = sum(sizes[r] for r in self.local_ests)
+        pending = PendingStep(state.applied_step + 1, [], sum(sizes), mine, time.monotonic(), 0.0,
                               span=(epoch, 0, 0))
-        self._lstep = LogicalStep(pending, batches)
+        weighting = Weighting.of(sizes)
+        self._stash.begin(weighting, fold=self.rank == 0)
+        self._lstep = LogicalStep(pending, batches, weighting)
         return self._lstep
 
     def _enter_est(self, lstep: LogicalStep, logical_rank: int) -> None:
@@ -312,13 +325,12 @@ class Job:
         row = [pending.mine, int(self._reform_notice), epoch, 0, 0, self.worker_id]
         t0 = time.monotonic()
         try:
-            local = self._stash.take(self.local_ests)
-            sizes = [e - s for s, e in lstep.batches]
+            local = self._stash.take()
+            after = lstep.weighting.after
             if self._reduction == "allreduce":
-                grads, rows = self._comm.reduce_by_allreduce(
-                    local, [sizes[r] / pending.total for r in self.local_ests], row)
+                grads, rows = self._comm.reduce_by_allreduce(local, after, row)
             else:
-                grads, rows = self._comm.reduce_in_logical_order(local, self._est_counts, Weighting.of(sizes), row)
+                grads, rows = self._comm.reduce_in_logical_order(local, self._est_counts, after, row)
             # buffers follow EST 0, like DDP's follow rank 0; integer ones (counters, indices)
             # evolve the same everywhere, floating ones (BatchNorm statistics) are sent
             floating = [b for b in state.buffers() if b.is_floating_point()]

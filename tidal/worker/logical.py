@@ -14,9 +14,16 @@ EasyScale section 3.3). What each logical worker (EST) owns:
   guarantee with a context that cannot be lost.)
 * **its gradient**: after its backward pass the gradient autograd made is kept aside until the
   step's reduction (no copy; parameters and optimizer state are shared by the ESTs of a
-  process, as in the paper);
+  process, as in the paper). The process holding logical rank 0 adds each one into the first
+  as it is made, which is the reduction's own sum in its own order (``GradientStash``);
 * **module buffers follow EST 0**, as DDP's follow rank 0: every EST's forward starts from the
-  buffers the step started with, and the step ends with the buffers EST 0 produced.
+  buffers the step started with, and the step ends with the buffers EST 0 produced (the
+  persistent ones, those in the model's ``state_dict``: BatchNorm statistics; index tables
+  registered with ``persistent=False`` are not state and are left alone).
+
+The script's loop is unchanged: it still calls ``optimizer.zero_grad()`` before every batch,
+which with ESTs finds every ``.grad`` already stashed away; tidal makes that call return at
+once (``skip_empty_zero_grad``) instead of paying torch's profiler annotation E times a step.
 
 Gradients are reduced in logical order, never by an all-reduce whose summation order depends
 on the world size: each process owns a slice of the flattened gradient, receives the N
@@ -27,12 +34,16 @@ show that it breaks reproducibility.
 Levels (``TIDAL_DETERMINISM``):
 
 * ``D0``: fixed seeds and ``torch.use_deterministic_algorithms(True)``: the same run on the same
-  number of processes repeats bitwise. Cost: deterministic kernels may be slower; on CPU the
-  example's DLRM loses ~3.5% (its ``gram[:, rows, cols]`` backward takes a sort-based
-  ``index_put_``; bench/RESULTS.md), on GPU convolutions lose vendor kernels.
+  number of processes repeats bitwise. Cost: deterministic kernels may be slower (on GPU,
+  convolutions lose vendor kernels and scatter-adds get sorted); on CPU the example's DLRM
+  loses under 1% (its ``gram[:, rows, cols]`` backward takes a sort-based ``index_put_``). The
+  flag's NaN fill of every ``torch.empty`` (``torch.utils.deterministic.fill_uninitialized_memory``)
+  is turned off: it makes no kernel deterministic, only exposes reads of uninitialized memory,
+  and cost 1-3% here; ``TIDAL_FILL_UNINITIALIZED=1`` turns it back on.
 * ``D1`` (default with logical workers): D0 plus the logical-order reduction: identical across
   process counts, rescales and failures. Cost: an all-to-all and an all-gather instead of one
-  all-reduce, and one stashed gradient per EST beyond the first in a process.
+  all-reduce, and one stashed gradient per EST beyond the first in a process (but the one
+  holding logical rank 0, which folds them into one).
 * ``D2`` (CPU): D1 plus a pinned intra-op thread count (``TIDAL_THREADS``, default 1, whatever
   ``OMP_NUM_THREADS`` says) and ATen's CPU kernels pinned to one instruction set
   (``ATEN_CPU_CAPABILITY``, set by ``tidal run`` before the worker starts): identical across
@@ -133,9 +144,9 @@ class Weighting:
     EST ``r`` trained ``n_r`` samples; the step's gradient is ``sum_r (n_r / total) * g_r``.
     When every EST had a full batch (all ``n_r`` equal, the usual case) the contributions are
     summed as they are and the sum is scaled once (``after = n / total``, exactly 1.0 for one
-    EST); otherwise each is scaled by its share first (``per``). Both reductions (the local sum
-    and the slices of ``RoundComm.reduce_in_logical_order``) apply the same rule elementwise,
-    and it depends only on the step's batches, so the bits do not depend on the processes.
+    EST); otherwise each is scaled by its share as it is stashed (``per``). Every process and
+    both reductions apply the same rule elementwise, and it depends only on the step's
+    batches, so the bits do not depend on the processes.
     """
 
     per: tuple[float, ...] | None
@@ -152,30 +163,79 @@ class Weighting:
 
 
 class GradientStash:
-    """One gradient per EST of this process, kept until the step's reduction (EasyScale 3.2).
+    """This process's contributions to a step's gradient, kept until the reduction (EasyScale 3.2).
 
-    ``put`` keeps the parameters' ``.grad`` tensors themselves (autograd made them for this EST
-    alone and nothing else holds them) and leaves ``.grad`` empty for the next EST: no copy.
-    ``take`` hands them over to the reduction, which may scale and add into them and make them
-    the parameters' ``.grad``; the stash keeps nothing between steps, so memory is one
-    gradient per EST of this process, during a step.
+    An EST's contribution is the gradient autograd made for its batch (no copy), scaled by its
+    share when the step's batches are uneven (``Weighting.per``). ``put`` takes the parameters'
+    ``.grad`` tensors and leaves ``.grad`` empty for the next EST.
+
+    With ``fold`` (the process whose block starts at logical rank 0) each contribution is added
+    into the first one as soon as it is made: the step's sum is a left fold from logical rank 0
+    (``sum_in_order``), so ``(c0 + c1) + c2`` made here is the very sum, in the very order, that
+    the reduction would make, only while the gradient is still in cache, and the process keeps
+    one gradient instead of one per EST. The other processes' blocks sit in the middle of the
+    fold, so they keep one per EST. Contributions must come in logical order.
     """
 
     def __init__(self) -> None:
-        self.grads: dict[int, Grads] = {}
+        self.grads: list[Grads] = []
+        self.weighting = Weighting(None, 1.0)
+        self.fold = False
+        self._last = -1
+
+    def begin(self, weighting: Weighting, fold: bool) -> None:
+        """A new step: whatever an interrupted step left is dropped."""
+        self.grads, self.weighting, self.fold, self._last = [], weighting, fold, -1
 
     def put(self, logical_rank: int, params: list[torch.nn.Parameter]) -> None:
-        self.grads[logical_rank] = param_grads(params)
+        grads = param_grads(params)
         for p in params:
             p.grad = None
+        self._add(logical_rank, grads)
 
     def put_zeros(self, logical_rank: int, params: list[torch.nn.Parameter]) -> None:
         """An EST without data this step: it adds exact zeros."""
-        self.grads[logical_rank] = [torch.zeros_like(p) for p in params]
+        self._add(logical_rank, [torch.zeros_like(p) for p in params])
 
-    def take(self, ranks: list[int]) -> list[Grads]:
-        """The gradients of ``ranks``, in that order; the stash forgets them."""
-        return [self.grads.pop(r) for r in ranks]
+    def _add(self, logical_rank: int, grads: Grads) -> None:
+        if logical_rank <= self._last:
+            raise RuntimeError(f"logical worker {logical_rank} stashed after {self._last}: out of order")
+        self._last = logical_rank
+        per = self.weighting.per
+        if per is not None and per[logical_rank] != 1.0:
+            torch._foreach_mul_(grads, per[logical_rank])
+        if self.fold and self.grads:
+            torch._foreach_add_(self.grads[0], grads)
+        else:
+            self.grads.append(grads)
+
+    def take(self) -> list[Grads]:
+        """The contributions in logical order (folded: one); the stash forgets them."""
+        grads, self.grads = self.grads, []
+        return grads
+
+
+def skip_empty_zero_grad(optimizer: torch.optim.Optimizer) -> None:
+    """Make the script's ``optimizer.zero_grad()`` return at once when there is nothing to clear.
+
+    The script calls it before every batch, so E times a step with E ESTs in a process, and
+    after the first EST the stash has already taken every ``.grad`` away: the call changes
+    nothing but still pays torch's profiler annotation (``record_function``, two Python-level
+    op dispatches), ~75 us in a training loop on this VM, ~3% of an EST's batch of the
+    example. When any parameter has a gradient the optimizer's own ``zero_grad`` runs, with the
+    caller's arguments, so nothing the script sees changes. (An instance attribute: the class
+    and other optimizers are untouched.)
+    """
+    original = optimizer.zero_grad
+
+    def zero_grad(set_to_none: bool = True) -> None:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    original(set_to_none)
+                    return
+
+    optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
 
 
 def sum_in_order(contributions: list[Grads]) -> Grads:
@@ -190,15 +250,11 @@ def sum_in_order(contributions: list[Grads]) -> Grads:
     return acc
 
 
-def weighted_sum(contributions: list[Grads], weighting: Weighting) -> Grads:
-    """The step's gradient from all N contributions (in logical order), in their own tensors."""
-    if weighting.per is not None:
-        for c, w in zip(contributions, weighting.per, strict=True):
-            if w != 1.0:
-                torch._foreach_mul_(c, w)
+def sum_and_scale(contributions: list[Grads], after: float) -> Grads:
+    """The step's gradient from its stashed contributions (in logical order), in their own tensors."""
     acc = sum_in_order(contributions)
-    if weighting.after != 1.0:  # x * 1.0 == x bitwise: skip the pass
-        torch._foreach_mul_(acc, weighting.after)
+    if after != 1.0:  # x * 1.0 == x bitwise: skip the pass
+        torch._foreach_mul_(acc, after)
     return acc
 
 
