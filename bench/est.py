@@ -33,10 +33,11 @@ Three measurements, each printed as a table with its peer side by side and the r
    The same samples per run. Reported: samples/s (bench/common.py ``steady_rate``, warm-up 1 s)
    and the peak resident set while training (the largest of the RSS samples the worker takes
    every 16 stamps, bench/common.py ``StampWriter``; ``VmHWM``, the peak over the whole process
-   life, is in the JSON: start-up and the example's final evaluation dominate it). The expected
-   memory growth over the accumulated run is the gradient stash: the gradients of E-1 ESTs
-   wait while the next runs (E x 134,193 parameters x 4 bytes = E x 0.51 MiB is the bound shown,
-   the accumulated run holds one ``.grad``). Fairness: the logical run also pays what D1 implies
+   life, is in the JSON: start-up and the example's final evaluation dominate it). The bound
+   on the memory growth over the accumulated run is the gradient stash, one gradient per EST
+   (E x 134,193 parameters x 4 bytes = E x 0.51 MiB, shown); in one process (it holds logical
+   rank 0) the stash folds each EST's gradient into the first as it is made, so it keeps about
+   two (the sum and the EST in flight). Fairness: the logical run also pays what D1 implies
    (``torch.use_deterministic_algorithms(True)``, per-EST reseeding of the generators, the
    buffer save/restore of every EST switch): that is the feature's cost as shipped.
 

@@ -346,6 +346,11 @@ class Job:
             p.grad = g
         if state.optimizer is not None:
             state.optimizer.step()
+            # the gradient is spent (as DeepSpeed's engine.step() releases it): the script cannot
+            # see it anyway, since this runs inside the loader before its next batch, and its
+            # zero_grad() then finds nothing to clear (skip_empty_zero_grad)
+            for p in params:
+                p.grad = None
         state.epoch_step += 1
         pending.headers = rows
         if self.client is not None:  # for the master's exactly-once ledger (``_applied``)

@@ -21,9 +21,12 @@ EasyScale section 3.3). What each logical worker (EST) owns:
   persistent ones, those in the model's ``state_dict``: BatchNorm statistics; index tables
   registered with ``persistent=False`` are not state and are left alone).
 
-The script's loop is unchanged: it still calls ``optimizer.zero_grad()`` before every batch,
-which with ESTs finds every ``.grad`` already stashed away; tidal makes that call return at
-once (``skip_empty_zero_grad``) instead of paying torch's profiler annotation E times a step.
+The script's loop is unchanged: it still calls ``optimizer.zero_grad()`` before every batch.
+With ESTs that call finds every ``.grad`` already stashed away (or, before a step's first
+batch, released: the step is applied inside the loader, where the script cannot see the
+gradient, and tidal sets ``.grad`` to None right after ``optimizer.step()``), so tidal makes it
+return at once (``skip_empty_zero_grad``) instead of paying torch's profiler annotation E times
+a step. After the loop, ``.grad`` is None.
 
 Gradients are reduced in logical order, never by an all-reduce whose summation order depends
 on the world size: each process owns a slice of the flattened gradient, receives the N
@@ -54,6 +57,7 @@ Levels (``TIDAL_DETERMINISM``):
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -87,7 +91,13 @@ def _mix(x: int) -> int:
 
 
 def est_seed(seed: int, logical_rank: int, step: int) -> int:
-    return _mix(_mix(_mix(seed & MASK64) ^ logical_rank) ^ step) >> 1  # 63 bits: torch wants < 2**63
+    return _mix(_est_stream(seed, logical_rank) ^ step) >> 1  # 63 bits: torch wants < 2**63
+
+
+@functools.lru_cache(maxsize=4096)
+def _est_stream(seed: int, logical_rank: int) -> int:
+    """The part of ``est_seed`` that does not change from step to step (hashed once)."""
+    return _mix(_mix(seed & MASK64) ^ logical_rank)
 
 
 def enter_context(seed: int, logical_rank: int, step: int) -> None:

@@ -53,11 +53,13 @@ class State:
         # module tree every step is slow.
         persistent = set(model.state_dict(keep_vars=True))
         self._buffers = [(name, b) for name, b in model.named_buffers() if name in persistent]
+        self._buffer_list = [b for _, b in self._buffers]
         self.commit()
 
     def buffers(self) -> list[torch.Tensor]:
-        """The model's persistent buffers (BatchNorm statistics, ...), in a fixed order."""
-        return [b for _, b in self._buffers]
+        """The model's persistent buffers (BatchNorm statistics, ...), in a fixed order (the
+        same list on every call: read it, do not change it)."""
+        return self._buffer_list
 
     def trainable(self) -> list[torch.nn.Parameter]:
         """The parameters that get gradients, in a fixed order (cached: looked up every step)."""
@@ -68,7 +70,7 @@ class State:
     def commit(self) -> None:
         self._committed = {
             "buffers": {k: b.detach().clone() for k, b in self._buffers},
-            "extras": copy.deepcopy(self.extras),
+            "extras": copy.deepcopy(self.extras) if self.extras else {},
             "applied_step": self.applied_step,
             "epoch": self.epoch,
             "epoch_step": self.epoch_step,
