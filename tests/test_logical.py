@@ -10,6 +10,7 @@ from tidal.worker.logical import (
     Weighting,
     flatten,
     set_grads,
+    skip_empty_zero_grad,
     sum_and_scale,
     sum_in_order,
     unflatten,
@@ -108,3 +109,20 @@ def test_weighting_scales_once_when_batches_are_full_and_each_share_otherwise() 
     assert torch.equal(sum_and_scale(stash.take(), 1.0)[0], torch.tensor([1.0 * 0.75 + 7.0 * 0.25]))
     with pytest.raises(ValueError):
         Weighting.of([0, 0])
+
+
+def test_zero_grad_returns_at_once_only_when_there_is_nothing_to_clear() -> None:
+    params = _params()
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    calls = []
+    original = optimizer.zero_grad
+    optimizer.zero_grad = lambda set_to_none=True: (calls.append(set_to_none), original(set_to_none))  # type: ignore[method-assign]
+    skip_empty_zero_grad(optimizer)
+    optimizer.zero_grad()
+    assert calls == []  # no gradient anywhere: torch's zero_grad is not called
+    g = torch.ones(4)
+    params[1].grad = g
+    optimizer.zero_grad(set_to_none=False)  # the optimizer's own, with the caller's arguments
+    assert calls == [False] and params[1].grad is g and torch.equal(g, torch.zeros(4))
+    optimizer.zero_grad()
+    assert calls == [False, True] and params[1].grad is None

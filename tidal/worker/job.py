@@ -602,7 +602,7 @@ def _pin_determinism(level: str) -> None:
         raise UsageError(f"determinism must be D0, D1 or D2, got {level!r}")
     torch.use_deterministic_algorithms(True)
     # The flag also fills every torch.empty with NaN, which makes no kernel deterministic (it
-    # exposes reads of uninitialized memory, a bug in the program) and cost 3% of the example's
+    # exposes reads of uninitialized memory, a bug in the program) and cost 1-3% of the example's
     # throughput; PyTorch's docs say a valid program may turn it off and stay deterministic.
     # TIDAL_FILL_UNINITIALIZED=1 turns it back on, to hunt such a bug.
     torch.utils.deterministic.fill_uninitialized_memory = os.environ.get(  # type: ignore[attr-defined]

@@ -229,10 +229,10 @@ def skip_empty_zero_grad(optimizer: torch.optim.Optimizer) -> None:
     """Make the script's ``optimizer.zero_grad()`` return at once when there is nothing to clear.
 
     The script calls it before every batch, so E times a step with E ESTs in a process, and
-    after the first EST the stash has already taken every ``.grad`` away: the call changes
-    nothing but still pays torch's profiler annotation (``record_function``, two Python-level
-    op dispatches), ~75 us in a training loop on this VM, ~3% of an EST's batch of the
-    example. When any parameter has a gradient the optimizer's own ``zero_grad`` runs, with the
+    every ``.grad`` is None by then (stashed after the previous EST's backward, or released
+    after the step was applied): the call changes nothing but still pays torch's profiler
+    annotation (``record_function``, two Python-level op dispatches), ~75 us in a training loop
+    on this VM, ~3% of an EST's batch of the example. When any parameter has a gradient the optimizer's own ``zero_grad`` runs, with the
     caller's arguments, so nothing the script sees changes. (An instance attribute: the class
     and other optimizers are untouched.)
     """
