@@ -38,8 +38,9 @@ Three measurements, each printed as a table with its peer side by side and the r
    (E x 134,193 parameters x 4 bytes = E x 0.51 MiB, shown); in one process (it holds logical
    rank 0) the stash folds each EST's gradient into the first as it is made, so it keeps about
    two (the sum and the EST in flight). Fairness: the logical run also pays what D1 implies
-   (``torch.use_deterministic_algorithms(True)``, per-EST reseeding of the generators, the
-   buffer save/restore of every EST switch): that is the feature's cost as shipped.
+   (``torch.use_deterministic_algorithms(True)``, per-EST reseeding of the generators, and
+   the save/restore of persistent module buffers at every EST switch, which DLRM has none
+   of): that is the feature's cost as shipped.
 
 3. **reduce** (no target: the cost of D1's reduction). k processes (started with
    ``subprocess``, each forms its group with ``tidal.worker.comm.RoundComm.connect`` against a
@@ -158,7 +159,6 @@ def reduce_worker(args: argparse.Namespace) -> None:
 
     from bench.common import peak_rss_kb
     from tidal.worker.comm import RoundComm
-    from tidal.worker.logical import Weighting
 
     torch.set_num_threads(1)
     comm = RoundComm.connect(host="127.0.0.1", port=args.port, prefix="est-bench/", rank=args.rank,
@@ -172,11 +172,11 @@ def reduce_worker(args: argparse.Namespace) -> None:
         counts, row = [1] * args.world, [0] * 6
         # the mean over the k contributions: summed, then scaled once (both leave ``local`` as it is:
         # the logical order copies it into its send buffer, the all-reduce adds it unweighted)
-        mean = Weighting.of([1] * args.world)
+        mean = 1.0 / args.world
         ref, t_logical = _timed(comm, barrier, args.reps,
-                                partial(comm.reduce_in_logical_order, local, counts, mean.after, row))
+                                partial(comm.reduce_in_logical_order, local, counts, mean, row))
         out, t_allreduce = _timed(comm, barrier, args.reps, partial(comm.reduce_by_allreduce, local, 1.0, row))
-        agree = bool(torch.allclose(ref[0][0], out[0][0] * mean.after, rtol=1e-5, atol=1e-5))
+        agree = bool(torch.allclose(ref[0][0], out[0][0] * mean, rtol=1e-5, atol=1e-5))
         del ref, out
         times = {"logical": t_logical, "allreduce": t_allreduce}
         result["sizes"][str(mb)] = {"times": times, "agree": agree}

@@ -8,6 +8,7 @@ import torch
 from tidal.worker.logical import (
     GradientStash,
     Weighting,
+    contributions_sent,
     flatten,
     set_grads,
     skip_empty_zero_grad,
@@ -126,3 +127,9 @@ def test_zero_grad_returns_at_once_only_when_there_is_nothing_to_clear() -> None
     assert calls == [False] and params[1].grad is g and torch.equal(g, torch.zeros(4))
     optimizer.zero_grad()
     assert calls == [False, True] and params[1].grad is None
+
+
+def test_only_the_process_holding_logical_rank_0_sends_its_block_folded() -> None:
+    assert contributions_sent(4, 1) == [1]
+    assert contributions_sent(4, 3) == [1, 1, 1]  # blocks [0, 1], [2], [3]
+    assert contributions_sent(8, 3) == [1, 3, 2]  # blocks [0, 1, 2], [3, 4, 5], [6, 7]

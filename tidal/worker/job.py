@@ -47,9 +47,11 @@ from tidal.worker.comm import END, EPOCH, REFORM, START, WORKER, N, RoundComm
 from tidal.worker.logical import (
     GradientStash,
     Weighting,
+    contributions_sent,
     enter_context,
     est_ranks,
     est_seed,
+    folds,
     skip_empty_zero_grad,
 )
 from tidal.worker.state import State
@@ -268,8 +270,7 @@ class Job:
             raise UsageError(f"{self.world_size} processes for {self.logical} logical workers: "
                              "run with --workers MAX no larger than --logical-workers")
         self.local_ests = est_ranks(self.logical, self.world_size, self.rank)
-        # contributions each process sends: the first folds its block into one (GradientStash)
-        self._est_counts = [1] + [len(est_ranks(self.logical, self.world_size, p)) for p in range(1, self.world_size)]
+        self._est_counts = contributions_sent(self.logical, self.world_size)
 
     def _begin_logical_step(self, epoch: int, batches: list[tuple[int, int]]) -> LogicalStep:
         """The step this process is about to run for its logical workers (nothing is exchanged:
@@ -281,7 +282,7 @@ class Job:
         pending = PendingStep(state.applied_step + 1, [], sum(sizes), mine, time.monotonic(), 0.0,
                               span=(epoch, 0, 0))
         weighting = Weighting.of(sizes)
-        self._stash.begin(weighting, fold=self.rank == 0)
+        self._stash.begin(weighting, fold=folds(self.rank))
         self._lstep = LogicalStep(pending, batches, weighting)
         return self._lstep
 

@@ -82,6 +82,17 @@ def est_ranks(n_logical: int, world_size: int, rank: int) -> list[int]:
     return list(range(start, start + base + (1 if rank < extra else 0)))
 
 
+def folds(rank: int) -> bool:
+    """Whether process ``rank`` folds its ESTs' gradients into one as they are made: only the
+    one whose block starts at logical rank 0, where the step's left-to-right sum starts."""
+    return rank == 0
+
+
+def contributions_sent(n_logical: int, world_size: int) -> list[int]:
+    """How many gradients each process sends to the reduction: its block, or one if it folds."""
+    return [1 if folds(p) else len(est_ranks(n_logical, world_size, p)) for p in range(world_size)]
+
+
 def _mix(x: int) -> int:
     """splitmix64: a well-spread 64-bit hash of ``x``."""
     x = (x + 0x9E3779B97F4A7C15) & MASK64
@@ -179,12 +190,13 @@ class GradientStash:
     share when the step's batches are uneven (``Weighting.per``). ``put`` takes the parameters'
     ``.grad`` tensors and leaves ``.grad`` empty for the next EST.
 
-    With ``fold`` (the process whose block starts at logical rank 0) each contribution is added
-    into the first one as soon as it is made: the step's sum is a left fold from logical rank 0
-    (``sum_in_order``), so ``(c0 + c1) + c2`` made here is the very sum, in the very order, that
-    the reduction would make, only while the gradient is still in cache, and the process keeps
-    one gradient instead of one per EST. The other processes' blocks sit in the middle of the
-    fold, so they keep one per EST. Contributions must come in logical order.
+    With ``fold`` (``folds(rank)``: the process whose block starts at logical rank 0) each
+    contribution is added into the first one as soon as it is made: the step's sum is a left
+    fold from logical rank 0 (``sum_in_order``), so ``(c0 + c1) + c2`` made here is the very sum,
+    in the very order, that the reduction would make, only while the gradient is still in cache,
+    and the process keeps one gradient instead of one per EST. The other processes' blocks sit
+    in the middle of the fold, so they keep one per EST (``contributions_sent``). Contributions
+    must come in logical order.
     """
 
     def __init__(self) -> None:
@@ -232,9 +244,9 @@ def skip_empty_zero_grad(optimizer: torch.optim.Optimizer) -> None:
     every ``.grad`` is None by then (stashed after the previous EST's backward, or released
     after the step was applied): the call changes nothing but still pays torch's profiler
     annotation (``record_function``, two Python-level op dispatches), ~75 us in a training loop
-    on this VM, ~3% of an EST's batch of the example. When any parameter has a gradient the optimizer's own ``zero_grad`` runs, with the
-    caller's arguments, so nothing the script sees changes. (An instance attribute: the class
-    and other optimizers are untouched.)
+    on this VM, ~3% of an EST's batch of the example. When any parameter has a gradient the
+    optimizer's own ``zero_grad`` runs, with the caller's arguments, so nothing the script sees
+    changes. (An instance attribute: the class and other optimizers are untouched.)
     """
     original = optimizer.zero_grad
 
