@@ -39,3 +39,21 @@ def test_run_api_and_errors():
     assert res.policies["goldminer-srtf"].avg_jct_s <= 1.001 * res.policies["no-dw-tuned"].avg_jct_s
     with pytest.raises(ConfigError):
         goldminer.run(PHILLY, 10, 0, ["nope"])
+
+
+def test_load_stretches_arrivals_only():
+    from tidal.sim.cluster.api import at_load, load_philly, offered_load
+
+    jobs = load_philly(PHILLY, 200, 0, max_gpus=64)
+    assert offered_load(jobs, 64) > 1  # Philly's own rate overloads 64 GPUs
+    for load in (0.5, 2.0):
+        light = at_load(jobs, load, 64)
+        assert offered_load(light, 64) == pytest.approx(load)
+        assert [(j.duration_s, j.num_gpus) for j in light] == [(j.duration_s, j.num_gpus) for j in jobs]
+        assert [j.submit_s for j in light] == sorted(j.submit_s for j in light)
+    with pytest.raises(ConfigError):
+        at_load(jobs, 0.0, 64)
+    # a lighter load queues less under the same policy, on the same jobs
+    heavy = goldminer.run(PHILLY, 100, 1, ["no-dw-hw"], load=4.0).policies["no-dw-hw"]
+    light_m = goldminer.run(PHILLY, 100, 1, ["no-dw-hw"], load=0.25).policies["no-dw-hw"]
+    assert light_m.avg_queue_s < heavy.avg_queue_s

@@ -40,6 +40,22 @@ def test_simulation_metrics_are_consistent():
     assert res["kale"].worker_hours < 0.8 * ad.worker_hours
 
 
+def test_oracle_is_a_lower_bound_of_every_policy():
+    counts = daily(3 * 1440, seed=2)
+    for job in sim.JOBS:
+        cfg = sim.SimConfig(peak_workers=12, true_model=sim.JOBS[job]())
+        window = sim.scale_to_peak(counts[-1440:], cfg)
+        bound = sim.oracle_worker_hours(window, cfg)
+        res = sim.simulate(window, ["adequate", "hpa", "kale", "madu"], cfg)
+        assert 0 < bound < res["adequate"].worker_hours
+        for r in res.values():
+            assert bound <= r.worker_hours + 1e-9, (job, r.name)
+    # one interval at exactly F(5)'s rate needs 6 workers (Eq. 10: F(w) > L); above the peak, the peak
+    cfg = sim.SimConfig(peak_workers=8)
+    f5, f8 = sim.true_throughput(cfg, 5), sim.true_throughput(cfg, 8)
+    assert sim.oracle_worker_hours(np.array([f5 * 60, 2 * f8 * 60]), cfg) == pytest.approx((6 + 8) / 60)
+
+
 def test_seamless_pauses_less_than_restart():
     counts = daily(3 * 1440, seed=1)
     out = {}
@@ -83,6 +99,13 @@ def test_cli_sim_online(tmp_path: Path):
     assert set(data["policies"]["kale"]) == {"slo_violation_rate", "accumulated_lag_min", "downtime_min",
                                              "worker_hours", "scaling_actions"}
     assert png.stat().st_size > 10_000
+    assert 0 < data["oracle_worker_hours"] < data["policies"]["adequate"]["worker_hours"]
+    assert "lower bound" in r.output
+    t4 = runner.invoke(app, ["sim", "online", "--trace", str(trace), "--days", "1", "--peak-workers", "10",
+                             "--job", "t4-sync", "--policies", "adequate", "--json", str(out)])
+    assert t4.exit_code == 0, t4.output
+    assert json.loads(out.read_text())["job"] == "t4-sync"
+    assert runner.invoke(app, ["sim", "online", "--trace", str(trace), "--job", "h100"]).exit_code == 2
     bad = runner.invoke(app, ["sim", "online", "--trace", str(trace), "--migration", "teleport"])
     assert bad.exit_code == 2
     # an earlier window (to tune on), and a skip that leaves nothing

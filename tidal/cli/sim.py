@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from pathlib import Path
 
 import typer
@@ -27,6 +28,11 @@ def online(
         "tune on an earlier window than the one scored",
     ),
     migration: str = typer.Option("restart", "--migration", help="restart | seamless"),
+    job: str = typer.Option(
+        "a10-sync-long", "--job",
+        help="the job's true throughput model: a10-sync-long (Kale Table 1 A10 sync, per-worker overhead "
+             "lowered so it scales to ~40 workers, nearly linear) | t4-sync (Table 1 T4 sync, unchanged; "
+             "faster than linear)"),
     seed: int = typer.Option(0, "--seed"),
     policies: str = typer.Option("kale,hpa,autopilot,madu,adequate", "--policies"),
     json_out: Path | None = typer.Option(None, "--json", help="write the metrics as JSON here"),
@@ -37,6 +43,8 @@ def online(
 
     if migration not in sim.MIGRATIONS:
         raise fail(f"--migration must be restart or seamless, got {migration!r}")
+    if job not in sim.JOBS:
+        raise fail(f"--job must be one of {', '.join(sim.JOBS)}, got {job!r}")
     if peak_workers < 2:
         raise fail("--peak-workers must be at least 2")
     if days <= 0:
@@ -53,7 +61,8 @@ def online(
         raise fail(f"cannot read {trace}: {exc.strerror or exc}") from None
     try:
         counts, interval = sim.load_trace(rows, column)
-        cfg = sim.SimConfig(peak_workers=peak_workers, migration=migration, seed=seed, interval_s=interval)
+        cfg = sim.SimConfig(peak_workers=peak_workers, migration=migration, seed=seed, interval_s=interval,
+                            true_model=sim.JOBS[job]())
         skip = round(skip_days * 86400 / interval)
         if skip >= len(counts) - 1:
             raise ConfigError(f"--skip-days {skip_days:g} leaves nothing of the trace")
@@ -63,6 +72,7 @@ def online(
         scaled = sim.scale_to_peak(window, cfg)
         factor = float(scaled.max() / window.max())
         results = sim.simulate(scaled, names, cfg, history=history * factor)
+        oracle = sim.oracle_worker_hours(scaled, cfg)
     except ConfigError as exc:
         raise fail(str(exc)) from None
     typer.echo(f"{len(window)} intervals of {interval:g} s, peak {scaled.max() / interval:.0f} samples/s "
@@ -71,8 +81,12 @@ def online(
     for name, r in results.items():
         typer.echo(f"{name:10s} {r.slo_violation_rate:9.2%} {r.accumulated_lag_min:12.0f} {r.downtime_min:12.0f} "
                    f"{r.worker_hours:9.1f} {r.scaling_actions:7d}")
+    adequate = peak_workers * len(window) * interval / 3600.0
+    typer.echo(f"lower bound (perfect forecast, free rescaling every interval): {oracle:.1f} worker-h "
+               f"= {oracle / adequate:.2f}x the peak count's")
     if json_out is not None:
-        json_out.write_text(json.dumps({"policies": {k: r.metrics() for k, r in results.items()}}, indent=2))
+        json_out.write_text(json.dumps({"policies": {k: r.metrics() for k, r in results.items()},
+                                        "job": job, "oracle_worker_hours": oracle}, indent=2))
     if plot is not None:
         _plot(plot, scaled / interval, interval, results)
 
@@ -112,6 +126,12 @@ def cluster(
     jobs: int = typer.Option(500, "--jobs", help="jobs in the sampled window of the trace"),
     seed: int = typer.Option(0, "--seed"),
     policies: str | None = typer.Option(None, "--policies", help="comma-separated (default: all of the scenario)"),
+    load: float | None = typer.Option(
+        None, "--load",
+        help="offered load, a fraction of the cluster's capacity. easyscale/goldminer: the window's arrivals "
+             "are stretched so its jobs' GPU-time (as run on Philly) is LOAD x the GPUs over the arrival span "
+             "(default: Philly's own times, 5-15x a 64-GPU cluster); dlrover-rm: the cluster is sized so the "
+             "requested cores are LOAD of it (default 0.8)"),
     json_out: Path | None = typer.Option(None, "--json", help="write the metrics as JSON here"),
     plot: Path | None = typer.Option(None, "--plot", help="write a PNG: utilization over time, JCT distribution"),
 ) -> None:
@@ -127,22 +147,25 @@ def cluster(
         raise fail(f"unknown policies {unknown} for {scenario}; known: {', '.join(module.POLICIES)}")
     if jobs < 1:
         raise fail("--jobs must be at least 1")
+    if load is not None and not (load > 0 and math.isfinite(load)):
+        raise fail(f"--load must be a positive number, got {load}")
     if not trace.is_file():
         raise fail(f"trace {trace} not found")
     started = time.monotonic()
-    result = module.run(trace, jobs, seed, names)
+    result = module.run(trace, jobs, seed, names, load)
     elapsed = time.monotonic() - started
     header = f"{'policy':18} {'avg JCT s':>11} {'median JCT s':>13} {'makespan s':>11} {'avg queue s':>12} " \
              f"{'GPU util':>9} {'CPU util':>9} {'completed':>10} {'actions':>8}"
-    typer.echo(f"scenario {scenario}: {jobs} jobs, seed {seed}, simulated in {elapsed:.1f}s")
+    at = "" if load is None else f", load {load:g}"
+    typer.echo(f"scenario {scenario}: {jobs} jobs, seed {seed}{at}, simulated in {elapsed:.1f}s")
     typer.echo(header)
     for name, m in result.policies.items():
         typer.echo(f"{name:18} {m.avg_jct_s:11.0f} {m.median_jct_s:13.0f} {m.makespan_s:11.0f} {m.avg_queue_s:12.0f} "
                    f"{m.gpu_util:9.2f} {m.cpu_util:9.2f} {m.completion_rate:10.3f} {m.scaling_actions:8d}")
-    for note in result.notes:
-        typer.echo(f"note: {note}")
+    for note in result.notes:  # a module docstring: its first line (the rest: python -m pydoc MODULE)
+        typer.echo(f"note: {note.strip().splitlines()[0]}")
     if json_out:
-        json_out.write_text(json.dumps({"scenario": scenario, "jobs": jobs, "seed": seed,
+        json_out.write_text(json.dumps({"scenario": scenario, "jobs": jobs, "seed": seed, "load": load,
                                         "policies": {k: v.to_json() for k, v in result.policies.items()}}, indent=2))
     if plot:
         _plot_cluster(result, plot)

@@ -1,6 +1,6 @@
 """Cluster-level simulators: many jobs, one cluster, one policy at a time (``tidal sim cluster``).
 
-Each scenario module exposes ``POLICIES`` (names) and ``run(trace, jobs, seed, policies) ->
+Each scenario module exposes ``POLICIES`` (names) and ``run(trace, jobs, seed, policies, load) ->
 ScenarioResult``; ``SCENARIOS`` maps the CLI's scenario names to them.
 """
 

@@ -50,7 +50,8 @@ Where the numbers come from:
   (DLRover-RM 6.2, DLRover 6.3), every 30 min once a job's planner keeps its plan.
 * Cluster: 32-core, 192 GB servers (DLRover-RM 6, small cluster), pooled (pods assumed to fit);
   as many servers as make the users' requested core-seconds over the window 80% of the
-  cluster's (a busy shared cluster; at least 20 servers, the paper's small cluster). FIFO
+  cluster's (a busy shared cluster; at least 20 servers, the paper's small cluster; ``load``
+  sets another fraction). FIFO
   admission without backfilling; elastic policies start as small as their planner says and
   scale into free cores.
 
@@ -86,6 +87,7 @@ POLICIES = ["manual", "es", "optimus", "dlrover", "dlrover-rm"]
 
 UNIT_S = 0.01  # one step-time unit of the coefficients
 NODE_CORES, NODE_MEM_GB = 32, 192.0
+DEFAULT_LOAD = 0.8  # requested cores / cluster cores over the arrival window (a busy shared cluster)
 START_S = 120.0
 TICK_S, SLOW_TICK_S = 180.0, 1800.0
 CKPT_S = 600.0
@@ -581,8 +583,14 @@ class Sim:
         )
 
 
-def make_jobs(trace: Path, n: int, seed: int) -> tuple[list[Job], int]:
-    """The window's jobs (same draws for every policy) and the cluster's server count."""
+def make_jobs(trace: Path, n: int, seed: int, load: float = DEFAULT_LOAD) -> tuple[list[Job], int]:
+    """The window's jobs (same draws for every policy) and the cluster's server count.
+
+    The cluster has as many servers as make the users' requested core-seconds over the
+    arrival window ``load`` of its cores.
+    """
+    if not (load > 0 and math.isfinite(load)):
+        raise ConfigError(f"load must be a positive number, got {load}")
     philly = load_philly(trace, n, seed, min_duration_s=MIN_DURATION_S)
     rng = random.Random(seed)
     kinds = make_kinds(max(4, n // 8), rng)
@@ -603,23 +611,27 @@ def make_jobs(trace: Path, n: int, seed: int) -> tuple[list[Job], int]:
         jobs.append(job)
         requested += quota * pj.duration_s
     span = max(philly[-1].submit_s, 3600.0)
-    nodes = max(20, math.ceil(requested / span / 0.8 / NODE_CORES))
+    nodes = max(20, math.ceil(requested / span / load / NODE_CORES))
     return jobs, nodes
 
 
-def simulate(trace: Path, jobs: int, seed: int, policy: str) -> PolicyMetrics:
+def simulate(trace: Path, jobs: int, seed: int, policy: str, load: float = DEFAULT_LOAD) -> PolicyMetrics:
     if policy not in POLICIES:
         raise ConfigError(f"unknown policy {policy!r} for dlrover-rm; known: {', '.join(POLICIES)}")
-    js, nodes = make_jobs(trace, jobs, seed)
+    js, nodes = make_jobs(trace, jobs, seed, load)
     return Sim(policy, js, nodes * NODE_CORES, nodes * NODE_MEM_GB, seed).run()
 
 
-def run(trace: Path, jobs: int, seed: int, policies: list[str]) -> ScenarioResult:
-    """Simulate every policy on the same jobs; see the module docstring for the setup."""
+def run(trace: Path, jobs: int, seed: int, policies: list[str],
+        load: float | None = None) -> ScenarioResult:
+    """Simulate every policy on the same jobs; see the module docstring for the setup.
+
+    ``load``: the requested cores' share of the cluster (None: ``DEFAULT_LOAD``).
+    """
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise ConfigError(f"unknown policy {unknown[0]!r} for dlrover-rm; known: {', '.join(POLICIES)}")
-    out = {p: simulate(trace, jobs, seed, p) for p in (policies or POLICIES)}
+    out = {p: simulate(trace, jobs, seed, p, DEFAULT_LOAD if load is None else load) for p in (policies or POLICIES)}
     notes = ["throughput: DLRover-RM Eq. 1-6 with its section 6.2 coefficients (W&D-like), alpha_grad x7.8 "
              "for xDeepFM-like (DLRover Table 1); quota 200 cores/job, 32/pod (DLRover 6.1)",
              "instability: pod failures 1/500 pod-h, 7% worker stragglers at 25% CPU, ~5% OOM under user memory "

@@ -51,6 +51,7 @@ from tidal.sim.cluster.api import (
     JobOutcome,
     PolicyMetrics,
     ScenarioResult,
+    at_load,
     load_philly,
     policy_metrics,
     run_policies,
@@ -62,6 +63,7 @@ POLICIES = ["yarn-cs", "easyscale-homo", "easyscale-heter"]
 
 #: (type, servers, GPUs per server); V100 first: YARN-CS prefers the fastest type that fits
 SERVERS = (("V100", 4, 8), ("P100", 8, 2), ("T4", 4, 4))
+TOTAL_GPUS = sum(n * g for _, n, g in SERVERS)
 SPEED = {"V100": 2.5, "P100": 1.5, "T4": 1.0}  # relative to T4 (assumption, see docstring)
 RESCALE_PAUSE_S = 10.0
 MEASURE_AFTER_S = 60.0
@@ -177,8 +179,10 @@ def _ideal_rate(job: _Job) -> float:
     return best
 
 
-def _make_jobs(trace: Path, jobs: int, seed: int) -> list[_Job]:
+def _make_jobs(trace: Path, jobs: int, seed: int, load: float | None = None) -> list[_Job]:
     philly = load_philly(trace, jobs, seed, max_gpus=MAX_JOB_GPUS)
+    if load is not None:
+        philly = at_load(philly, load, TOTAL_GPUS)
     root = trace.parent / "pollux-throughput"
     profiles = pollux_profiles(root) if root.is_dir() else dict(_EMBEDDED)
     rng = random.Random(seed)
@@ -316,11 +320,14 @@ def _simulate(jobs: list[_Job], policy: str) -> PolicyMetrics:
                           {"fallbacks": float(fallbacks), "avg_requested_gpus": avg_gpus})
 
 
-def run(trace: Path, jobs: int, seed: int, policies: list[str]) -> ScenarioResult:
+def run(trace: Path, jobs: int, seed: int, policies: list[str],
+        load: float | None = None) -> ScenarioResult:
     """Simulate each of ``policies`` on the same ``jobs`` jobs of ``trace`` (window by ``seed``).
+
+    ``load``: stretch the arrivals to this offered load (``at_load``); None keeps Philly's times.
 
     Raises:
         ConfigError: an unknown policy, or a trace with fewer usable jobs.
     """
     return run_policies("easyscale", POLICIES, policies, __doc__ or "",
-                        lambda policy: _simulate(_make_jobs(trace, jobs, seed), policy))
+                        lambda policy: _simulate(_make_jobs(trace, jobs, seed, load), policy))

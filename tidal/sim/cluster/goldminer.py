@@ -56,6 +56,7 @@ from tidal.sim.cluster.api import (
     JobOutcome,
     PolicyMetrics,
     ScenarioResult,
+    at_load,
     load_philly,
     policy_metrics,
     run_policies,
@@ -107,8 +108,10 @@ class _Job:
         return min(1.0, supply / (self.gpus * self.pre_cpus))
 
 
-def _make_jobs(trace: Path, jobs: int, seed: int) -> list[_Job]:
+def _make_jobs(trace: Path, jobs: int, seed: int, load: float | None = None) -> list[_Job]:
     philly = load_philly(trace, jobs, seed, max_gpus=MACHINES * GPUS)
+    if load is not None:
+        philly = at_load(philly, load, MACHINES * GPUS)
     rng = random.Random(seed)
     heavy = sorted(m for m, v in MODELS.items() if v[2])
     light = sorted(m for m, v in MODELS.items() if not v[2])
@@ -312,11 +315,14 @@ def _grant(allocator: DataWorkerAllocator, running: list[_Job], cluster: _Cluste
     return len(grants)
 
 
-def run(trace: Path, jobs: int, seed: int, policies: list[str]) -> ScenarioResult:
+def run(trace: Path, jobs: int, seed: int, policies: list[str],
+        load: float | None = None) -> ScenarioResult:
     """Simulate each of ``policies`` on the same ``jobs`` jobs of ``trace`` (window by ``seed``).
+
+    ``load``: stretch the arrivals to this offered load (``at_load``); None keeps Philly's times.
 
     Raises:
         ConfigError: an unknown policy, or a trace with fewer usable jobs.
     """
     return run_policies("goldminer", POLICIES, policies, __doc__ or "",
-                        lambda policy: _simulate(_make_jobs(trace, jobs, seed), policy))
+                        lambda policy: _simulate(_make_jobs(trace, jobs, seed, load), policy))
