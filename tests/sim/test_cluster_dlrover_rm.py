@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tidal.api import ConfigError
 from tidal.sim.cluster import dlrover_rm as scen
 from tidal.sim.cluster import scenario
 
@@ -39,6 +40,9 @@ def test_invariants(policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
         assert j.end - j.submit >= j.duration * (1 - 1e-6)  # never faster than the ideal
         assert j.cfg.cpus() <= j.quota or policy == "manual"
     assert len(m.jcts) == len(done) and 0 <= m.cpu_util <= 1
+    # per job, cores used never exceed cores allocated (DLRover Fig. 2's statistic)
+    assert all(j.core_s_used <= j.core_s_allocated * (1 + 1e-9) for j in jobs)
+    assert 0 < m.extra["job_cpu_util_median"] <= 1 and 0 <= m.extra["jobs_below_half_cpu"] <= 1
     assert len(m.timeline) <= scen.TIMELINE_POINTS + 10
     if policy != "manual":
         assert not failed
@@ -54,3 +58,11 @@ def test_run_reports_all_policies_and_warm_start() -> None:
     if rm.extra.get("recurring_jobs"):
         assert 0 <= rm.extra["warm_start_worker_rel_err"] <= 10
     assert rm.to_json()["completion_rate"] == rm.completion_rate
+
+
+def test_load_sizes_the_cluster() -> None:
+    _, busy = scen.make_jobs(TRACE, 60, 1, load=4.0)
+    _, roomy = scen.make_jobs(TRACE, 60, 1, load=0.5)
+    assert busy <= roomy
+    with pytest.raises(ConfigError):
+        scen.make_jobs(TRACE, 60, 1, load=-1.0)

@@ -196,6 +196,9 @@ class Job:
     planner: object = None
     init_cfg: PSConfig | None = None
     want: PSConfig | None = None  # the configuration the job is submitted with
+    cores_used: float = 0.0  # cores in use now (set by ``Sim.advance``)
+    core_s_used: float = 0.0  # core-seconds used and allocated while running (DLRover Fig. 2)
+    core_s_allocated: float = 0.0
     warm: bool = False
     last_thp: float = 0.0
 
@@ -426,8 +429,11 @@ class Sim:
             if dt > 0:
                 j.steps += j.last_thp * dt
                 j.exposure += (j.cfg.workers + j.cfg.ps) * POD_FAIL_PER_S * dt
+                j.core_s_used += j.cores_used * dt
+                j.core_s_allocated += j.cfg.cpus() * dt
             w, ps = self.cpu_used(j) if j.last_thp > 0 else (0.0, [])
-            used += w * self.active_workers(j) + sum(ps)
+            j.cores_used = w * self.active_workers(j) + sum(ps)
+            used += j.cores_used
         self.util_area += self.cur_used * dt
         self.cur_used = used
 
@@ -558,6 +564,10 @@ class Sim:
             "cluster_cores": float(self.cores),
             "jct_over_ideal_median": statistics.median([(j.end - j.submit) / j.duration for j in done]) if done else math.nan,
         }
+        job_util = [j.core_s_used / j.core_s_allocated for j in self.jobs if j.core_s_allocated > 0]
+        if job_util:  # DLRover Fig. 2 measures this per job: > 80% of manual jobs below 0.5
+            extra["job_cpu_util_median"] = statistics.median(job_util)
+            extra["jobs_below_half_cpu"] = sum(u < 0.5 for u in job_util) / len(job_util)
         if self.policy == "dlrover-rm":
             rec = [j for j in done if j.warm and j.init_cfg is not None]
             if rec:
