@@ -83,3 +83,24 @@ def test_allocator_queued_jobs_start_and_gangs_have_priority():
     gang = GangJob("g", 2, 4, ("V100",))
     out = alloc.allocate([big, gang], {"V100": 1})
     assert out["g"] == {"V100": 4} and out["big"] == {"V100": 1}
+
+
+def test_proposals_drop_plans_matched_with_fewer_gpus():
+    # from 3 V100 with maxP = 8, Eq. 1 rates {V4}, {V5}, {V7}, {V3,P2} and {V3,P4} the same (3 ESTs
+    # on one V100 bound the step): the allocator would take {V4} (best speedup per GPU), so the
+    # others must not push it out of the top k (EasyScale 3.4: ties go to more GPUs only at
+    # equal speedup *per GPU*)
+    cap = {"V100": 2.5, "P100": 1.5}
+    job = ElasticJob("a", 0, 8, cap, {"V100": 3})
+    props = IntraJobPlanner(top_k=3).propose(job, {"V100": 13, "P100": 16})
+    assert ("V100", 1) in [p.add for p in props]
+    for p in props:
+        assert not any(q.plan.gpus < p.plan.gpus and q.plan.throughput >= p.plan.throughput for q in props)
+
+
+def test_heterogeneous_job_can_move_all_its_slow_gpus():
+    # 1 V100 + 6 T4 (V100 2.5x a T4), 8 ESTs: while a T4 holds an EST it bounds the step at 1.0;
+    # swapping 1, 2 or 4 of them gains nothing, all 6 at once does (7 V100: 2 ESTs / 2.5 = 0.8)
+    job = ElasticJob("a", 0, 8, {"V100": 2.5, "T4": 1.0}, {"V100": 1, "T4": 6})
+    props = IntraJobPlanner(top_k=8).propose(job, {"V100": 8})
+    assert ("V100", 6) in [p.add for p in props if p.release == ("T4", 6)]

@@ -239,6 +239,11 @@ class IntraJobPlanner:
                 out.append(Proposal(job.job_id, (t, d), plan, speedup))
         if current is not None:
             out.extend(self._upgrades(job, free, base))
+        # a plan that another proposal matches with fewer GPUs is dominated (lower speedup per
+        # GPU): never the allocator's pick, it would only take a top-k slot from its dominator
+        out = [p for p in out if not any(q.plan.gpus < p.plan.gpus
+                                         and q.plan.throughput >= p.plan.throughput * (1 - 1e-9)
+                                         for q in out)]
         out.sort(key=lambda p: (-(p.plan.throughput - base), -p.gpus, p.add[0]))
         return out[:self.top_k]
 
@@ -247,13 +252,15 @@ class IntraJobPlanner:
 
         Our extension of Role-2's "explore new configurations" (the paper's proposals are
         incremental only): without it a job that started on a T4 stays there for good. A
-        heterogeneous job swaps ``d`` GPUs of its slowest type; a homogeneous one moves all
+        heterogeneous job swaps ``d`` GPUs of its slowest type (an increment, or all of them:
+        while one slow GPU holds an EST it can bound the step); a homogeneous one moves all
         of its GPUs to one faster type.
         """
         held = {t: n for t, n in job.allocation.items() if n > 0}
         slow = min(held, key=lambda t: (job.capability[t], t))
         whole = not (self.heterogeneous and job.heterogeneous)
-        sizes = [held[slow]] if whole else [d for d in self.increments if d <= held[slow]]
+        sizes = [held[slow]] if whole else sorted(
+            {d for d in self.increments if d <= held[slow]} | {held[slow]})
         if whole and len(held) > 1:
             return []
         out = []
