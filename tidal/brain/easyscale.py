@@ -244,7 +244,7 @@ class IntraJobPlanner:
         out = [p for p in out if not any(q.plan.gpus < p.plan.gpus
                                          and q.plan.throughput >= p.plan.throughput * (1 - 1e-9)
                                          for q in out)]
-        out.sort(key=lambda p: (-(p.plan.throughput - base), -p.gpus, p.add[0]))
+        out.sort(key=lambda p: (-(p.plan.throughput - base), p.add[0]))  # equal gain: equal GPUs now
         return out[:self.top_k]
 
     def _upgrades(self, job: ElasticJob, free: Mapping[str, int], base: float) -> list[Proposal]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 from pathlib import Path
 
 import typer
@@ -147,8 +146,6 @@ def cluster(
         raise fail(f"unknown policies {unknown} for {scenario}; known: {', '.join(module.POLICIES)}")
     if jobs < 1:
         raise fail("--jobs must be at least 1")
-    if load is not None and not (load > 0 and math.isfinite(load)):
-        raise fail(f"--load must be a positive number, got {load}")
     if not trace.is_file():
         raise fail(f"trace {trace} not found")
     started = time.monotonic()

@@ -81,6 +81,17 @@ def load_philly(path: Path, jobs: int, seed: int, max_gpus: int | None = None,
     return [PhillyJob(t - t0, d, g) for t, d, g in window]
 
 
+def check_load(load: float) -> float:
+    """``load`` if it is a usable offered load (positive, finite).
+
+    Raises:
+        ConfigError: it is not.
+    """
+    if not (load > 0 and math.isfinite(load)):
+        raise ConfigError(f"load must be a positive number, got {load}")
+    return load
+
+
 def offered_load(jobs: list[PhillyJob], capacity_gpus: int) -> float:
     """GPU-seconds the jobs ran on Philly over what ``capacity_gpus`` supply during their arrivals."""
     span = max((j.submit_s for j in jobs), default=0.0)
@@ -100,8 +111,7 @@ def at_load(jobs: list[PhillyJob], load: float, capacity_gpus: int) -> list[Phil
     Raises:
         ConfigError: ``load`` not positive, or all jobs arrive at once (no span to stretch).
     """
-    if not (load > 0 and math.isfinite(load)):
-        raise ConfigError(f"load must be a positive number, got {load}")
+    check_load(load)
     now = offered_load(jobs, capacity_gpus)
     if not math.isfinite(now):
         raise ConfigError("the window's jobs all arrive at once; its load cannot be set")

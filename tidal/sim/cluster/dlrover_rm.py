@@ -78,7 +78,7 @@ from tidal.brain.dlrover_rm import PAPER_PARAMS, Candidate, CostModel, DLRoverRM
 from tidal.brain.es import ESPlanner
 from tidal.brain.history import JobRecord
 from tidal.brain.optimus_alloc import OptimusPlanner
-from tidal.sim.cluster.api import PolicyMetrics, ScenarioResult, load_philly
+from tidal.sim.cluster.api import PolicyMetrics, ScenarioResult, check_load, load_philly
 from tidal.sim.cluster.history_sqlite import SQLiteHistory
 
 __all__ = ["POLICIES", "run", "simulate"]
@@ -599,8 +599,7 @@ def make_jobs(trace: Path, n: int, seed: int, load: float = DEFAULT_LOAD) -> tup
     The cluster has as many servers as make the users' requested core-seconds over the
     arrival window ``load`` of its cores.
     """
-    if not (load > 0 and math.isfinite(load)):
-        raise ConfigError(f"load must be a positive number, got {load}")
+    check_load(load)
     philly = load_philly(trace, n, seed, min_duration_s=MIN_DURATION_S)
     rng = random.Random(seed)
     kinds = make_kinds(max(4, n // 8), rng)
