@@ -205,12 +205,21 @@ class KalePlanner:
     3. Algorithm 1 (``tau_s``, ``rho``) stabilizes the series (``stabilize``);
     4. the job is sized for the largest stabilized entry from now until an action started now
        has completed (``lead_s``, the action's length, plus the bin after it): workers must be
-       there when the traffic is. This is the plan followed bin by bin, up and down.
+       there when the traffic is. This is the plan followed bin by bin, up and down
+       (``last_plan`` keeps it, with the waiting samples drained within ``drain_s``).
 
     Every action stops training (a restart for about ``lead_s``), so a *change* is sized with
-    the samples that arrive during it added to the waiting ones (the "moved" plan): the planner
-    scales up when the plan as things are needs more workers over the lead window, to what
-    the moved plan needs there; it scales in only when the moved plan needs fewer workers over
+    the samples that arrive during it added to the waiting ones (the "moved" plan). The planner
+    scales up when, as things are, the lag would grow past ``planned_lag_s`` (5 minutes, a
+    quarter of the 20-minute SLO) and past the lag now within the lead window
+    (``projected_lag``: the forecast in, the believed F(current) out), to what the moved plan
+    needs there. Samples waiting are not by themselves a reason to act: right after an
+    action they are its own pause's arrivals, which the moved plan sized the new workers to
+    drain; an earlier rule that scaled up whenever F(current) fell short of the forecast plus
+    the waiting samples spread over ``drain_s`` read them as a shortfall, so each restart's
+    backlog triggered the next restart (chains like 11 -> 17 -> 24 -> 28 workers at lags of
+    10, 20, 30 minutes, each action adding 10 minutes of lag). It scales in only when the
+    moved plan needs fewer workers over
     the lead window *and* the ``tau_s`` after it (Algorithm 1's "an allocation that lasts less
     than tau is jitter", applied to the decision: a scale-in that would have to be undone
     within tau is not made). ``tau_s`` defaults to 60 minutes, chosen on an earlier week of
@@ -252,6 +261,7 @@ class KalePlanner:
         min_history_bins: int = 2 * 144 + 2,
         refit_every_s: float = 86400.0,
         min_distinct_workers: int = 4,
+        planned_lag_s: float = 300.0,
         fallback: ThresholdFallback | None = None,
         model: LinearisedModel | None = None,
     ) -> None:
@@ -269,6 +279,7 @@ class KalePlanner:
         self.min_history_bins = min_history_bins
         self.refit_every_s = refit_every_s
         self.min_distinct_workers = min_distinct_workers
+        self.planned_lag_s = planned_lag_s
         self.fallback = fallback if fallback is not None else ThresholdFallback()
         self._fixed_model = model
         self._model: LinearisedModel | None = model
@@ -396,6 +407,20 @@ class KalePlanner:
             per_bin.append(choice.workers if choice.feasible else max(choice.workers, min(current, hi)))
         return stabilize(per_bin, self.plan_interval_s, self.tau_s, self.rho)
 
+    def projected_lag(self, w: int, forecast: Sequence[float], backlog: float) -> float:
+        """The largest lag (seconds) over the forecast bins if ``w`` workers keep training: the
+        backlog carried bin to bin (arrivals in, the believed F(w) out), the lag at a bin's
+        end taken as its backlog over its arrival rate (FIFO)."""
+        factor = self.headroom * (1.0 + self.margin())
+        capacity = self.throughput(w)
+        dt = self.plan_interval_s
+        worst = 0.0
+        for rate in forecast:
+            load = factor * float(rate)
+            backlog = max(0.0, backlog + (load - capacity) * dt)
+            worst = max(worst, backlog / max(load, 1e-9))
+        return worst
+
     def plan(self, snapshot: JobSnapshot) -> ResourcePlan:
         if not isinstance(snapshot, StreamSnapshot):
             return ResourcePlan(workers=snapshot.current_workers, reason="kale needs a stream snapshot")
@@ -426,8 +451,11 @@ class KalePlanner:
             # must be drained too; a change is sized for that
             moved = self._stabilized_plan(fc, snapshot.backlog + float(fc[0]) * self.lead_s, current, lo, hi)
             self.last_plan = stay
-            if max(stay[:window]) > current:  # the workers must be there when the traffic is
-                self._planned = max(moved[:window])
+            # the workers must be there when the traffic is: act when, as things are, the lag
+            # would pass planned_lag_s and keep growing within the lead window
+            growing = self.projected_lag(current, fc[:window], snapshot.backlog) > max(self.planned_lag_s, snapshot.lag_s)
+            if growing:
+                self._planned = max(max(moved[:window]), current)
             elif max(moved[:hold]) < current:  # fewer workers suffice, after the pause and for tau
                 self._planned = max(moved[:hold])
             else:
