@@ -407,7 +407,7 @@ class KalePlanner:
             per_bin.append(choice.workers if choice.feasible else max(choice.workers, min(current, hi)))
         return stabilize(per_bin, self.plan_interval_s, self.tau_s, self.rho)
 
-    def projected_lag(self, w: int, forecast: Sequence[float], backlog: float) -> float:
+    def projected_lag(self, w: int, forecast: Sequence[float] | np.ndarray, backlog: float) -> float:
         """The largest lag (seconds) over the forecast bins if ``w`` workers keep training: the
         backlog carried bin to bin (arrivals in, the believed F(w) out), the lag at a bin's
         end taken as its backlog over its arrival rate (FIFO)."""

@@ -23,6 +23,7 @@ minutes), accumulated lag (Eq. 11: the sum of the per-minute lag, in minutes), d
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ __all__ = [
     "oracle_worker_hours",
     "scale_to_peak",
     "simulate",
+    "throughput_noise",
 ]
 
 SLO_LAG_S = 20 * 60.0
@@ -151,14 +153,84 @@ def scale_to_peak(counts: np.ndarray, cfg: SimConfig) -> np.ndarray:
     return counts * (peak_rate * cfg.interval_s / peak)
 
 
-def oracle_worker_hours(arrivals: np.ndarray, cfg: SimConfig) -> float:
-    """A lower bound of any policy's worker-hours: each interval, the fewest workers whose true
-    (noise-free) throughput exceeds that interval's arrival rate (Eq. 10 with a perfect forecast),
-    changed for free every interval, with no backlog carried over.
+def throughput_noise(cfg: SimConfig, n: int) -> np.ndarray:
+    """The per-interval throughput noise of a run (log-normal, mean 1): the same for every policy."""
+    rng = np.random.default_rng(cfg.seed)
+    return np.exp(rng.normal(0.0, cfg.noise, size=n) - 0.5 * cfg.noise**2)
+
+
+def oracle_worker_hours(arrivals: np.ndarray, cfg: SimConfig, *, violations: float = 0.0) -> float:
+    """A lower bound of the worker-hours of any policy, on this run, whose lag passes the SLO
+    (20 minutes) in at most a share ``violations`` of the intervals; ``inf`` if none can.
+
+    The policy is given everything a planner lacks: a perfect forecast of the arrivals and of
+    the throughput noise, rescaling every interval for free, and fractions of a worker
+    (time-sharing between counts, so the capacity of w workers is the concave hull of the true
+    F through (0, 0)). What is left is a linear program, solved exactly (HiGHS):
+
+        min sum_t w_t   s.t.   c_t <= noise_t * hull(w_t),   0 <= w_t <= peak_workers,
+                               b_t = b_{t-1} + a_t - c_t,     0 <= b_t <= a(t - 20 min, t],
+
+    with c_t the samples trained and b_t the samples waiting at the end of interval t; FIFO
+    makes "lag <= 20 minutes" the same as "no more waiting than arrived in the last 20
+    minutes" (arrivals spread evenly within an interval, as the simulator counts them).
+    Samples may wait: a peak shorter than the SLO can be trained after it.
+
+    With ``violations`` > 0 an interval over the SLO may hold more, but no more than has
+    arrived since the last interval within it, at most ``K = violations * n`` intervals
+    earlier: ``b_t <= a(t - 20 min, t] + v_t * a(t - 20 min - K, t - 20 min]`` with
+    ``v_t`` in [0, 1] and ``sum v_t <= K`` (the relaxation of "v_t is 0 or 1": still a bound).
     """
-    best_up_to = np.maximum.accumulate([true_throughput(cfg, w) for w in range(1, cfg.peak_workers + 1)])
-    need = np.searchsorted(best_up_to, np.asarray(arrivals) / cfg.interval_s, side="right") + 1
-    return float(np.minimum(need, cfg.peak_workers).sum() * cfg.interval_s / 3600.0)
+    from scipy import sparse
+    from scipy.optimize import linprog
+
+    a = np.asarray(arrivals, dtype=float)
+    n, dt, top = len(a), cfg.interval_s, cfg.peak_workers
+    if n == 0:
+        return 0.0
+    cap = np.array([true_throughput(cfg, w) * dt for w in range(top + 1)])
+    hull = [0]  # upper concave hull of (w, cap[w])
+    for w in range(1, top + 1):
+        while len(hull) >= 2 and (cap[hull[-1]] - cap[hull[-2]]) * (w - hull[-2]) <= (cap[w] - cap[hull[-2]]) * (hull[-1] - hull[-2]):
+            hull.pop()
+        hull.append(w)
+    noise = throughput_noise(cfg, n)
+    k_viol = int(violations * n)
+    nv = 4 * n if k_viol else 3 * n  # c_t, w_t, b_t[, v_t]
+    t = np.arange(n)
+    rows = []
+    rhs = []
+    for k0, k1 in itertools.pairwise(hull):  # w_t >= k0 + (c_t / noise_t - cap[k0]) / slope
+        slope = (cap[k1] - cap[k0]) / (k1 - k0)
+        rows.append(sparse.csr_matrix((np.concatenate([1.0 / (slope * noise), -np.ones(n)]),
+                                       (np.concatenate([t, t]), np.concatenate([t, n + t]))), shape=(n, nv)))
+        rhs.append(np.full(n, cap[k0] / slope - k0))
+    cum = np.concatenate([[0.0], np.cumsum(a)])
+    ends = (t + 1) * dt
+    at = lambda s: np.interp(s, np.arange(n + 1) * dt, cum, left=0.0)  # noqa: E731  cumulative arrivals
+    within = cum[1:] - at(ends - SLO_LAG_S)
+    bounds = [(0.0, None)] * n + [(0.0, float(top))] * n + [(0.0, float(x)) for x in within]
+    if k_viol:
+        extra = at(ends - SLO_LAG_S) - at(ends - SLO_LAG_S - k_viol * dt)
+        bounds[2 * n :] = [(0.0, None)] * n
+        rows.append(sparse.csr_matrix((np.concatenate([np.ones(n), -extra]),
+                                       (np.concatenate([t, t]), np.concatenate([2 * n + t, 3 * n + t]))), shape=(n, nv)))
+        rhs.append(within)
+        rows.append(sparse.csr_matrix((np.ones(n), (np.zeros(n, dtype=int), 3 * n + t)), shape=(1, nv)))
+        rhs.append(np.array([float(k_viol)]))
+        bounds += [(0.0, 1.0)] * n
+    balance = sparse.csr_matrix(  # b_t - b_{t-1} + c_t = a_t
+        (np.concatenate([np.ones(n), np.ones(n), -np.ones(n - 1)]),
+         (np.concatenate([t, t, t[1:]]), np.concatenate([2 * n + t, t, 2 * n + t[1:] - 1]))), shape=(n, nv))
+    cost = np.zeros(nv)
+    cost[n : 2 * n] = dt / 3600.0
+    res = linprog(cost, A_ub=sparse.vstack(rows).tocsr(), b_ub=np.concatenate(rhs), A_eq=balance, b_eq=a,
+                  bounds=bounds, method="highs")
+    if res.status == 2:  # infeasible: even peak_workers cannot keep the lag
+        return math.inf
+    if res.status != 0:
+        raise RuntimeError(f"the lower bound's linear program failed: {res.message}")
+    return float(res.fun)
 
 
 @dataclass
@@ -192,8 +264,7 @@ def simulate(
     dt = cfg.interval_s
     n = len(arrivals)
     cum = np.concatenate([[0.0], np.cumsum(arrivals)])
-    rng = np.random.default_rng(cfg.seed)
-    noise = np.exp(rng.normal(0.0, cfg.noise, size=n) - 0.5 * cfg.noise**2)
+    noise = throughput_noise(cfg, n)
     max_w = cfg.peak_workers
     f_true = [true_throughput(cfg, w) for w in range(max_w + 1)]
     first_rate = float(np.mean(arrivals[: max(1, round(3600 / dt))])) / dt
