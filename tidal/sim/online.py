@@ -196,32 +196,35 @@ def oracle_worker_hours(arrivals: np.ndarray, cfg: SimConfig, *, violations: flo
         hull.append(w)
     noise = throughput_noise(cfg, n)
     k_viol = int(violations * n)
-    nv = 4 * n if k_viol else 3 * n  # c_t, w_t, b_t[, v_t]
+    nv = 4 * n if k_viol else 3 * n  # columns: c_t, w_t, b_t[, v_t]
     t = np.arange(n)
-    rows = []
-    rhs = []
+    c_, w_, b_, v_ = t, n + t, 2 * n + t, 3 * n + t
+
+    def per_interval(*terms: tuple[np.ndarray, np.ndarray | float]) -> sparse.csr_matrix:
+        """One row per interval t; each ``(columns, coefficients)`` term puts coefficient t at column t."""
+        cols = [col for col, _ in terms]
+        vals = [np.broadcast_to(np.asarray(val, dtype=float), (n,)) for _, val in terms]
+        return sparse.csr_matrix((np.concatenate(vals), (np.tile(t, len(terms)), np.concatenate(cols))), shape=(n, nv))
+
+    rows, rhs = [], []
     for k0, k1 in itertools.pairwise(hull):  # w_t >= k0 + (c_t / noise_t - cap[k0]) / slope
         slope = (cap[k1] - cap[k0]) / (k1 - k0)
-        rows.append(sparse.csr_matrix((np.concatenate([1.0 / (slope * noise), -np.ones(n)]),
-                                       (np.concatenate([t, t]), np.concatenate([t, n + t]))), shape=(n, nv)))
+        rows.append(per_interval((c_, 1.0 / (slope * noise)), (w_, -1.0)))
         rhs.append(np.full(n, cap[k0] / slope - k0))
     cum = np.concatenate([[0.0], np.cumsum(a)])
     ends = (t + 1) * dt
     at = lambda s: np.interp(s, np.arange(n + 1) * dt, cum, left=0.0)  # noqa: E731  cumulative arrivals
     within = cum[1:] - at(ends - SLO_LAG_S)
     bounds = [(0.0, None)] * n + [(0.0, float(top))] * n + [(0.0, float(x)) for x in within]
-    if k_viol:
+    if k_viol:  # b_t - v_t * extra_t <= within_t,  sum v_t <= K
         extra = at(ends - SLO_LAG_S) - at(ends - SLO_LAG_S - k_viol * dt)
-        bounds[2 * n :] = [(0.0, None)] * n
-        rows.append(sparse.csr_matrix((np.concatenate([np.ones(n), -extra]),
-                                       (np.concatenate([t, t]), np.concatenate([2 * n + t, 3 * n + t]))), shape=(n, nv)))
+        bounds[2 * n :] = [(0.0, None)] * n + [(0.0, 1.0)] * n
+        rows.append(per_interval((b_, 1.0), (v_, -extra)))
         rhs.append(within)
-        rows.append(sparse.csr_matrix((np.ones(n), (np.zeros(n, dtype=int), 3 * n + t)), shape=(1, nv)))
+        rows.append(sparse.csr_matrix((np.ones(n), (np.zeros(n, dtype=int), v_)), shape=(1, nv)))
         rhs.append(np.array([float(k_viol)]))
-        bounds += [(0.0, 1.0)] * n
-    balance = sparse.csr_matrix(  # b_t - b_{t-1} + c_t = a_t
-        (np.concatenate([np.ones(n), np.ones(n), -np.ones(n - 1)]),
-         (np.concatenate([t, t, t[1:]]), np.concatenate([2 * n + t, t, 2 * n + t[1:] - 1]))), shape=(n, nv))
+    balance = per_interval((b_, 1.0), (c_, 1.0))  # b_t - b_{t-1} + c_t = a_t
+    balance += sparse.csr_matrix((-np.ones(n - 1), (t[1:], b_[:-1])), shape=(n, nv))
     cost = np.zeros(nv)
     cost[n : 2 * n] = dt / 3600.0
     res = linprog(cost, A_ub=sparse.vstack(rows).tocsr(), b_ub=np.concatenate(rhs), A_eq=balance, b_eq=a,
