@@ -206,7 +206,7 @@ class KalePlanner:
     4. the job is sized for the largest stabilized entry from now until an action started now
        has completed (``lead_s``, the action's length, plus the bin after it): workers must be
        there when the traffic is. This is the plan followed bin by bin, up and down
-       (``last_plan`` keeps it, with the waiting samples drained within ``drain_s``).
+       (``last_plan`` keeps the latest, the "moved" one below).
 
     Every action stops training (a restart for about ``lead_s``), so a *change* is sized with
     the samples that arrive during it added to the waiting ones (the "moved" plan). The planner
@@ -391,6 +391,10 @@ class KalePlanner:
 
     # -- decision -------------------------------------------------------------------------
 
+    def _load_factor(self) -> float:
+        """What the forecast is multiplied by to give L(t): ``headroom`` and the margin."""
+        return self.headroom * (1.0 + self.margin())
+
     def _stabilized_plan(self, fc: np.ndarray, waiting: float, current: int, lo: int, hi: int) -> list[int]:
         """Eq. 10 per forecast bin, then Algorithm 1. ``waiting`` samples are "on their way"
         too: they are added to L, spread over the bins within ``fallback.drain_s``. Where no
@@ -398,7 +402,7 @@ class KalePlanner:
         ``current`` (the believed peak of a noisy fit is no reason to scale in)."""
         drain_bins = max(1, math.ceil(self.fallback.drain_s / self.plan_interval_s))
         on_way = waiting / self.fallback.drain_s
-        factor = self.headroom * (1.0 + self.margin())
+        factor = self._load_factor()
         per_bin = []
         for i, load in enumerate(fc):
             choice = minimal_workers(
@@ -411,7 +415,7 @@ class KalePlanner:
         """The largest lag (seconds) over the forecast bins if ``w`` workers keep training: the
         backlog carried bin to bin (arrivals in, the believed F(w) out), the lag at a bin's
         end taken as its backlog over its arrival rate (FIFO)."""
-        factor = self.headroom * (1.0 + self.margin())
+        factor = self._load_factor()
         capacity = self.throughput(w)
         dt = self.plan_interval_s
         worst = 0.0
@@ -445,12 +449,10 @@ class KalePlanner:
             lead_bins = max(1, math.ceil(self.lead_s / self.plan_interval_s))
             window = lead_bins + 1
             hold = max(window, lead_bins + math.ceil(self.tau_s / self.plan_interval_s))
-            # as things are: the samples waiting are drained within drain_s
-            stay = self._stabilized_plan(fc, snapshot.backlog, current, lo, hi)
             # after an action: it stops training for up to lead_s, and what arrives meanwhile
             # must be drained too; a change is sized for that
             moved = self._stabilized_plan(fc, snapshot.backlog + float(fc[0]) * self.lead_s, current, lo, hi)
-            self.last_plan = stay
+            self.last_plan = moved
             # the workers must be there when the traffic is: act when, as things are, the lag
             # would pass planned_lag_s and keep growing within the lead window
             growing = self.projected_lag(current, fc[:window], snapshot.backlog) > max(self.planned_lag_s, snapshot.lag_s)
