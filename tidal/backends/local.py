@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import os
 import queue
@@ -15,6 +17,10 @@ import psutil
 from tidal.backends.api import BackendEvent, LaunchError, WorkerSpec
 
 log = logging.getLogger(__name__)
+
+# A launch that fails with one of these failed for want of descriptors, processes, memory or disk:
+# the machine is at fault, not the script, and the same launch can succeed a moment later.
+RETRYABLE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOSPC, errno.EAGAIN, errno.ENOMEM})
 
 
 class LocalBackend:
@@ -42,16 +48,9 @@ class LocalBackend:
         errors = []
         for spec in specs:
             try:
-                log_file = open(spec.log_path, "ab") if spec.log_path else subprocess.DEVNULL
-                env = {**os.environ, **spec.env}
-                proc = subprocess.Popen(
-                    spec.argv, env=env, cwd=spec.cwd, stdin=subprocess.DEVNULL,
-                    stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
-                )
-                if spec.log_path:
-                    log_file.close()  # type: ignore[union-attr]
+                proc = self._spawn(spec)
             except OSError as exc:
-                errors.append(LaunchError(spec.worker_id, f"cannot start {spec.argv[0]}: {exc}"))
+                errors.append(launch_error(spec, exc))
                 continue
             with self._lock:
                 self._procs[spec.worker_id] = proc
@@ -62,6 +61,16 @@ class LocalBackend:
             threading.Thread(target=self._wait_child, args=(spec.worker_id, proc), daemon=True,
                              name=f"tidal-wait-{spec.worker_id}").start()
         return errors
+
+    @staticmethod
+    def _spawn(spec: WorkerSpec) -> subprocess.Popen[bytes]:
+        env = {**os.environ, **spec.env}
+        with contextlib.ExitStack() as stack:  # the log file is closed even if Popen fails
+            log_file = stack.enter_context(open(spec.log_path, "ab")) if spec.log_path else subprocess.DEVNULL
+            return subprocess.Popen(
+                spec.argv, env=env, cwd=spec.cwd, stdin=subprocess.DEVNULL,
+                stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+            )
 
     def _wait_child(self, worker_id: int, proc: subprocess.Popen[bytes]) -> None:
         code = proc.wait()
@@ -86,6 +95,12 @@ class LocalBackend:
         self._events.put(BackendEvent(worker_id, code, time.time()))
 
     def adopt(self, worker_id: int, pid: int, create_time: float | None) -> bool:
+        """Idempotent: a master that reloads its state adopts the same processes again, and a
+        second watcher would report the process's end twice."""
+        with self._lock:
+            watched = self._procs.get(worker_id)
+        if watched is not None and watched.pid == pid:
+            return True
         try:
             proc = psutil.Process(pid)
             if create_time is not None and abs(proc.create_time() - create_time) > 1.0:
@@ -95,6 +110,9 @@ class LocalBackend:
         except psutil.Error:
             return False
         with self._lock:
+            watched = self._procs.get(worker_id)
+            if watched is not None and watched.pid == pid:
+                return True  # adopted meanwhile by another caller
             self._procs[worker_id] = proc
             self._create_times[worker_id] = proc.create_time()
         threading.Thread(target=self._watch_adopted, args=(worker_id, proc), daemon=True,
@@ -129,3 +147,12 @@ class LocalBackend:
 
     def close(self) -> None:
         self._closed.set()
+
+
+def launch_error(spec: WorkerSpec, exc: OSError) -> LaunchError:
+    """``retryable`` when the machine ran short (RETRYABLE_ERRNOS), not when the script is wrong
+    (a missing interpreter, a bad working directory)."""
+    code = errno.errorcode.get(exc.errno or 0, "no errno")
+    retryable = exc.errno in RETRYABLE_ERRNOS
+    hint = "; the machine is short of resources, not the script at fault" if retryable else ""
+    return LaunchError(spec.worker_id, f"cannot start {spec.argv[0]}: {exc} ({code}){hint}", retryable=retryable)
