@@ -7,8 +7,10 @@ import os
 import re
 import signal
 import socket
+import stat
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -192,3 +194,132 @@ def test_scale_of_a_job_whose_master_is_gone(tidal, tmp_path: Path) -> None:
     (job_dir / "job.json").write_text(json.dumps(info))
     r = tidal("scale", "2", "--job-dir", str(job_dir))
     assert_one_line_error(r, "dead", "not answering")
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "needles"),
+    [
+        # the master used to build tables for 10^8 workers (2.7 GB, deaf to Ctrl-C)
+        ("--workers", "1:100000000", ("--workers MAX", "1024", "100000000", "must be between")),
+        ("--port", "-1", ("--port", "65535", "-1", "must be between")),
+        ("--port", "70000", ("--port", "65535", "70000", "must be between")),
+        ("--port", "abc", ("--port", "integer")),
+        ("--heartbeat-timeout", "0", ("--heartbeat-timeout", "3600", "must be between")),
+        ("--heartbeat-timeout", "nan", ("--heartbeat-timeout", "nan", "must be between")),
+        ("--heartbeat-timeout", "inf", ("--heartbeat-timeout", "inf", "must be between")),
+        ("--heartbeat-timeout", "-1", ("--heartbeat-timeout", "-1", "must be between")),
+        ("--heartbeat-timeout", "soon", ("--heartbeat-timeout", "number")),
+        ("--collective-timeout", "0", ("--collective-timeout", "must be between")),
+        ("--collective-timeout", "nan", ("--collective-timeout", "nan", "must be between")),
+        ("--collective-timeout", "inf", ("--collective-timeout", "inf", "must be between")),
+        ("--round-timeout", "0", ("--round-timeout", "must be between")),
+        ("--round-timeout", "nan", ("--round-timeout", "nan", "must be between")),
+        ("--round-timeout", "inf", ("--round-timeout", "inf", "must be between")),
+        ("--progress-timeout", "0", ("--progress-timeout", "must be between")),
+        ("--progress-timeout", "nan", ("--progress-timeout", "nan", "must be between")),
+        ("--progress-timeout", "inf", ("--progress-timeout", "inf", "must be between")),
+        ("--max-restarts", "-1", ("--max-restarts", "-1", "must be between")),
+        ("--max-restarts", "1000000000", ("--max-restarts", "1000000000", "must be between")),
+        ("--logical-workers", "100000000", ("--logical-workers", "1024", "must be between")),
+    ],
+)
+def test_bad_numeric_option(tidal, script: Path, tmp_path: Path, option: str, value: str,
+                            needles: tuple[str, ...]) -> None:
+    """One line naming the option and its bounds, exit 2; nothing started (``nan`` used to be accepted)."""
+    r = tidal("run", f"{option}={value}", "--job-dir", str(tmp_path / "job"), str(script))
+    assert_one_line_error(r, *needles)
+    assert not (tmp_path / "job").exists()  # refused before anything was started
+
+
+def read_only_dir(tmp_path: Path) -> Path:
+    """An existing directory this user cannot create files in."""
+    if os.geteuid() != 0:
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o500)
+        return ro
+    ro = Path("/sys")  # root writes through permission bits; sysfs refuses new files even to root
+    try:
+        open(ro / "tidal-test-probe", "w").close()
+    except OSError:
+        return ro
+    (ro / "tidal-test-probe").unlink()
+    pytest.skip("no read-only location available to root here")
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "a-file", "in-a-read-only-dir", "a-read-only-dir"])
+def test_unwritable_job_dir(tidal, script: Path, tmp_path: Path, where: str) -> None:
+    job_dir = {
+        "under-a-file": lambda: script / "job",
+        "a-file": lambda: script,
+        "in-a-read-only-dir": lambda: read_only_dir(tmp_path) / "job",
+        "a-read-only-dir": lambda: read_only_dir(tmp_path),
+    }[where]()
+    r = tidal("run", "--job-dir", str(job_dir), str(script))
+    assert_one_line_error(r, "--job-dir", str(job_dir))
+    assert not (tmp_path / "home" / "current").exists()  # no job was announced
+
+
+WAIT_THEN_TRAIN = """\
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import tidal.worker
+
+deadline = time.monotonic() + 60
+while not Path(sys.argv[1]).exists() and time.monotonic() < deadline:
+    time.sleep(0.05)  # the test looks at the job's files while the master runs
+
+
+class Ones:
+    def __len__(self):
+        return 64
+
+    def get_range(self, start, end):
+        return torch.ones(end - start, 2)
+
+
+job = tidal.worker.init()
+model = torch.nn.Linear(2, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+job.state(model, optimizer)
+for x in job.loader(Ones(), batch_size=32, epochs=1):
+    optimizer.zero_grad()
+    model(x).sum().backward()
+    job.step()
+job.close()
+"""
+
+
+def test_job_files_are_readable_by_the_user_only(tmp_path: Path) -> None:
+    """The journal holds the job spec and so the bearer token: 0600, -wal and -shm too, in a 0700 dir."""
+    train, go, job_dir = tmp_path / "train.py", tmp_path / "go", tmp_path / "job"
+    train.write_text(WAIT_THEN_TRAIN)
+    journal = job_dir / "journal.sqlite"
+    sidecars = [journal.with_name("journal.sqlite-wal"), journal.with_name("journal.sqlite-shm")]
+    proc = subprocess.Popen(
+        [TIDAL, "run", "-q", "--job-dir", str(job_dir), str(train), str(go)], cwd=tmp_path, umask=0o022,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL, start_new_session=True,
+        env={**os.environ, "TIDAL_HOME": str(tmp_path / "home")},
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not all(p.exists() for p in [journal, *sidecars]) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+        running = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [journal, *sidecars]}
+        go.touch()
+        out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, (out, err)
+    assert running == {"journal.sqlite": 0o600, "journal.sqlite-wal": 0o600, "journal.sqlite-shm": 0o600}
+    assert stat.S_IMODE(job_dir.stat().st_mode) == 0o700
+    for path in [journal, job_dir / "job.json", *sidecars]:
+        if path.exists():
+            assert stat.S_IMODE(path.stat().st_mode) == 0o600, path

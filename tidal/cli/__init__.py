@@ -36,7 +36,21 @@ def main() -> None:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     _register_commands()
     try:
-        app()
+        code = app(standalone_mode=False)
+    except typer.TyperException as exc:  # the base of typer's (vendored) click exceptions
+        if type(exc).__name__ == "NoArgsIsHelpError":  # typer's own test; it printed the help already
+            sys.exit(exc.exit_code)
+        # the parser's refusals (an unknown option, a value that does not parse as the option's
+        # type, a missing argument) in the same one line as tidal's, not a boxed usage block
+        ctx = getattr(exc, "ctx", None)
+        hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+        typer.echo(f"tidal: error: {exc.format_message().rstrip('.')}{hint}", err=True)
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        typer.echo("tidal: aborted", err=True)
+        sys.exit(1)
     except ConfigError as exc:
         typer.echo(f"tidal: error: {exc}", err=True)
         sys.exit(2)
+    # without standalone mode click returns what ended the command: typer.Exit's code or None
+    sys.exit(code if isinstance(code, int) else 0)

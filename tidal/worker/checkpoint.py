@@ -4,7 +4,9 @@ A checkpoint is a directory ``step-XXXXXXXX`` holding the tensors (safetensors, 
 path in the state tree), the tree's JSON skeleton, the logical workers' contexts, and a
 manifest with the SHA-256 of every file. It is written under a temporary name and renamed, so
 a reader sees a whole checkpoint or none; one whose files do not match the manifest is skipped
-and the previous one used.
+and the previous one used. The manifest must list exactly the files of its format and the
+directory must hold nothing else: a manifest that lists fewer files would vouch for tensors
+nobody checked.
 
 The fingerprint is the SHA-256 over every tensor in canonical order (sorted by path): name,
 dtype, shape, bytes. Two runs that trained bitwise the same model have the same fingerprint.
@@ -26,6 +28,8 @@ from tidal.worker.state import join_tree, split_tree
 
 MANIFEST = "manifest.json"
 FORMAT = 1
+# every file of a FORMAT 1 checkpoint besides the manifest, each listed in it with its SHA-256
+FILES = ("tensors.safetensors", "skeleton.json", "contexts.json")
 
 
 class CheckpointError(ValueError):
@@ -44,7 +48,7 @@ def save_checkpoint(directory: str | Path, step: int, tree: Any, contexts: list[
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "tensors.safetensors"))
     (tmp / "skeleton.json").write_text(json.dumps(skeleton))
     (tmp / "contexts.json").write_text(json.dumps(contexts, indent=1))
-    files = {name: _sha256(tmp / name) for name in ("tensors.safetensors", "skeleton.json", "contexts.json")}
+    files = {name: _sha256(tmp / name) for name in FILES}
     (tmp / MANIFEST).write_text(json.dumps({"format": FORMAT, "step": step, "files": files}, indent=1))
     for path in tmp.iterdir():
         with open(path, "rb") as f:
@@ -64,14 +68,54 @@ def checkpoints(directory: str | Path) -> list[Path]:
 
 
 def verify(path: Path) -> dict[str, Any]:
+    """The manifest of checkpoint ``path`` once every file of it matches.
+
+    Raises:
+        CheckpointError: the manifest is missing, unreadable, of another format or does not list
+            exactly the checkpoint's files (``FILES``); the directory holds a file the manifest
+            does not list, or misses one it does; a file's SHA-256 differs from the manifest's.
+    """
     try:
         manifest = json.loads((path / MANIFEST).read_text())
-        for name, digest in manifest["files"].items():
+        present = {p.name for p in path.iterdir()} - {MANIFEST}
+        for name, digest in _listed_files(manifest, path).items():
+            if name not in present:
+                raise CheckpointError(f"{name} is listed in the manifest but missing")
             if _sha256(path / name) != digest:
-                raise CheckpointError(f"{path / name} does not match its manifest")
-    except (OSError, ValueError, KeyError) as exc:
+                raise CheckpointError(f"{name} does not match its manifest")
+        unlisted = sorted(present - set(FILES))
+        if unlisted:
+            raise CheckpointError(f"{', '.join(unlisted)} not listed in the manifest")
+    except (OSError, ValueError) as exc:  # the above, an unreadable file, JSON that does not parse
         raise CheckpointError(f"{path} is not a valid checkpoint: {exc}") from exc
     return manifest  # type: ignore[no-any-return]
+
+
+def _listed_files(manifest: Any, path: Path) -> dict[str, str]:
+    """``manifest["files"]`` once the manifest has this format, this step and lists exactly ``FILES``."""
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{MANIFEST} is not a JSON object")
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{MANIFEST} has format {manifest.get('format')!r}, this tidal reads {FORMAT}")
+    step = manifest.get("step")
+    if type(step) is not int or step < 0:
+        raise CheckpointError(f"{MANIFEST} has step {step!r}, not a step number")
+    number = path.name.removeprefix("step-")
+    if number != path.name and number.isdigit() and int(number) != step:
+        raise CheckpointError(f"{MANIFEST} is of step {step}, the directory of step {int(number)}")
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{MANIFEST} has no table of files")
+    missing = [name for name in FILES if name not in files]
+    if missing:
+        raise CheckpointError(f"{MANIFEST} does not list {', '.join(missing)}")
+    unknown = sorted(str(name) for name in files if name not in FILES)
+    if unknown:
+        raise CheckpointError(f"{MANIFEST} lists files a checkpoint does not have: {', '.join(unknown)}")
+    for name, digest in files.items():
+        if not (isinstance(digest, str) and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)):
+            raise CheckpointError(f"{MANIFEST} has no SHA-256 for {name}")
+    return files
 
 
 def latest_checkpoint(directory: str | Path) -> Path:
