@@ -1,4 +1,4 @@
-"""Runs a job master: the HTTP service, the store for torch.distributed, the reconcile loop.
+"""Runs a job master: the HTTP service (with the workers' rendezvous store), the reconcile loop.
 
 ``run_master`` is what ``tidal run``, ``tidal master --resume`` and ``tidal demo`` call. It
 returns the job's exit status: 0 succeeded, 1 failed, 130 interrupted.
@@ -26,6 +26,15 @@ from tidal.api import ConfigError, JobState
 from tidal.backends import get as get_backend
 from tidal.brain import planners
 from tidal.master.api import JobSpec
+from tidal.master.connections import (
+    KEEP_ALIVE_S,
+    ConnectionGuard,
+    accept_batch,
+    connection_cap,
+    listen_queue,
+    quiet_floods,
+    raise_nofile_limit,
+)
 from tidal.master.job import JobMaster
 from tidal.master.journal import SqliteJournal
 from tidal.master.logs import LogFollower
@@ -79,20 +88,18 @@ def run_master(
 ) -> tuple[int, JobMaster]:
     """Serve the job until it ends. ``scenario`` (the demo) runs beside the master."""
     out = out or sys.stdout
+    nofile = raise_nofile_limit()  # before anything opens descriptors: the cap is sized from it
     Path(spec.job_dir, "logs").mkdir(parents=True, exist_ok=True)
     sock = sock or bind_socket(spec.host, spec.port)
     spec.port = sock.getsockname()[1]
     journal = SqliteJournal(journal_path, create=not resume)
     backend = get_backend("local")
 
-    # torch.distributed's rendezvous store for the workers' process groups; a new one per master
-    # (a resumed master publishes its new port in the next round's assignments).
-    from torch.distributed import TCPStore
-
-    store = TCPStore(spec.host, 0, is_master=True, wait_for_workers=False)
+    # The workers' process groups rendezvous through the master's own control plane
+    # (/v1/store, tidal.master.store): same socket, same token, no second listener.
     notifier_box: list[ChangeNotifier] = []
     master = JobMaster(
-        spec, journal, backend, planners.get(spec.planner), time.time, store.port,
+        spec, journal, backend, planners.get(spec.planner), time.time, spec.port,
         on_change=lambda: notifier_box[0].notify() if notifier_box else None,
     )
     if resume:
@@ -106,9 +113,11 @@ def run_master(
         tune_gc()
         notifier_box.append(ChangeNotifier())
         app = create_app(master, spec.token, notifier_box[0])
+        guard = ConnectionGuard(connection_cap(nofile, spec.max_workers), job_id=spec.job_id)
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_keep_alive=30, backlog=2048)
-        server = _Server(config)
+                                http=guard.protocol_class(), ws="none",
+                                timeout_keep_alive=KEEP_ALIVE_S, backlog=accept_batch(nofile))
+        server = _Server(config, listen_queue(nofile))
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -128,8 +137,7 @@ def run_master(
                     follower.poll()
                 await asyncio.sleep(TICK_S)
             if interrupted:
-                master.error = "interrupted"
-                master._fail_job("interrupted")
+                master.interrupt()
                 deadline = time.time() + 5
                 while not master.done and time.time() < deadline:
                     _guarded_tick(master)
@@ -150,7 +158,7 @@ def run_master(
         return 0 if master.state is JobState.SUCCEEDED else 1
 
     try:
-        with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        with asyncio.Runner(loop_factory=loop_factory()) as runner, quiet_floods():
             code = runner.run(main())
     finally:
         master.close()
@@ -178,7 +186,18 @@ def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 class _Server(uvicorn.Server):
     """uvicorn without its own signal handling: on Ctrl-C or SIGTERM the master must first stop
-    the workers (they run in sessions of their own and would outlive it), then exit with 130."""
+    the workers (they run in sessions of their own and would outlive it), then exit with 130.
+    ``listen_queue``: the kernel's accept queue, widened again after startup (see
+    tidal.master.connections.listen_queue)."""
+
+    def __init__(self, config: uvicorn.Config, listen_queue: int) -> None:
+        super().__init__(config)
+        self.listen_queue = listen_queue
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        for sock in sockets or []:
+            sock.listen(self.listen_queue)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:

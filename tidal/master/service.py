@@ -9,6 +9,8 @@ raises on purpose becomes a 500; tests/test_control_plane.py runs schemathesis t
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import hmac
 import json
 from collections.abc import Callable
@@ -21,6 +23,9 @@ from pydantic import BaseModel, ValidationError
 
 from tidal.api import (
     MAX_BODY_BYTES,
+    MAX_STORE_VALUE_BYTES,
+    MAX_STORE_VALUE_CHARS,
+    MAX_STORE_WAIT_S,
     DatasetRequest,
     FinishRequest,
     JoinRequest,
@@ -33,11 +38,25 @@ from tidal.api import (
     ReportResponse,
     ScaleRequest,
     StatusResponse,
+    StoreAddRequest,
+    StoreAddResponse,
+    StoreCompareSetRequest,
+    StoreDeleteRequest,
+    StoreDeleteResponse,
+    StoreGetRequest,
+    StoreKeysRequest,
+    StoreKeysResponse,
+    StoreNumKeysRequest,
+    StoreNumKeysResponse,
+    StoreSetRequest,
+    StoreSetResponse,
+    StoreValueResponse,
     TidalError,
 )
 from tidal.master.api import MasterError
 from tidal.master.job import JobMaster
 from tidal.master.shards import ShardConflictError
+from tidal.master.store import RoundStore, StoreValueError, StoreValueTooLargeError
 
 RENDEZVOUS_POLL_S = 1.0
 
@@ -239,4 +258,98 @@ def create_app(master: JobMaster, token: str, notifier: ChangeNotifier) -> Any:
         "/v1/report": (ReportRequest, master.report),
         "/v1/shards/lease": (LeaseRequest, master.lease),
     }
+    fast.update(_store_routes(app, master))
     return GuardMiddleware(app, token, fast_routes=fast)
+
+
+def _store_routes(app: FastAPI, master: JobMaster) -> dict[str, tuple[type[BaseModel], Callable[[Any], BaseModel]]]:
+    """``/v1/store/*``: the rendezvous store of the workers' process groups (tidal.master.store).
+
+    Behind the same guard as every route (token, body size), on the master's own socket: no
+    second listener. ``get`` and ``wait`` long-poll up to ``wait_s`` (at most a second) and
+    wake when a write lands; the client loops until its own timeout. The others answer at
+    once and go by the guard's fast path only (forming a round is a burst of them). None of
+    them is in the OpenAPI document yet: tests/test_control_plane.py counts its operations.
+    """
+    kv = RoundStore(master.spec.job_id)
+    changed = ChangeNotifier()
+
+    def store() -> RoundStore:
+        kv.observe_round(master.round)
+        return kv
+
+    def set_(req: StoreSetRequest) -> StoreSetResponse:
+        store().set(req.key, _unb64(req.value))
+        changed.notify()
+        return StoreSetResponse()
+
+    def add(req: StoreAddRequest) -> StoreAddResponse:
+        value = store().add(req.key, req.amount)
+        changed.notify()
+        return StoreAddResponse(value=value)
+
+    def compare_set(req: StoreCompareSetRequest) -> StoreValueResponse:
+        value = store().compare_set(req.key, _unb64(req.expected), _unb64(req.desired))
+        changed.notify()
+        return StoreValueResponse(found=True, value=_b64(value))
+
+    def check(req: StoreKeysRequest) -> StoreKeysResponse:
+        return StoreKeysResponse(ready=store().check(req.keys))
+
+    def delete(req: StoreDeleteRequest) -> StoreDeleteResponse:
+        return StoreDeleteResponse(deleted=store().delete(req.key))
+
+    def num_keys(req: StoreNumKeysRequest) -> StoreNumKeysResponse:
+        return StoreNumKeysResponse(count=store().num_keys(req.prefix))
+
+    async def long_poll(wait_s: float, probe: Callable[[], BaseModel | None]) -> BaseModel | None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(wait_s, MAX_STORE_WAIT_S)
+        while True:
+            found = probe()
+            remaining = deadline - loop.time()
+            if found is not None or remaining <= 0:
+                return found
+            await changed.wait(remaining)
+
+    @app.post("/v1/store/get", response_model=StoreValueResponse, include_in_schema=False)
+    async def store_get(req: StoreGetRequest) -> Response:
+        """The value at ``key``; waits up to ``wait_s`` for it to be set."""
+
+        def probe() -> StoreValueResponse | None:
+            value = store().get(req.key)
+            return None if value is None else StoreValueResponse(found=True, value=_b64(value))
+
+        return _json(await long_poll(req.wait_s, probe) or StoreValueResponse(found=False))
+
+    @app.post("/v1/store/wait", response_model=StoreKeysResponse, include_in_schema=False)
+    async def store_wait(req: StoreKeysRequest) -> Response:
+        """Whether all ``keys`` exist; waits up to ``wait_s`` for them."""
+
+        def probe() -> StoreKeysResponse | None:
+            return StoreKeysResponse(ready=True) if store().check(req.keys) else None
+
+        return _json(await long_poll(req.wait_s, probe) or StoreKeysResponse(ready=False))
+
+    fast: dict[str, tuple[type[BaseModel], Callable[[Any], BaseModel]]] = {
+        "/v1/store/set": (StoreSetRequest, set_),
+        "/v1/store/add": (StoreAddRequest, add),
+        "/v1/store/compare_set": (StoreCompareSetRequest, compare_set),
+        "/v1/store/check": (StoreKeysRequest, check),
+        "/v1/store/delete": (StoreDeleteRequest, delete),
+        "/v1/store/num_keys": (StoreNumKeysRequest, num_keys),
+    }
+    return fast
+
+
+def _b64(value: bytes) -> str:
+    return base64.b64encode(value).decode("ascii")
+
+
+def _unb64(text: str) -> bytes:
+    if len(text) > MAX_STORE_VALUE_CHARS:  # before decoding it
+        raise StoreValueTooLargeError(f"store value over {MAX_STORE_VALUE_BYTES} bytes")
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise StoreValueError(f"store value is not base64: {exc}") from exc

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from tidal.worker.api import CollectiveError
 from tidal.worker.logical import Grads, flatten, param_grads, set_grads, sum_and_scale, unflatten
 from tidal.worker.state import pack_state, unpack_state
+from tidal.worker.store import MasterStore
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,10 @@ class RoundComm:
     torch.distributed's global default group: a process lives through many rounds with
     different peers, and the global registry names groups by a per-process counter, so two
     processes with different histories would never find each other in the store.
+
+    Members rendezvous through the master's own store (tidal.worker.store.MasterStore: its
+    control plane, the job's token), under the round's prefix; the comm holds the store for as
+    long as the group lives, since the group calls back into it (nccl initializes lazily).
     """
 
     def __init__(self, rank: int, world_size: int, backend: str, device: torch.device) -> None:
@@ -55,12 +60,13 @@ class RoundComm:
         self.backend = backend
         self.device = device
         self.group: Any = None
+        self.store: MasterStore | None = None
         self._flat: torch.Tensor | None = None
         self._reduced: tuple[torch.Tensor, int] | None = None
         self._scale_grads = False
 
     @classmethod
-    def connect(cls, *, host: str, port: int, prefix: str, rank: int, world_size: int, backend: str,
+    def connect(cls, *, url: str, token: str, prefix: str, rank: int, world_size: int, backend: str,
                 device: torch.device, timeout_s: float) -> RoundComm:
         comm = cls(rank, world_size, backend, device)
         if world_size == 1:
@@ -70,7 +76,7 @@ class RoundComm:
         # in between. Collectives then get the job's (longer) timeout.
         connect = datetime.timedelta(seconds=min(FORM_TIMEOUT_S, timeout_s))
         try:
-            store = dist.PrefixStore(prefix, dist.TCPStore(host, port, is_master=False, timeout=connect))
+            store = comm.store = MasterStore(url, token, prefix, timeout=connect)
             if backend == "nccl":
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = datetime.timedelta(seconds=timeout_s)
@@ -79,6 +85,7 @@ class RoundComm:
                 comm.group = dist.ProcessGroupGloo(store, rank, world_size, connect)
                 comm.group._set_default_timeout(datetime.timedelta(seconds=timeout_s))
         except (RuntimeError, ValueError) as exc:
+            comm.close()
             raise CollectiveError(f"cannot form the process group: {exc}") from exc
         return comm
 
@@ -89,6 +96,9 @@ class RoundComm:
             except (RuntimeError, ValueError, AttributeError) as exc:
                 log.debug("shutting down the process group: %s", exc)
             self.group = None
+        if self.store is not None:
+            self.store.close()
+            self.store = None
 
     # -------------------------------------------------------------------- collectives
     def exchange_headers(self, row: list[int]) -> torch.Tensor:
