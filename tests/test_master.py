@@ -15,7 +15,7 @@ from tidal.api import (
     StepRecord,
     WorkerState,
 )
-from tidal.backends.api import BackendEvent, LaunchError, WorkerSpec
+from tidal.backends.fake import FakeBackend
 from tidal.brain.planners import MaxWorkersPlanner
 from tidal.master.api import BadRequestError, JobSpec, StaleRoundMasterError
 from tidal.master.job import JobMaster
@@ -28,44 +28,6 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
-
-
-class FakeBackend:
-    """Implements tidal.backends.api.Backend without processes: launches are recorded."""
-
-    def __init__(self) -> None:
-        self.launched: list[WorkerSpec] = []
-        self.terminated: list[int] = []
-        self.events: list[BackendEvent] = []
-        self._requests: set[str] = set()
-
-    def launch(self, specs: list[WorkerSpec], request_id: str) -> list[LaunchError]:
-        if request_id not in self._requests:
-            self._requests.add(request_id)
-            self.launched.extend(specs)
-        return []
-
-    def terminate(self, worker_ids: list[int], request_id: str) -> None:
-        for w in worker_ids:
-            if w not in self.terminated:
-                self.terminated.append(w)
-                self.events.append(BackendEvent(w, -9, 0.0))
-
-    def adopt(self, worker_id: int, pid: int, create_time: float | None) -> bool:
-        return True
-
-    def pids(self) -> dict[int, tuple[int, float]]:
-        return {s.worker_id: (10_000 + s.worker_id, 1.0) for s in self.launched}
-
-    def poll_events(self) -> list[BackendEvent]:
-        out, self.events = self.events, []
-        return out
-
-    def exit(self, worker_id: int, code: int) -> None:
-        self.events.append(BackendEvent(worker_id, code, 0.0))
-
-    def close(self) -> None:
-        pass
 
 
 def make_master(tmp_path: Path, workers: str = "2:2", **spec_args: object) -> tuple[JobMaster, FakeClock, FakeBackend]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -37,6 +38,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slow-worker", type=int, default=-1, help="worker id to slow down (straggler)")
     p.add_argument("--slowdown", type=float, default=1.0, help="how many times slower the slow worker is")
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (tests)")
+    p.add_argument("--hang-worker", type=int, default=-1,
+                   help="worker id whose main thread hangs at --hang-at-step (tests; heartbeats go on)")
+    p.add_argument("--hang-at-step", type=int, default=10)
     p.add_argument("--logical-workers", type=int, default=None,
                    help="train N logical workers, bitwise the same on any number of processes")
     p.add_argument("--checkpoint-dir", default=None, help="write the final checkpoint here")
@@ -74,6 +78,8 @@ def main(argv: list[str] | None = None) -> None:
             time.sleep((slow - 1.0) * (time.monotonic() - started))
         if args.step_sleep:
             time.sleep(args.step_sleep)
+        if job.worker_id == args.hang_worker and job.applied_step + 1 >= args.hang_at_step:
+            threading.Event().wait()  # a deadlock in the script: only its main thread stops
         if job.step():
             seen += len(batch["label"])
             step = job.applied_step

@@ -9,7 +9,7 @@ else of tidal (enforced by import-linter).
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -24,6 +24,11 @@ from tidal.api.errors import (
 __all__ = [
     "MAX_BODY_BYTES",
     "MAX_RECORDS_PER_REQUEST",
+    "MAX_STORE_KEYS_PER_REQUEST",
+    "MAX_STORE_KEY_CHARS",
+    "MAX_STORE_VALUE_BYTES",
+    "MAX_STORE_VALUE_CHARS",
+    "MAX_STORE_WAIT_S",
     "ConfigError",
     "DatasetRequest",
     "Event",
@@ -48,6 +53,19 @@ __all__ = [
     "StaleRoundError",
     "StatusResponse",
     "StepRecord",
+    "StoreAddRequest",
+    "StoreAddResponse",
+    "StoreCompareSetRequest",
+    "StoreDeleteRequest",
+    "StoreDeleteResponse",
+    "StoreGetRequest",
+    "StoreKeysRequest",
+    "StoreKeysResponse",
+    "StoreNumKeysRequest",
+    "StoreNumKeysResponse",
+    "StoreSetRequest",
+    "StoreSetResponse",
+    "StoreValueResponse",
     "TidalError",
     "WorkerInfo",
     "WorkerState",
@@ -176,6 +194,7 @@ class LeaseRequest(_Wire):
     batches_per_shard: int = Field(default=16, ge=1, le=1 << 20)
     shuffle: bool = True
     seed: int = Field(default=0, ge=0, le=_I64)
+    epochs: int | None = Field(default=None, ge=0, le=1_000_000)  # the job is done only after all of them
 
 
 class DatasetRequest(_Wire):
@@ -188,6 +207,7 @@ class DatasetRequest(_Wire):
     batches_per_shard: int = Field(default=1, ge=1, le=1 << 20)
     shuffle: bool = True
     seed: int = Field(default=0, ge=0, le=_I64)
+    epochs: int | None = Field(default=None, ge=0, le=1_000_000)
 
 
 class LeaseResponse(_Wire):
@@ -196,8 +216,14 @@ class LeaseResponse(_Wire):
 
 
 class FinishRequest(_Wire):
+    """The worker's training loop is over. The master accepts it only if no sample is left:
+    ``records`` are the worker's records of steps up to ``applied_step`` that the master may not
+    have finalized yet (every worker's, as the step headers gave them)."""
+
     worker_id: int = Field(ge=0, le=_I64)
     metrics: dict[str, float] = Field(default_factory=dict, max_length=64)
+    applied_step: int = Field(default=-1, ge=-1, le=_I64)
+    records: list[StepRecord] = Field(default_factory=list, max_length=MAX_RECORDS_PER_REQUEST)
 
 
 class ScaleRequest(_Wire):
@@ -248,6 +274,7 @@ class StatusResponse(_Wire):
     events: list[Event]
     metrics: dict[str, float]
     error: str | None = None
+    paused: str | None = None  # why the job stands still (e.g. the journal cannot be written)
 
 
 class ResourcePlan(_Wire):
@@ -269,3 +296,83 @@ class JobSnapshot(_Wire):
     samples_per_s: float = 0.0
     applied_step: int = -1
     stragglers: int = 0
+
+
+# --------------------------------------------------------------------------- rendezvous store
+# The key-value store the workers' process groups (gloo, nccl) rendezvous through, served by the
+# master on its control plane (tidal.master.store, tidal.worker.store). Values are base64 in JSON.
+MAX_STORE_KEY_CHARS = 1024
+MAX_STORE_VALUE_BYTES = 4 << 20  # an NCCL unique id is 128 bytes, a gloo address blob ~200
+MAX_STORE_KEYS_PER_REQUEST = 4096
+MAX_STORE_WAIT_S = 1.0  # one long-poll; the client loops until its own timeout
+MAX_STORE_VALUE_CHARS = 4 * ((MAX_STORE_VALUE_BYTES + 2) // 3)  # in base64
+
+_StoreKey = Annotated[str, Field(min_length=1, max_length=MAX_STORE_KEY_CHARS)]
+_StoreValue = Annotated[str, Field(max_length=MAX_STORE_VALUE_CHARS)]
+# Values in requests are base64 bounded only by MAX_BODY_BYTES: one over MAX_STORE_VALUE_BYTES is
+# the store's 413 (tidal.master.service checks the length before decoding), not a 422.
+
+
+class StoreSetRequest(_Wire):
+    key: _StoreKey
+    value: str = ""
+
+
+class StoreSetResponse(_Wire):
+    stored: bool = True
+
+
+class StoreGetRequest(_Wire):
+    """``wait_s``: how long the master may hold the request until the key exists."""
+
+    key: _StoreKey
+    wait_s: float = Field(default=0.0, ge=0, le=MAX_STORE_WAIT_S)
+
+
+class StoreValueResponse(_Wire):
+    found: bool
+    value: _StoreValue = ""
+
+
+class StoreAddRequest(_Wire):
+    key: _StoreKey
+    amount: int = Field(ge=-_I64, le=_I64)
+
+
+class StoreAddResponse(_Wire):
+    value: int
+
+
+class StoreCompareSetRequest(_Wire):
+    key: _StoreKey
+    expected: str = ""
+    desired: str = ""
+
+
+class StoreKeysRequest(_Wire):
+    """``check`` answers at once; ``wait`` holds the request up to ``wait_s`` until all exist."""
+
+    keys: list[_StoreKey] = Field(min_length=1, max_length=MAX_STORE_KEYS_PER_REQUEST)
+    wait_s: float = Field(default=0.0, ge=0, le=MAX_STORE_WAIT_S)
+
+
+class StoreKeysResponse(_Wire):
+    ready: bool
+
+
+class StoreDeleteRequest(_Wire):
+    key: _StoreKey
+
+
+class StoreDeleteResponse(_Wire):
+    deleted: bool
+
+
+class StoreNumKeysRequest(_Wire):
+    """Counts the keys under ``prefix`` (a round's prefix, as the keys themselves)."""
+
+    prefix: _StoreKey
+
+
+class StoreNumKeysResponse(_Wire):
+    count: int

@@ -22,8 +22,13 @@ class WorkerSpec:
 
 @dataclass(frozen=True)
 class LaunchError:
+    """A process that could not start. ``retryable``: the machine, not the script, is at fault
+    (out of file descriptors, processes, memory or disk): the master backs off and tries again
+    without counting it as a crash of the script."""
+
     worker_id: int
     message: str
+    retryable: bool = False
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -17,6 +19,37 @@ from tidal.api import ConfigError, StatusResponse
 from tidal.cli import app, fail
 
 HOME_ENV = "TIDAL_HOME"
+
+# The local backend starts every worker as a process of this machine: a MAX far above what one
+# machine runs would only make the master build tables for workers that can never start.
+MAX_LOCAL_WORKERS = 1024
+# Each logical worker keeps its own RNG states and gradient in whichever process runs it.
+MAX_LOGICAL_WORKERS = 1024
+MAX_RESTARTS = 100_000
+PORTS = (0, 65535)  # 0: any free port
+# Seconds. Workers heartbeat every 0.5 s, so a heartbeat timeout under 1 s would declare healthy
+# workers dead; above an hour a dead worker would hold its shards for longer than any job wants.
+HEARTBEAT_TIMEOUT_S = (1.0, 3600.0)
+COLLECTIVE_TIMEOUT_S = (1.0, 3600.0)
+ROUND_TIMEOUT_S = (1.0, 3600.0)
+PROGRESS_TIMEOUT_S = (1.0, 86400.0)  # a day: one step of a large model may take many minutes
+
+
+def check_range(option: str, value: float, bounds: tuple[float, float], after: str = "") -> None:
+    """Raise ConfigError unless ``value`` is finite and within ``bounds`` (both ends included).
+
+    The one check behind every numeric option of ``tidal run``. Typer parses ``nan`` and ``inf``
+    as floats and a NaN compares false with everything, so finiteness is checked first. ``after``
+    follows the bounds in the message: a unit, or the reason for the limit.
+    """
+    low, high = bounds
+    if not (math.isfinite(value) and low <= value <= high):
+        raise ConfigError(f"{option} must be between {low:g} and {high:g}{after}, got {value}")
+
+
+def span(bounds: tuple[float, float]) -> str:
+    """``bounds`` as the ``--help`` texts write them: ``1..3600``."""
+    return f"{bounds[0]:g}..{bounds[1]:g}"
 
 
 def tidal_home() -> Path:
@@ -33,7 +66,21 @@ def parse_workers(text: str) -> tuple[int, int]:
         raise ConfigError(f"--workers MIN must be at least 1, got {low}")
     if low > high:
         raise ConfigError(f"--workers MIN ({low}) is greater than MAX ({high})")
+    check_range("--workers MAX", high, (1, MAX_LOCAL_WORKERS),
+                " (MAX_LOCAL_WORKERS: the local backend runs every worker on this machine)")
     return low, high
+
+
+def make_job_dir(directory: Path) -> None:
+    """Create the job directory (0700: it holds the journal and job.json, which hold the token).
+
+    An existing directory keeps its mode; it only has to be one this user can create files in.
+    """
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=directory).close()
+    except OSError as exc:
+        raise ConfigError(f"cannot use --job-dir {directory}: {exc.strerror}") from None
 
 
 def check_ledger(path: Path | None) -> None:
@@ -51,13 +98,31 @@ def check_ledger(path: Path | None) -> None:
 def run(
     ctx: typer.Context,
     script: Path = typer.Argument(..., help="The training script (run with this Python)."),
-    workers: str = typer.Option("1:1", "--workers", "-w", help="MIN:MAX worker processes (or N)."),
+    workers: str = typer.Option(
+        "1:1", "--workers", "-w", help=f"MIN:MAX worker processes (or N); MAX at most {MAX_LOCAL_WORKERS}."),
     initial: int | None = typer.Option(None, "--initial", help="Start with this many workers (default MAX)."),
     ledger: Path | None = typer.Option(None, "--ledger", help="Write one JSON line per committed sample range."),
-    port: int = typer.Option(0, "--port", help="Control-plane port on 127.0.0.1 (0: any free port)."),
-    job_dir: Path | None = typer.Option(None, "--job-dir", help="Where the journal, logs and job.json go."),
-    heartbeat_timeout: float = typer.Option(5.0, help="Seconds without a heartbeat before a worker is replaced."),
-    max_restarts: int = typer.Option(20, help="Worker failures tolerated before the job fails."),
+    port: int = typer.Option(0, "--port", help=f"Control-plane port on 127.0.0.1, {span(PORTS)} (0: any free port)."),
+    job_dir: Path | None = typer.Option(
+        None, "--job-dir", help="Where the journal, logs and job.json go (created with mode 0700)."),
+    heartbeat_timeout: float = typer.Option(
+        5.0, "--heartbeat-timeout", metavar="SECONDS",
+        help="Seconds without a heartbeat before a worker is declared dead and replaced "
+             f"({span(HEARTBEAT_TIMEOUT_S)}; workers heartbeat every 0.5 s)."),
+    collective_timeout: float = typer.Option(
+        60.0, "--collective-timeout", metavar="SECONDS",
+        help="How long one collective (gradient reduction, state broadcast) may block before the workers "
+             f"give up on it and re-form without the peer that stalled it ({span(COLLECTIVE_TIMEOUT_S)})."),
+    round_timeout: float = typer.Option(
+        60.0, "--round-timeout", metavar="SECONDS",
+        help="A re-form still open this long after it began fails the members that never reached the "
+             f"rendezvous; the others carry on ({span(ROUND_TIMEOUT_S)})."),
+    progress_timeout: float = typer.Option(
+        300.0, "--progress-timeout", metavar="SECONDS",
+        help="A worker that applies no step for this long while its peers do is replaced, even though it "
+             f"still heartbeats ({span(PROGRESS_TIMEOUT_S)}; set it above your slowest step)."),
+    max_restarts: int = typer.Option(
+        20, "--max-restarts", help=f"Worker failures tolerated before the job fails ({span((0, MAX_RESTARTS))})."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Do not echo the workers' output."),
     logical_workers: int | None = typer.Option(
         None, "--logical-workers",
@@ -81,6 +146,12 @@ def run(
     from tidal.master.server import bind_socket, run_master
 
     low, high = parse_workers(workers)
+    check_range("--port", port, PORTS)
+    check_range("--heartbeat-timeout", heartbeat_timeout, HEARTBEAT_TIMEOUT_S, " seconds")
+    check_range("--collective-timeout", collective_timeout, COLLECTIVE_TIMEOUT_S, " seconds")
+    check_range("--round-timeout", round_timeout, ROUND_TIMEOUT_S, " seconds")
+    check_range("--progress-timeout", progress_timeout, PROGRESS_TIMEOUT_S, " seconds")
+    check_range("--max-restarts", max_restarts, (0, MAX_RESTARTS))
     if not script.is_file():
         raise fail(f"script {script} not found")
     if initial is not None and not low <= initial <= high:
@@ -90,12 +161,14 @@ def run(
     sock = bind_socket("127.0.0.1", port)
     job_id = uuid.uuid4().hex[:8]
     directory = (job_dir or tidal_home() / job_id).resolve()
-    directory.mkdir(parents=True, exist_ok=True)
+    make_job_dir(directory)
     spec = JobSpec(
         job_id=job_id, argv=[sys.executable, str(script.resolve()), *ctx.args], min_workers=low,
         max_workers=high, token=new_token(), job_dir=str(directory), port=sock.getsockname()[1],
         ledger_path=str(ledger.resolve()) if ledger else None, initial_workers=initial,
-        heartbeat_timeout_s=heartbeat_timeout, max_restarts=max_restarts, cwd=os.getcwd(), env=env,
+        heartbeat_timeout_s=heartbeat_timeout, collective_timeout_s=collective_timeout,
+        round_timeout_s=round_timeout, progress_timeout_s=progress_timeout, max_restarts=max_restarts,
+        cwd=os.getcwd(), env=env,
     )
     _point_current(directory)
     typer.echo(f"tidal: job {job_id} on http://127.0.0.1:{spec.port} (job dir {directory})", err=True)
@@ -109,8 +182,7 @@ def logical_env(logical: int | None, max_workers: int, checkpoint_dir: Path | No
     """The workers' environment for logical workers, checkpoints and determinism (tidal.worker.logical)."""
     env: dict[str, str] = {}
     if logical is not None:
-        if logical < 1:
-            raise ConfigError(f"--logical-workers must be at least 1, got {logical}")
+        check_range("--logical-workers", logical, (1, MAX_LOGICAL_WORKERS))
         if max_workers > logical:
             raise ConfigError(f"--workers MAX ({max_workers}) is more processes than --logical-workers ({logical})")
         env["TIDAL_LOGICAL_WORKERS"] = str(logical)
@@ -136,15 +208,15 @@ def fingerprint(
     as_json: bool = typer.Option(False, "--json", help="Print step, path and fingerprint as JSON."),
 ) -> None:
     """SHA-256 of a checkpoint's tensors in canonical order: equal for bitwise-equal models."""
-    from tidal.worker.checkpoint import CheckpointError, latest_checkpoint
+    from tidal.worker.checkpoint import CheckpointError, latest_checkpoint, verify
     from tidal.worker.checkpoint import fingerprint as digest
 
     try:
         path = directory if (directory / "manifest.json").is_file() else latest_checkpoint(directory)
         value = digest(path)
+        step = int(verify(path)["step"])
     except CheckpointError as exc:
         raise fail(str(exc)) from None
-    step = int(path.name.split("-")[-1]) if path.name.startswith("step-") else -1
     if as_json:
         typer.echo(json.dumps({"fingerprint": value, "step": step, "path": str(path)}))
     else:
@@ -240,6 +312,8 @@ def _render_status(st: StatusResponse) -> None:
                   f"({st.min_workers}:{st.max_workers})  committed step {st.finalized_step}")
     if st.error:
         console.print(f"[red]error:[/] {st.error}")
+    if st.paused:
+        console.print(f"[yellow]paused:[/] {st.paused}")
     table = Table("worker", "pid", "state", "rank", "step", "samples/s", "straggler", "exit")
     for w in st.workers:
         table.add_row(str(w.worker_id), str(w.pid), w.state.value, str(w.rank) if w.rank >= 0 else "-",
@@ -257,7 +331,10 @@ def _render_status(st: StatusResponse) -> None:
 def _print_summary(master: Any) -> None:
     pauses = master.pauses()
     lines = [f"tidal: job {master.spec.job_id} {master.state.value}" + (f": {master.error}" if master.error else "")]
-    for ev in pauses:
+    shown = 20  # a long job re-forms thousands of times: the latest pauses, and how many there were
+    if len(pauses) > shown:
+        lines.append(f"tidal:   {len(pauses)} pauses, the last {shown}:")
+    for ev in pauses[-shown:]:
         lines.append(f"tidal:   pause {ev.seconds:.3f}s  ({ev.cause})")
     for key, value in sorted(master.metrics.items()):
         lines.append(f"tidal:   {key} = {value:.4f}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tidal.api import ConfigError, PermanentError, StaleRoundError, TidalError
+from tidal.api import ConfigError, PermanentError, RetryableError, StaleRoundError, TidalError
 
 
 class MasterError(TidalError):
@@ -38,6 +38,23 @@ class JobNotRunningError(MasterError, PermanentError):
     status = 409
 
 
+class NotExhaustedError(MasterError, PermanentError):
+    """A worker said training is over while the master knows samples that were never trained."""
+
+    status = 409
+
+
+class JournalUnavailableError(MasterError, RetryableError):
+    """The journal (or the ledger beside it) cannot be written: disk full, I/O error.
+
+    The master changes no state it cannot journal: it pauses the job, answers 503 (workers
+    retry with backoff and keep their records) and reloads its state from the journal once a
+    write succeeds again (DESIGN.md 4, "No false success").
+    """
+
+    status = 503
+
+
 @dataclass
 class JobSpec:
     """Everything needed to run (and, from the journal, to resume) one job."""
@@ -58,8 +75,16 @@ class JobSpec:
     start_timeout_s: float = 180.0
     start_grace_s: float = 5.0  # how long the first round waits for slow starters once MIN joined
     collective_timeout_s: float = 60.0
+    # liveness by progress (DESIGN.md 4, "No false success"): a re-form that has not closed this
+    # long after it began fails the members that never reached the rendezvous ...
+    round_timeout_s: float = 60.0
+    # ... and a member that applies no step this long while its peers do is replaced
+    progress_timeout_s: float = 300.0
+    # how long a job may stay paused on an unwritable journal before the master gives up (the
+    # journal still holds every committed step: ``tidal master --resume`` carries on from it)
+    journal_patience_s: float = 300.0
     max_restarts: int = 20
-    crash_loop_limit: int = 3  # consecutive workers dying before they ever trained
+    crash_loop_limit: int = 3  # consecutive start failures of one worker slot (reset once it trains)
     straggler_factor: float = 2.0  # slower per sample than the peers' median by this much ...
     straggler_window_s: float = 2.0  # ... for this long
     env: dict[str, str] = field(default_factory=dict)

@@ -44,18 +44,22 @@ class LedgerAudit:
 
 def audit_ledger(lines: Iterable[str], dataset_size: int, epochs: int | None = None) -> LedgerAudit:
     """Check ``{"epoch", "start", "end", ...}`` lines; ``epochs`` also demands that many epochs."""
+    rows = (json.loads(line) for line in lines if line.strip())
+    return audit_ranges(((int(r["epoch"]), int(r["start"]), int(r["end"])) for r in rows), dataset_size, epochs)
+
+
+def audit_ranges(ranges: Iterable[tuple[int, int, int]], dataset_size: int, epochs: int | None = None) -> LedgerAudit:
+    """The same audit over ``(epoch, start, end)`` triples (the master's journal)."""
     by_epoch: dict[int, list[tuple[int, int]]] = defaultdict(list)
-    for line in lines:
-        if line.strip():
-            row = json.loads(line)
-            by_epoch[int(row["epoch"])].append((int(row["start"]), int(row["end"])))
+    for epoch, start, end in ranges:
+        by_epoch[epoch].append((start, end))
     wanted = range(epochs) if epochs is not None else sorted(by_epoch)
     out = []
     for epoch in wanted:
-        ranges = sorted(by_epoch.get(epoch, []))
-        result = EpochAudit(epoch, len(ranges), sum(e - s for s, e in ranges))
+        spans = sorted(by_epoch.get(epoch, []))
+        result = EpochAudit(epoch, len(spans), sum(e - s for s, e in spans))
         pos = 0
-        for start, end in ranges:
+        for start, end in spans:
             if start > pos:
                 result.gaps.append((pos, start))
             elif start < pos:

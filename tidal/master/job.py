@@ -16,10 +16,27 @@ Commit protocol (DESIGN.md section 4, "Data, exactly once"):
   source of state for the next round and its records of not-yet-final steps are finalized; the
   others are discarded (a dead worker may have applied a step no survivor applied: those samples
   go back to TODO). Then every DOING shard returns to TODO from its first uncommitted index.
+
+No false success (DESIGN.md 4):
+
+* State changes only together with the journal. A request or tick whose journal write fails
+  leaves the master *paused*: it answers 503 to every request that would change state (workers
+  retry with backoff and keep their records), probes the journal, and once a write succeeds it
+  reloads its whole state from the journal (as a restarted master would, with a new
+  incarnation, so workers resend what was not final). Whatever changed in memory without
+  reaching the journal is thereby rolled back.
+* ``finish`` is accepted only when no sample is left, and the job is SUCCEEDED only when every
+  shard of every epoch is DONE and the journal's ledger covers every epoch exactly once;
+  otherwise it is FAILED with the reason.
+* Liveness by progress: a re-form that has not closed ``round_timeout_s`` after it began fails
+  the members that never reached the rendezvous (a worker whose main thread hangs keeps
+  heartbeating); a member that applies no step for ``progress_timeout_s`` while its peers do is
+  replaced. The crash-loop rule counts consecutive start failures of one worker *slot*.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 import statistics
@@ -27,7 +44,7 @@ from collections import deque
 from collections.abc import Callable
 from operator import attrgetter
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO, TypeVar
 
 from tidal.api import (
     DatasetRequest,
@@ -50,15 +67,18 @@ from tidal.api import (
     WorkerInfo,
     WorkerState,
 )
-from tidal.backends.api import Backend, WorkerSpec
+from tidal.backends.api import Backend, BackendEvent, WorkerSpec
 from tidal.brain.api import Planner
 from tidal.master.api import (
     BadRequestError,
     JobSpec,
+    JournalUnavailableError,
+    NotExhaustedError,
     StaleRoundMasterError,
     UnknownWorkerError,
     WorkerGoneError,
 )
+from tidal.master.audit import audit_ranges
 from tidal.master.journal import Journal
 from tidal.master.membership import ALIVE, WorkerRecord
 from tidal.master.progress import MemberProgress
@@ -66,6 +86,30 @@ from tidal.master.shards import CommittedRange, DatasetConfig, ShardManager
 
 log = logging.getLogger(__name__)
 W = WorkerState
+F = TypeVar("F", bound=Callable[..., Any])
+
+LAUNCH_BATCH = 32  # processes started per tick: a huge target must not stall the event loop
+MAX_PAUSES = 1000  # pause records kept (one per round); older ones are dropped
+MAX_METRICS = 256  # keys of worker-sent metrics kept
+JOURNAL_PROBE_S = 0.5  # how often a paused master tries its journal again
+
+
+def journaled(method: F) -> F:
+    """A request handler that changes state: refused with 503 while the journal is unavailable,
+    and one whose journal write fails pauses the job (its in-memory changes are rolled back by
+    the reload from the journal when the journal is writable again)."""
+
+    @functools.wraps(method)
+    def wrapper(self: JobMaster, *args: Any, **kwargs: Any) -> Any:
+        if self.paused is not None:
+            raise JournalUnavailableError(f"the job is paused: {self.paused}")
+        try:
+            return method(self, *args, **kwargs)
+        except JournalUnavailableError as exc:
+            self._pause(str(exc))
+            raise
+
+    return wrapper  # type: ignore[return-value]
 
 
 class JobMaster:
@@ -86,7 +130,22 @@ class JobMaster:
         self.clock = clock
         self.store_port = store_port
         self._on_change = on_change  # wakes long-polling rendezvous requests
+        # what the job shows its user; kept when the state is reloaded from the journal
+        self.events: deque[Event] = deque(maxlen=500)
+        self.event_seq = 0
+        self.metrics: dict[str, float] = {}
+        self.round_causes: dict[int, str] = {}
+        self.pause_events: dict[int, Event] = {}
+        self.paused: str | None = None  # why the job stands still (the journal cannot be written)
+        self.paused_since = 0.0
+        self._next_journal_probe = 0.0
+        self._ledger: TextIO | None = None
+        self._exits: deque[BackendEvent] = deque()  # process exits not yet handled
+        self._init_runtime()
 
+    def _init_runtime(self) -> None:
+        """Everything rebuilt from the journal by ``resume`` (also when a paused master reloads)."""
+        spec = self.spec
         self.state = JobState.RUNNING
         self.incarnation = secrets.token_hex(4)  # this master process, as workers see it
         self.error: str | None = None
@@ -95,9 +154,6 @@ class JobMaster:
         self.workers: dict[int, WorkerRecord] = {}
         self.next_worker_id = 0
         self.shards = ShardManager()
-        self.events: deque[Event] = deque(maxlen=500)
-        self.event_seq = 0
-        self.metrics: dict[str, float] = {}
 
         # membership rounds
         self.round = -1
@@ -105,12 +161,11 @@ class JobMaster:
         self._member_set: frozenset[int] = frozenset()
         self.reforming = False
         self.reform_cause = ""
+        self.reform_started = 0.0
         self.waiting: dict[int, RendezvousRequest] = {}
         self.waiting_since: dict[int, float] = {}
         self.assignments: dict[int, RendezvousResponse] = {}
-        self.round_causes: dict[int, str] = {}
         self._assignments_dirty = False
-        self.pause_events: dict[int, Event] = {}
 
         # step commits
         self.finalized_step = -1
@@ -120,13 +175,15 @@ class JobMaster:
         self._next_plan_at = 0.0
         self._next_liveness_check = 0.0
         self._next_straggler_check = 0.0
+        self._next_progress_check = 0.0
 
         self.restarts = 0
-        self.start_failures = 0
+        # consecutive start failures per worker slot (a replacement inherits its slot's count;
+        # a worker that trains resets it)
+        self.slot_failures: dict[int, int] = {}
         self._launch_seq = 0
         self._next_launch_at = 0.0
         self._next_launch_check = 0.0
-        self._ledger: TextIO | None = None
 
     @property
     def members(self) -> list[int]:
@@ -154,7 +211,7 @@ class JobMaster:
                         out.write(_ledger_line(row))
             self._ledger = open(path, "a")
         except OSError as exc:
-            raise BadRequestError(f"cannot write ledger {path}: {exc.strerror}") from exc
+            raise JournalUnavailableError(f"cannot write ledger {path}: {exc.strerror}") from exc
 
     def start(self) -> None:
         with self.journal.transaction():
@@ -163,7 +220,7 @@ class JobMaster:
         self.open_ledger()
         self._event("job", f"job {self.spec.job_id} started: workers {self.spec.min_workers}:{self.spec.max_workers}")
 
-    def resume(self) -> None:
+    def resume(self, why: str = "master resumed from journal") -> None:
         """Rebuild from the journal and adopt the workers that are still running."""
         j = self.journal
         meta = j.get_meta("state", {})
@@ -175,6 +232,7 @@ class JobMaster:
         self.target_override = meta.get("target_override")
         self.next_worker_id = meta.get("next_worker_id", 0)
         self.restarts = meta.get("restarts", 0)
+        self.slot_failures = {int(k): v for k, v in (meta.get("slot_failures") or {}).items()}
         self.error = meta.get("error")
         self.assignments = {int(k): RendezvousResponse(**v) for k, v in (j.get_meta("assignments") or {}).items()}
         dataset = meta.get("dataset")
@@ -197,19 +255,62 @@ class JobMaster:
                 if a.status == "ready":
                     a.store_port = self.store_port
         self.open_ledger(rewrite=True)
-        self._event("job", f"master resumed from journal at round {self.round}, step {self.finalized_step}")
+        self._event("job", f"{why} at round {self.round}, step {self.finalized_step}")
         self._persist()
 
     def close(self) -> None:
         if self._ledger:
-            self._ledger.close()
+            try:
+                self._ledger.close()
+            except OSError as exc:  # buffered lines on a full disk: the journal has them
+                log.warning("job %s: closing the ledger: %s", self.spec.job_id, exc)
             self._ledger = None
+
+    # ================================================================== journal outages
+    def _pause(self, why: str) -> None:
+        if self.paused is not None:
+            return
+        self.paused = why
+        self.paused_since = self.clock()
+        self._next_journal_probe = self.paused_since + JOURNAL_PROBE_S
+        self._event("paused", f"job paused: {why}; workers wait and retry, nothing is dropped")
+        log.error("job %s: paused: %s", self.spec.job_id, why)
+
+    def _retry_journal(self, now: float) -> None:
+        """While paused: probe the journal; once it takes a write, reload the state from it."""
+        if now < self._next_journal_probe:
+            return
+        self._next_journal_probe = now + JOURNAL_PROBE_S
+        paused_for = now - self.paused_since
+        try:
+            with self.journal.transaction():
+                self.journal.put_meta("probe", now)
+            self.close()
+            self._init_runtime()
+            self.paused = None
+            self.resume(f"journal writable again after {paused_for:.1f}s; state reloaded from the journal")
+        except JournalUnavailableError as exc:
+            self.paused = self.paused or str(exc)
+            if paused_for > self.spec.journal_patience_s and self.state is not JobState.FAILED:
+                # nothing more can be journaled: fail in memory only (the journal still holds every
+                # committed step, so ``tidal master --resume`` can carry on once there is room)
+                self.error = f"the journal could not be written for {paused_for:.0f}s: {exc}"
+                self.state = JobState.FAILED
+                self._event("job", f"job failed: {self.error}")
+            if self.state is JobState.FAILED and self._alive_ids():
+                self.backend.terminate(self._alive_ids(), "journal-lost")
+            if self.state is JobState.FAILED:  # a live job keeps process exits for the reload
+                for ev in self.backend.poll_events():
+                    rec = self.workers.get(ev.worker_id)
+                    if rec is not None and (rec.alive or rec.state is W.LEAVING):
+                        rec.move(W.FAILED, now)
 
     @property
     def done(self) -> bool:
         return self.state in (JobState.SUCCEEDED, JobState.FAILED) and not self._alive_ids()
 
     # ================================================================== requests
+    @journaled
     def join(self, req: JoinRequest) -> JoinResponse:
         rec = self._worker(req.worker_id)
         now = self.clock()
@@ -225,6 +326,7 @@ class JobMaster:
             collective_timeout_s=self.spec.collective_timeout_s,
         )
 
+    @journaled
     def rendezvous(self, req: RendezvousRequest) -> RendezvousResponse:
         rec = self._worker(req.worker_id)
         now = self.clock()
@@ -277,6 +379,7 @@ class JobMaster:
             if r.worker not in self.workers:  # records may be of an earlier round's members
                 raise BadRequestError(f"record of unknown worker {r.worker}")
 
+    @journaled
     def report(self, req: ReportRequest) -> ReportResponse:
         rec = self._worker(req.worker_id)
         now = self.clock()
@@ -287,7 +390,9 @@ class JobMaster:
         if req.compute_s_per_sample > 0:
             rec.compute_s_per_sample = req.compute_s_per_sample
         if req.round == self.round and self.is_member(req.worker_id) and rec.state in (W.ACTIVE, W.WAITING):
-            rec.applied_step = max(rec.applied_step, req.applied_step)
+            if req.applied_step > rec.applied_step:
+                rec.applied_step = req.applied_step
+                rec.progressed_at = now
             for r in req.records:
                 if r.worker != req.worker_id:
                     raise BadRequestError("a report may only carry the worker's own records")
@@ -308,6 +413,7 @@ class JobMaster:
         return ReportResponse(round=self.round, reform=self.reforming, finalized_step=self.finalized_step,
                               incarnation=self.incarnation)
 
+    @journaled
     def lease(self, req: LeaseRequest) -> LeaseResponse:
         rec, first = self._configure_dataset(req)
         shard = self.shards.lease(req.worker_id, req.epoch, rec.size_factor)
@@ -319,6 +425,7 @@ class JobMaster:
             return LeaseResponse(status="empty")
         return LeaseResponse(status="ok", shard=shard)
 
+    @journaled
     def configure_dataset(self, req: DatasetRequest) -> None:
         _, first = self._configure_dataset(req)
         if first:
@@ -332,12 +439,27 @@ class JobMaster:
         if req.round != self.round or not self.is_member(req.worker_id):
             raise StaleRoundMasterError(f"worker {req.worker_id} is not in round {req.round} (current {self.round})")
         first = self.shards.config is None
-        self.shards.configure(DatasetConfig(req.dataset_size, req.batch_size, req.batches_per_shard, req.shuffle, req.seed))
+        self.shards.configure(DatasetConfig(req.dataset_size, req.batch_size, req.batches_per_shard, req.shuffle,
+                                            req.seed, req.epochs))
         return rec, first
 
+    @journaled
     def finish(self, req: FinishRequest) -> None:
-        self._worker(req.worker_id).finished = True
-        self.metrics.update(req.metrics)
+        """A worker's training loop is over: accepted only if the master agrees no sample is left.
+
+        Raises:
+            NotExhaustedError: samples the master knows of were never trained (409).
+        """
+        rec = self._worker(req.worker_id)
+        pending = [(r.epoch, r.start, r.end) for records in self.tentative.values() for r in records.values()]
+        pending += [(r.epoch, r.start, r.end) for r in req.records if r.step <= req.applied_step]
+        left = self.shards.unconsumed(pending)
+        if left:
+            raise NotExhaustedError(f"worker {req.worker_id} says training is over, but {_samples_left(left)}")
+        rec.finished = True
+        for key, value in req.metrics.items():
+            if key in self.metrics or len(self.metrics) < MAX_METRICS:
+                self.metrics[key[:64]] = value
         # its records were flushed before it said so: it no longer holds finalization back
         # (a member that *fails* keeps holding it back until the next round settles its steps)
         self.progress.remove(req.worker_id)
@@ -348,6 +470,7 @@ class JobMaster:
             self._persist()
             self._on_change()
 
+    @journaled
     def scale(self, workers: int) -> int:
         if self.state is not JobState.RUNNING:
             raise BadRequestError(f"job is {self.state.value}; cannot scale")
@@ -365,12 +488,28 @@ class JobMaster:
 
     # ================================================================== periodic work
     def tick(self) -> None:
-        """Process exits, heartbeat leases, the planner's target, launches and the rendezvous."""
+        """Process exits, heartbeat leases, the planner's target, launches and the rendezvous.
+
+        While the journal is unavailable only the journal is probed; a journal write that fails
+        here pauses the job like one in a request.
+        """
         now = self.clock()
-        for ev in self.backend.poll_events():
+        if self.paused is not None:
+            self._retry_journal(now)
+            return
+        try:
+            self._reconcile(now)
+        except JournalUnavailableError as exc:
+            self._pause(str(exc))
+
+    def _reconcile(self, now: float) -> None:
+        self._exits.extend(self.backend.poll_events())
+        while self._exits:
+            ev = self._exits[0]  # dropped only once handled: a journal failure keeps it for the reload
             rec = self.workers.get(ev.worker_id)
             if rec is not None:
                 self._process_exited(rec, ev.exit_code)
+            self._exits.popleft()
         for rec in self._liveness_candidates(now):
             if (rec.state in (W.JOINED, W.WAITING, W.ACTIVE) and not rec.finished
                     and now - rec.last_seen > self.spec.heartbeat_timeout_s):
@@ -383,6 +522,9 @@ class JobMaster:
             if now >= self._next_straggler_check:
                 self._next_straggler_check = now + 0.5
                 self._detect_stragglers()
+            if now >= self._next_progress_check:
+                self._next_progress_check = now + 0.5
+                self._check_progress(now)
             if now >= self._next_plan_at:
                 self._next_plan_at = now + 1.0
                 self._apply_plan()
@@ -390,14 +532,55 @@ class JobMaster:
             self._maybe_start_reform()
             self._try_close_round()
         elif self.state is JobState.FINISHING and not self._alive_ids():
-            finished = any(r.state is W.SUCCEEDED and r.ever_active for r in self.workers.values())
-            if not finished:
-                self.error = "no worker finished its script"
-            self._set_state(JobState.SUCCEEDED if finished else JobState.FAILED)
+            self._settle()
         elif self.state is JobState.FAILED:
             alive = self._alive_ids()
             if alive:
                 self.backend.terminate(alive, "job-failed")
+
+    def _settle(self) -> None:
+        """FINISHING with no process left: SUCCEEDED only if nothing of the data is missing."""
+        if not any(r.state is W.SUCCEEDED and r.ever_active for r in self.workers.values()):
+            self.error = "no worker finished its script"
+        else:
+            self.error = self._data_problem()
+        self._set_state(JobState.FAILED if self.error else JobState.SUCCEEDED)
+
+    def _data_problem(self) -> str | None:
+        """Why the job's data is not wholly trained, or None: every shard of every epoch DONE and
+        the journal's ledger covering every epoch exactly once."""
+        left = self.shards.unconsumed()
+        if left:
+            return f"the workers finished, but {_samples_left(left)}"
+        cfg = self.shards.config
+        if cfg is None:
+            return None
+        epochs = cfg.epochs if cfg.epochs is not None else len(self.shards.counts())
+        audit = audit_ranges(((c.epoch, c.start, c.end) for c in self.journal.load_ledger()), cfg.size, epochs)
+        return None if audit.ok else f"the journal's ledger is not exactly once: {audit.summary()}"
+
+    def _check_progress(self, now: float) -> None:
+        """Liveness by progress, not only by heartbeat (a hung main thread still heartbeats)."""
+        if self.round < 0:
+            return
+        if self.reforming and now - self.reform_started > self.spec.round_timeout_s:
+            late = [self.workers[m] for m in self.members
+                    if self.workers[m].alive and m not in self.waiting]
+            for rec in late:
+                self._worker_failed(rec, None, f"did not reach the rendezvous {now - self.reform_started:.0f}s "
+                                               f"after the re-form began ({self.reform_cause})")
+                self.backend.terminate([rec.worker_id], f"late-{rec.worker_id}-{self.round}")
+            return
+        active = [self.workers[m] for m in self.members if self.workers[m].state is W.ACTIVE]
+        if len(active) < 2:
+            return
+        ahead = max(r.applied_step for r in active)
+        for rec in active:
+            stuck_for = now - rec.progressed_at
+            if rec.applied_step < ahead and stuck_for > self.spec.progress_timeout_s:
+                self._worker_failed(rec, None, f"applied no step for {stuck_for:.0f}s while its peers reached "
+                                               f"step {ahead}")
+                self.backend.terminate([rec.worker_id], f"stuck-{rec.worker_id}-{self.round}")
 
     def _liveness_candidates(self, now: float) -> list[WorkerRecord]:
         """Every worker, ten times a second: leases are seconds long, and with thousands of
@@ -424,30 +607,45 @@ class JobMaster:
             return
         self._next_launch_check = now + 0.1
         alive = [r for r in self.workers.values() if r.alive]
-        missing = self.target - len(alive)
+        missing = min(self.target - len(alive), LAUNCH_BATCH)
         if missing <= 0 or now < self._next_launch_at:
             return
+        taken = {r.slot for r in alive}
         specs = []
         for _ in range(missing):
             worker_id = self.next_worker_id
             self.next_worker_id += 1
-            rec = WorkerRecord(worker_id, W.LAUNCHING, launched_at=now, last_seen=now)
+            slot = self._free_slot(taken)
+            taken.add(slot)
+            rec = WorkerRecord(worker_id, W.LAUNCHING, launched_at=now, last_seen=now, slot=slot)
             rec.history.append((now, W.LAUNCHING.value))
             self.workers[worker_id] = rec
             specs.append(self._worker_spec(worker_id))
+        # journal first: a process the journal does not know would be an orphan after a reload
+        self._persist()
         self._launch_seq += 1
-        errors = self.backend.launch(specs, f"{self.spec.job_id}-launch-{self._launch_seq}")
-        failed_ids = {e.worker_id for e in errors}
+        errors = {e.worker_id: e for e in self.backend.launch(specs, f"{self.spec.job_id}-launch-{self._launch_seq}")}
         pids = self.backend.pids()
         for spec in specs:
             rec = self.workers[spec.worker_id]
-            if spec.worker_id in failed_ids:
-                msg = next(e.message for e in errors if e.worker_id == spec.worker_id)
-                self._worker_failed(rec, None, msg)
+            error = errors.get(spec.worker_id)
+            if error is not None:
+                # out of descriptors, processes or disk is the machine's fault, not the script's
+                self._worker_failed(rec, None, error.message, counts=not error.retryable)
                 continue
             rec.pid, rec.create_time = pids.get(spec.worker_id, (0, None))
             self._event("launch", f"launched worker {spec.worker_id} (pid {rec.pid})", worker=spec.worker_id)
         self._persist()
+
+    def _free_slot(self, taken: set[int]) -> int:
+        """The slot a new worker fills: a vacant one that saw start failures first (so its count
+        goes on), else the lowest vacant one, else a new one."""
+        vacant = [s for s in self.slot_failures if s not in taken]
+        if vacant:
+            return min(vacant, key=lambda s: (-self.slot_failures[s], s))
+        slot = max([*self.slot_failures, *taken], default=-1) + 1
+        self.slot_failures[slot] = 0
+        return slot
 
     def _worker_spec(self, worker_id: int) -> WorkerSpec:
         env = {
@@ -472,8 +670,12 @@ class JobMaster:
         elif newcomers and len(members) < self.target:
             self._start_reform(f"scale-out to {min(self.target, len(members) + len(newcomers))}")
 
-    def _start_reform(self, cause: str) -> None:
+    def _start_reform(self, cause: str, keep_start: bool = False) -> None:
+        """``keep_start``: a failure during a re-form restarts it with its own cause, but the
+        round deadline still counts from the re-form's first start."""
         if not self.reforming:
+            if not keep_start or not self.reform_started:
+                self.reform_started = self.clock()
             self.reforming = True
             self.reform_cause = cause
             log.info("job %s: re-forming round %d: %s", self.spec.job_id, self.round, cause)
@@ -547,15 +749,20 @@ class JobMaster:
         self.round = prev_round + 1
         cause = self.reform_cause or ("start" if prev_round < 0 else "re-form")
         self.round_causes[self.round] = cause
+        self.round_causes.pop(self.round - MAX_PAUSES, None)  # a pause reported that late is not kept
         self.members = chosen
         self.reforming = False
         self.reform_cause = ""
+        self.reform_started = 0.0
         self.assignments = {}
         source_rank = chosen.index(source)
         for rank, w in enumerate(chosen):
             rec = self.workers[w]
             rec.rank = rank
             rec.move(W.ACTIVE, now)
+            rec.progressed_at = now
+            if self.slot_failures.get(rec.slot):
+                self.slot_failures[rec.slot] = 0  # it trains: its slot's start failures are over
             self.assignments[w] = RendezvousResponse(
                 status="ready", round=self.round, rank=rank, world_size=len(chosen),
                 store_host=self.spec.host, store_port=self.store_port, source_rank=source_rank,
@@ -615,8 +822,11 @@ class JobMaster:
                 for rec in self.workers.values():
                     self.journal.save_worker(rec.worker_id, rec.to_row())
         if self._ledger and committed:
-            self._ledger.write("".join(_ledger_line(c) for c in committed))
-            self._ledger.flush()
+            try:
+                self._ledger.write("".join(_ledger_line(c) for c in committed))
+                self._ledger.flush()
+            except OSError as exc:  # the journal has the rows: the ledger is rewritten from it on reload
+                raise JournalUnavailableError(f"cannot write ledger {self.spec.ledger_path}: {exc.strerror}") from exc
 
     # ================================================================== failures
     def _process_exited(self, rec: WorkerRecord, code: int | None) -> None:
@@ -638,7 +848,9 @@ class JobMaster:
             return
         self._worker_failed(rec, code, f"exited with code {code}" if code is not None else "process gone")
 
-    def _worker_failed(self, rec: WorkerRecord, code: int | None, why: str) -> None:
+    def _worker_failed(self, rec: WorkerRecord, code: int | None, why: str, counts: bool = True) -> None:
+        """``counts``: the failure counts towards ``max_restarts`` and the crash-loop rule (not
+        when the machine, not the script, was at fault: a launch refused for lack of resources)."""
         now = self.clock()
         if not rec.alive:
             return
@@ -649,25 +861,45 @@ class JobMaster:
         self.waiting_since.pop(rec.worker_id, None)
         self._event("failure", f"worker {rec.worker_id} failed: {why}", worker=rec.worker_id)
         log.warning("job %s: worker %d failed: %s", self.spec.job_id, rec.worker_id, why)
+        if self.state is JobState.FINISHING and rec.ever_active:
+            # a worker that trained and then failed while finishing (a full checkpoint dir, a
+            # crash in the final evaluation): its script did not succeed, so neither did the job
+            tail = self._log_tail(rec.worker_id)
+            self._fail_job(f"worker {rec.worker_id} {why} while the job was finishing{': ' + tail if tail else ''}")
+            return
         if self.state is not JobState.RUNNING:
             self._persist_worker(rec)
             return
-        self.restarts += 1
-        if not rec.ever_active:
-            self.start_failures += 1
-            self._next_launch_at = now + min(5.0, 0.5 * 2 ** self.start_failures)
+        failures = 0
+        if counts:
+            self.restarts += 1
+            if not rec.ever_active:
+                failures = self.slot_failures[rec.slot] = self.slot_failures.get(rec.slot, 0) + 1
+                self._next_launch_at = now + min(5.0, 0.5 * 2 ** failures)
+        else:
+            self._next_launch_at = now + 1.0
         if was_member:
             self.reforming = False  # restart the reform with the cause that matters
-            self._start_reform(f"worker {rec.worker_id} failed")
-        if self.start_failures >= self.spec.crash_loop_limit:
+            self._start_reform(f"worker {rec.worker_id} failed", keep_start=True)
+        if failures >= self.spec.crash_loop_limit:
             tail = self._log_tail(rec.worker_id)
             self._fail_job(
-                f"worker script crashed {self.start_failures} times before training "
+                f"worker script crashed {failures} times in a row before training "
                 f"(last exit code {rec.exit_code}){': ' + tail if tail else ''}"
             )
         elif self.restarts > self.spec.max_restarts:
             self._fail_job(f"more than {self.spec.max_restarts} worker failures")
         self._persist()
+
+    def interrupt(self) -> None:
+        """Ctrl-C or SIGTERM of the master: fail the job and stop its workers (they run in
+        sessions of their own), even when the journal cannot record it any more."""
+        try:
+            self._fail_job("interrupted")
+        except JournalUnavailableError as exc:
+            log.error("job %s: interrupted; the journal did not take it: %s", self.spec.job_id, exc)
+            self.backend.terminate(self._alive_ids(), "interrupted")
+        self.paused = None  # the reconcile loop must see the exits now, not probe the journal
 
     def _fail_job(self, message: str) -> None:
         self.error = message
@@ -760,6 +992,7 @@ class JobMaster:
             events=list(self.events)[-50:],
             metrics=dict(self.metrics),
             error=self.error,
+            paused=self.paused,
         )
 
     def _record_pause(self, round_: int, seconds: float) -> None:
@@ -771,6 +1004,8 @@ class JobMaster:
                        seconds=round(seconds, 4), cause=cause)
             self.pause_events[round_] = ev
             self.events.append(ev)
+            while len(self.pause_events) > MAX_PAUSES:
+                self.pause_events.pop(min(self.pause_events))
         elif ev.seconds is not None and seconds > ev.seconds:
             ev.seconds = round(seconds, 4)
             ev.message = f"training paused {seconds:.3f}s ({cause})"
@@ -807,9 +1042,10 @@ class JobMaster:
             "finalized_step": self.finalized_step, "target": self.target,
             "target_override": self.target_override, "next_worker_id": self.next_worker_id,
             "restarts": self.restarts, "error": self.error,
+            "slot_failures": {str(k): v for k, v in self.slot_failures.items()},
             "dataset": None if cfg is None else {
                 "size": cfg.size, "batch_size": cfg.batch_size, "batches_per_shard": cfg.batches_per_shard,
-                "shuffle": cfg.shuffle, "seed": cfg.seed,
+                "shuffle": cfg.shuffle, "seed": cfg.seed, "epochs": cfg.epochs,
             },
         })
 
@@ -821,6 +1057,11 @@ class JobMaster:
 
     def _persist_worker(self, rec: WorkerRecord) -> None:
         self.journal.save_worker(rec.worker_id, rec.to_row())
+
+
+def _samples_left(left: dict[int, int]) -> str:
+    parts = ", ".join(f"epoch {e}: {n}" for e, n in sorted(left.items())[:4])
+    return f"{sum(left.values())} samples were never trained ({parts}{', ...' if len(left) > 4 else ''})"
 
 
 def _ledger_line(c: CommittedRange) -> str:

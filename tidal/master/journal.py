@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sqlite3
 import sys
 import threading
@@ -21,13 +22,18 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tidal.api import ConfigError
+from tidal.master.api import JournalUnavailableError
 from tidal.master.shards import CommittedRange, ShardEntry, ShardState
 
 log = logging.getLogger(__name__)
 
 
 class Journal(Protocol):
-    """Durable master state. Writes inside ``transaction()`` become visible together."""
+    """Durable master state. Writes inside ``transaction()`` become visible together.
+
+    Every write raises ``JournalUnavailableError`` (and keeps nothing of the transaction) when
+    the storage refuses it, e.g. a full disk; the master then pauses the job.
+    """
 
     def transaction(self) -> Any:
         """Context manager grouping writes; on exception nothing of them is kept."""
@@ -149,6 +155,11 @@ class SqliteJournal:
         if not create and not path.is_file():
             raise ConfigError(f"journal {path} does not exist")
         try:
+            if create:
+                # The journal holds the job spec and so its bearer token: readable by the user only.
+                # SQLite creates -wal and -shm with the mode of the database file, so the file must
+                # exist with 0600 before sqlite opens it (umask can only take bits away).
+                os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
             self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
@@ -162,6 +173,8 @@ class SqliteJournal:
                     "it was written by another version of tidal; resume it with that version"
                 )
             checkpointer = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+        except OSError as exc:
+            raise ConfigError(f"cannot open journal {path}: {exc.strerror}") from exc
         except sqlite3.Error as exc:
             raise ConfigError(f"cannot open journal {path}: {exc}") from exc
         self._depth = 0
@@ -181,20 +194,26 @@ class SqliteJournal:
             finally:
                 self._depth -= 1
             return
-        self._db.execute("BEGIN")
+        with _unavailable_on_error():
+            self._db.execute("BEGIN")
         self._depth = 1
         try:
-            yield
+            with _unavailable_on_error():
+                yield
+                self._db.execute("COMMIT")
         except BaseException:
-            self._db.execute("ROLLBACK")
+            if self._db.in_transaction:
+                try:
+                    self._db.execute("ROLLBACK")
+                except sqlite3.Error as exc:  # SQLite may have rolled back itself (SQLITE_FULL)
+                    log.debug("journal rollback: %s", exc)
             raise
-        else:
-            self._db.execute("COMMIT")
         finally:
             self._depth = 0
 
     def put_meta(self, key: str, value: Any) -> None:
-        self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, json.dumps(value)))
+        with _unavailable_on_error():
+            self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, json.dumps(value)))
 
     def get_meta(self, key: str, default: Any = None) -> Any:
         row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
@@ -202,10 +221,11 @@ class SqliteJournal:
 
     def save_shards(self, entries: list[ShardEntry]) -> None:
         if entries:
-            self._db.executemany(
-                "INSERT OR REPLACE INTO shards VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                [_shard_row(e) for e in entries],
-            )
+            with _unavailable_on_error():
+                self._db.executemany(
+                    "INSERT OR REPLACE INTO shards VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    [_shard_row(e) for e in entries],
+                )
 
     def load_shards(self) -> list[ShardEntry]:
         rows = self._db.execute("SELECT epoch, start, \"end\", done_to, state, worker, batch_size, ord FROM shards")
@@ -218,7 +238,8 @@ class SqliteJournal:
             packed = array("q", [x for r in rows for x in r])
             if sys.byteorder != "little":
                 packed.byteswap()
-            self._db.execute("INSERT INTO ledger (ranges) VALUES (?)", (packed.tobytes(),))
+            with _unavailable_on_error():
+                self._db.execute("INSERT INTO ledger (ranges) VALUES (?)", (packed.tobytes(),))
 
     def load_ledger(self) -> list[CommittedRange]:
         out: list[CommittedRange] = []
@@ -233,7 +254,8 @@ class SqliteJournal:
         return out
 
     def save_worker(self, worker_id: int, row: dict[str, Any]) -> None:
-        self._db.execute("INSERT OR REPLACE INTO workers VALUES (?, ?)", (worker_id, json.dumps(row)))
+        with _unavailable_on_error():
+            self._db.execute("INSERT OR REPLACE INTO workers VALUES (?, ?)", (worker_id, json.dumps(row)))
 
     def load_workers(self) -> dict[int, dict[str, Any]]:
         return {int(i): json.loads(r) for i, r in self._db.execute("SELECT id, row FROM workers")}
@@ -242,6 +264,15 @@ class SqliteJournal:
         self._stop.set()
         self._checkpointer.join()
         self._db.close()
+
+
+@contextmanager
+def _unavailable_on_error() -> Iterator[None]:
+    """A refused write (disk full, I/O error, read-only file) as the master's retryable error."""
+    try:
+        yield
+    except sqlite3.Error as exc:
+        raise JournalUnavailableError(f"cannot write the journal: {exc}") from exc
 
 
 def _checkpoint_loop(db: sqlite3.Connection, stop: threading.Event, every_s: float) -> None:

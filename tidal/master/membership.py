@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,7 @@ ALLOWED_TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
 
 ALIVE = frozenset({W.LAUNCHING, W.JOINED, W.WAITING, W.ACTIVE})
 REGISTERED = frozenset({W.JOINED, W.WAITING, W.ACTIVE})
+HISTORY = 64
 
 
 @dataclass
@@ -41,7 +43,10 @@ class WorkerRecord:
     exit_code: int | None = None
     ever_active: bool = False
     finished: bool = False  # its training loop ended: exiting, no heartbeats expected
-    history: list[tuple[float, str]] = field(default_factory=list)
+    slot: int = 0  # the place it fills: a replacement takes over a failed worker's slot
+    progressed_at: float = 0.0  # when its applied step last grew (liveness by progress)
+    # the latest transitions (a worker moves ACTIVE <-> WAITING every round: bounded)
+    history: deque[tuple[float, str]] = field(default_factory=lambda: deque(maxlen=HISTORY))
 
     def move(self, new: WorkerState, now: float) -> bool:
         """Apply a transition; returns False (and changes nothing) if the table forbids it."""
@@ -63,7 +68,7 @@ class WorkerRecord:
         return {
             "state": self.state.value, "launched_at": self.launched_at, "pid": self.pid,
             "create_time": self.create_time, "rank": self.rank, "applied_step": self.applied_step,
-            "exit_code": self.exit_code, "ever_active": self.ever_active,
+            "exit_code": self.exit_code, "ever_active": self.ever_active, "slot": self.slot,
         }
 
     @classmethod
@@ -72,4 +77,5 @@ class WorkerRecord:
             worker_id=worker_id, state=WorkerState(row["state"]), launched_at=row["launched_at"],
             pid=row["pid"], create_time=row["create_time"], rank=row["rank"],
             applied_step=row["applied_step"], exit_code=row["exit_code"], ever_active=row["ever_active"],
+            slot=row.get("slot", worker_id),
         )

@@ -76,6 +76,7 @@ class DatasetConfig:
     batches_per_shard: int
     shuffle: bool
     seed: int
+    epochs: int | None = None  # how many epochs the job trains (None: a client that did not say)
 
     @property
     def shard_size(self) -> int:
@@ -250,6 +251,39 @@ class ShardManager:
                 done_samples += entry.done_to - entry.start
             total = self.config.size if self.config else 0
             out.append((number, by_state[ShardState.TODO], by_state[ShardState.DOING], by_state[ShardState.DONE], done_samples, total))
+        return out
+
+    def unconsumed(self, extra: Iterable[tuple[int, int, int]] = ()) -> dict[int, int]:
+        """Samples not yet committed, per epoch that has any (DESIGN.md 4, "No false success").
+
+        Every epoch the dataset declares counts (one nobody leased yet is wholly unconsumed);
+        ``extra`` are ``(epoch, start, end)`` ranges to count as committed on top (a finishing
+        worker's records of steps the master has not finalized yet), used only if they continue
+        a shard's committed prefix, as a commit would.
+        """
+        if self.config is None:
+            return {}
+        more: dict[int, dict[int, int]] = {}
+        for epoch, start, end in extra:
+            if end > start:
+                more.setdefault(epoch, {})[start] = max(end, more.get(epoch, {}).get(start, end))
+        last = max(self._epochs, default=-1) + 1
+        epochs = self.config.epochs if self.config.epochs is not None else last
+        out: dict[int, int] = {}
+        for number in range(max(epochs, last)):
+            table = self._epochs.get(number)
+            if table is None:
+                out[number] = self.config.size
+                continue
+            ranges = more.get(number, {})
+            left = 0
+            for entry in table.shards.values():
+                pos = entry.done_to
+                while pos < entry.end and pos in ranges:
+                    pos = min(ranges[pos], entry.end)
+                left += entry.end - pos
+            if left:
+                out[number] = left
         return out
 
     def entries(self) -> list[ShardEntry]:

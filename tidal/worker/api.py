@@ -23,6 +23,10 @@ class WorkerGoneError(WorkerError, PermanentError):
     """The master declared this worker failed or finished; the process must exit."""
 
 
+class FinishRefusedError(WorkerError, PermanentError):
+    """The master refused ``finish``: by its ledger, samples of the job were never trained."""
+
+
 class UsageError(WorkerError, PermanentError):
     """The training script used the API out of order (e.g. iterated before creating the state)."""
 

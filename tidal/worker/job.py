@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from tidal.api import (
+    MAX_RECORDS_PER_REQUEST,
     FinishRequest,
     JoinRequest,
     JoinResponse,
@@ -40,7 +41,7 @@ from tidal.api import (
     StepRecord,
     TidalError,
 )
-from tidal.worker.api import CollectiveError, UsageError, WorkerGoneError
+from tidal.worker.api import CollectiveError, FinishRefusedError, UsageError, WorkerGoneError
 from tidal.worker.checkpoint import save_checkpoint
 from tidal.worker.client import MasterClient
 from tidal.worker.comm import END, EPOCH, REFORM, START, WORKER, N, RoundComm
@@ -170,13 +171,29 @@ class Job:
         return self._reduce_and_apply(state, pending) == "applied"
 
     def finish(self, **metrics: float) -> None:
-        """Tell the master training is over; ``metrics`` (e.g. ``auc=0.79``) go into its summary."""
+        """Tell the master training is over; ``metrics`` (e.g. ``auc=0.79``) go into its summary.
+
+        The order matters (DESIGN.md 4, "No false success"): the last steps' records first, then
+        the final checkpoint (a failure to write it raises here, and the job fails), then the
+        finish, which the master accepts only if it agrees that no sample is left.
+
+        Raises:
+            tidal.worker.api.FinishRefusedError: the master knows samples that were not trained.
+            OSError: the final checkpoint could not be written.
+        """
+        if self.client is not None:
+            self._flush_reports()
         if self.checkpoint_dir and self.rank == 0 and self._state is not None and self._state.applied_step >= 0:
             self.checkpoint()
         if self.client is not None:
-            self._flush_reports()  # the last steps' records, before anything else
-            self.client.post_raw("/v1/finish", FinishRequest(worker_id=self.worker_id,
-                                                             metrics={k: float(v) for k, v in metrics.items()}))
+            with self._lock:
+                held = [r for step in sorted(self._records) if step > self._acked for r in self._records[step]]
+            req = FinishRequest(worker_id=self.worker_id, metrics={k: float(v) for k, v in metrics.items()},
+                                applied_step=self.applied_step, records=held[-MAX_RECORDS_PER_REQUEST:])
+            try:
+                self.client.post_raw("/v1/finish", req)
+            except StaleRoundError as exc:  # 409: the master's ledger says the data is not exhausted
+                raise FinishRefusedError(f"the master refused to finish the job: {exc}") from None
         self._leave_round()
 
     def close(self) -> None:
@@ -435,10 +452,11 @@ class Job:
             self._acked = max(self._acked, a.applied_step)
             self._unsent = []
             self._records.clear()
+        assert self.client is not None
         self._comm = RoundComm.connect(
-            host=a.store_host, port=a.store_port, prefix=f"tidal/{self.job_id}/round{a.round}/",
-            rank=a.rank, world_size=a.world_size, backend=self.backend, device=self.device,
-            timeout_s=self.collective_timeout_s,
+            url=self.client.url, token=os.environ.get("TIDAL_TOKEN", ""),
+            prefix=f"tidal/{self.job_id}/round{a.round}/", rank=a.rank, world_size=a.world_size,
+            backend=self.backend, device=self.device, timeout_s=self.collective_timeout_s,
         )
         self.rank, self.world_size = a.rank, a.world_size
         if a.sync_state:

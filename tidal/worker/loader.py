@@ -143,7 +143,8 @@ class ElasticDataLoader:
         if job.client is None:
             return
         req = DatasetRequest(worker_id=job.worker_id, round=job.round, dataset_size=self.size,
-                             batch_size=self.batch_size, batches_per_shard=1, shuffle=self.shuffle, seed=self.seed)
+                             batch_size=self.batch_size, batches_per_shard=1, shuffle=self.shuffle, seed=self.seed,
+                             epochs=self.epochs)
         try:
             job.client.post_raw("/v1/dataset", req)
         except StaleRoundError:
@@ -209,7 +210,7 @@ class ElasticDataLoader:
             return Shard(epoch=epoch, start=start, end=min(start + shard_size, self.size), batch_size=self.batch_size)
         req = LeaseRequest(worker_id=job.worker_id, round=job.round, epoch=epoch, dataset_size=self.size,
                            batch_size=self.batch_size, batches_per_shard=self.batches_per_shard,
-                           shuffle=self.shuffle, seed=self.seed)
+                           shuffle=self.shuffle, seed=self.seed, epochs=self.epochs)
         resp = job.client.post("/v1/shards/lease", req, LeaseResponse)
         return resp.shard if resp.status == "ok" else None
 
