@@ -532,3 +532,13 @@ def test_random_schedules_commit_every_sample_exactly_once(seed: int) -> None:
 def test_exactly_once_property(seed: int, size: int, batch: int, per_shard: int, shuffle: bool, workers: int,
                                epochs: int) -> None:
     _run_random_schedule(seed, size, batch, per_shard, shuffle, workers, epochs, steps=150)
+
+
+def test_unconsumed_counts_pending_ranges_of_an_epoch_nobody_leased() -> None:
+    # logical workers commit without leasing: the first finish may come before any epoch table
+    m = ShardManager()
+    m.configure(DatasetConfig(100, 10, 1, True, 3, epochs=2))
+    everything = [(e, s, s + 10) for e in range(2) for s in range(0, 100, 10)]
+    assert m.unconsumed() == {0: 100, 1: 100}
+    assert m.unconsumed(everything) == {}
+    assert m.unconsumed(everything[:-1]) == {1: 10}

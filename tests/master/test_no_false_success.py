@@ -313,3 +313,24 @@ def test_pause_records_and_metrics_stay_bounded(tmp_path: Path) -> None:
         except NotExhaustedError:
             pass
     assert len(master.metrics) <= 256
+
+
+def test_the_round_deadline_allows_a_slow_worker_three_of_its_own_steps(tmp_path: Path) -> None:
+    master, clock, backend = make_master(tmp_path, "1:2", round_timeout_s=10.0, heartbeat_timeout_s=60.0)
+    master.tick()
+    form_round(master, [0, 1])
+    for step in range(3):  # a large model: 40 s a step
+        clock.now += 40.0
+        for w in (0, 1):
+            master.report(ReportRequest(worker_id=w, round=0, applied_step=step))
+    master.rendezvous(RendezvousRequest(worker_id=0, after_round=0, applied_step=2))  # its collective broke
+    clock.now += 30.0
+    master.report(ReportRequest(worker_id=1, round=0, applied_step=2))
+    master.rendezvous(RendezvousRequest(worker_id=0, after_round=0, applied_step=2))
+    master.tick()
+    assert master.workers[1].state is WorkerState.ACTIVE  # still inside its step: 30 s < 3 x 40 s
+    clock.now += 100.0
+    master.report(ReportRequest(worker_id=1, round=0, applied_step=2))
+    master.rendezvous(RendezvousRequest(worker_id=0, after_round=0, applied_step=2))
+    master.tick()
+    assert master.workers[1].state is WorkerState.FAILED and backend.terminated == [1]

@@ -390,9 +390,7 @@ class JobMaster:
         if req.compute_s_per_sample > 0:
             rec.compute_s_per_sample = req.compute_s_per_sample
         if req.round == self.round and self.is_member(req.worker_id) and rec.state in (W.ACTIVE, W.WAITING):
-            if req.applied_step > rec.applied_step:
-                rec.applied_step = req.applied_step
-                rec.progressed_at = now
+            rec.progressed(req.applied_step, now)
             for r in req.records:
                 if r.worker != req.worker_id:
                     raise BadRequestError("a report may only carry the worker's own records")
@@ -563,9 +561,10 @@ class JobMaster:
         """Liveness by progress, not only by heartbeat (a hung main thread still heartbeats)."""
         if self.round < 0:
             return
-        if self.reforming and now - self.reform_started > self.spec.round_timeout_s:
-            late = [self.workers[m] for m in self.members
-                    if self.workers[m].alive and m not in self.waiting]
+        if self.reforming:
+            waited = now - self.reform_started
+            late = [self.workers[m] for m in self.members if self.workers[m].alive and m not in self.waiting
+                    and waited > self.workers[m].allowance(self.spec.round_timeout_s)]
             for rec in late:
                 self._worker_failed(rec, None, f"did not reach the rendezvous {now - self.reform_started:.0f}s "
                                                f"after the re-form began ({self.reform_cause})")
@@ -577,7 +576,7 @@ class JobMaster:
         ahead = max(r.applied_step for r in active)
         for rec in active:
             stuck_for = now - rec.progressed_at
-            if rec.applied_step < ahead and stuck_for > self.spec.progress_timeout_s:
+            if rec.applied_step < ahead and stuck_for > rec.allowance(self.spec.progress_timeout_s):
                 self._worker_failed(rec, None, f"applied no step for {stuck_for:.0f}s while its peers reached "
                                                f"step {ahead}")
                 self.backend.terminate([rec.worker_id], f"stuck-{rec.worker_id}-{self.round}")

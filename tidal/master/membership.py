@@ -45,6 +45,7 @@ class WorkerRecord:
     finished: bool = False  # its training loop ended: exiting, no heartbeats expected
     slot: int = 0  # the place it fills: a replacement takes over a failed worker's slot
     progressed_at: float = 0.0  # when its applied step last grew (liveness by progress)
+    step_s: float = 0.0  # seconds per step it has shown (a running mean; 0: not measured yet)
     # the latest transitions (a worker moves ACTIVE <-> WAITING every round: bounded)
     history: deque[tuple[float, str]] = field(default_factory=lambda: deque(maxlen=HISTORY))
 
@@ -59,6 +60,22 @@ class WorkerRecord:
         if new is W.ACTIVE:
             self.ever_active = True
         return True
+
+    def progressed(self, step: int, now: float) -> None:
+        """It reports ``step`` applied: note when, and how long its steps take."""
+        if step <= self.applied_step:
+            return
+        if self.applied_step >= 0 and self.progressed_at:
+            per_step = (now - self.progressed_at) / (step - self.applied_step)
+            self.step_s = per_step if not self.step_s else 0.8 * self.step_s + 0.2 * per_step
+        self.applied_step = step
+        self.progressed_at = now
+
+    def allowance(self, timeout_s: float) -> float:
+        """How long it may go without arriving or progressing: the job's timeout, or three of its
+        own steps where those are longer (a step of a large model can take minutes; a hang is
+        judged against the worker's own pace)."""
+        return max(timeout_s, 3 * self.step_s)
 
     @property
     def alive(self) -> bool:

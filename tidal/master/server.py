@@ -25,7 +25,7 @@ import uvicorn
 from tidal.api import ConfigError, JobState
 from tidal.backends import get as get_backend
 from tidal.brain import planners
-from tidal.master.api import JobSpec
+from tidal.master.api import JobSpec, JournalUnavailableError
 from tidal.master.connections import (
     KEEP_ALIVE_S,
     ConnectionGuard,
@@ -102,11 +102,16 @@ def run_master(
         spec, journal, backend, planners.get(spec.planner), time.time, spec.port,
         on_change=lambda: notifier_box[0].notify() if notifier_box else None,
     )
-    if resume:
-        master.resume()
-    else:
-        master.start()
-    write_job_file(spec, journal_path)
+    try:
+        if resume:
+            master.resume()
+        else:
+            master.start()
+        write_job_file(spec, journal_path)
+    except (JournalUnavailableError, OSError) as exc:  # e.g. resumed while the disk is still full
+        journal.close()
+        sock.close()
+        raise ConfigError(f"cannot start the master: {exc}") from None
     follower = LogFollower(Path(spec.job_dir) / "logs", out) if follow_logs else None
 
     async def main() -> int:

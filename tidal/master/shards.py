@@ -271,11 +271,13 @@ class ShardManager:
         epochs = self.config.epochs if self.config.epochs is not None else last
         out: dict[int, int] = {}
         for number in range(max(epochs, last)):
-            table = self._epochs.get(number)
-            if table is None:
+            ranges = more.get(number, {})
+            if number not in self._epochs and not ranges:
                 out[number] = self.config.size
                 continue
-            ranges = more.get(number, {})
+            # an epoch nobody leased yet (logical workers commit without leasing): its table is
+            # a pure function of the dataset, built here to place the ranges on its shards
+            table = self._epoch(number)
             left = 0
             for entry in table.shards.values():
                 pos = entry.done_to
