@@ -133,6 +133,12 @@ class Job:
                 pass
 
 
+def example_args(samples: int, epochs: int, batch: int = 256, sleep: float = 0.0, *extra: str) -> list[str]:
+    """Arguments of examples/ctr/train.py: a small job, no progress lines."""
+    return ["--samples", str(samples), "--epochs", str(epochs), "--batch-size", str(batch),
+            "--step-sleep", str(sleep), "--log-every", "0", *extra]
+
+
 def wait_for(pred: Callable[[], bool], timeout: float, what: str, job: Job | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -45,14 +44,6 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     return fingerprint(ckpt)
-
-
-@pytest.fixture
-def jobs() -> Iterator[list[Job]]:
-    started: list[Job] = []
-    yield started
-    for job in started:
-        job.kill_all()
 
 
 def run_job(tmp_path: Path, jobs: list[Job], workers: str, extra: list[str] | None = None,

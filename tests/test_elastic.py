@@ -13,27 +13,13 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.jobtools import EXAMPLE, Job, alive, wait_for
+from tests.jobtools import EXAMPLE, Job, alive, example_args, wait_for
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def jobs(tmp_path: Path) -> Iterator[list[Job]]:
-    started: list[Job] = []
-    yield started
-    for job in started:
-        job.kill_all()
-
-
-def example_args(samples: int, epochs: int, batch: int = 256, sleep: float = 0.0, *extra: str) -> list[str]:
-    return ["--samples", str(samples), "--epochs", str(epochs), "--batch-size", str(batch),
-            "--step-sleep", str(sleep), "--log-every", "0", *extra]
 
 
 def test_exactly_once_under_random_sigkills(tmp_path: Path, jobs: list[Job]) -> None:

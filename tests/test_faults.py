@@ -17,17 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.jobtools import Job, alive, wait_for
+from tests.jobtools import Job, alive, example_args, wait_for
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def jobs() -> Iterator[list[Job]]:
-    started: list[Job] = []
-    yield started
-    for job in started:
-        job.kill_all()
 
 
 @pytest.fixture
@@ -69,11 +61,6 @@ def fill(directory: Path) -> Path:
         except OSError:
             pass
     return filler
-
-
-def example_args(samples: int, epochs: int, batch: int = 256, sleep: float = 0.0, *extra: str) -> list[str]:
-    return ["--samples", str(samples), "--epochs", str(epochs), "--batch-size", str(batch),
-            "--step-sleep", str(sleep), "--log-every", "0", *extra]
 
 
 def post(job: Job, path: str, body: dict) -> httpx.Response:

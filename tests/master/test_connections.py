@@ -22,7 +22,6 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -30,7 +29,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.jobtools import EXAMPLE, ROOT, Job, wait_for
+from tests.jobtools import EXAMPLE, ROOT, Job, example_args, wait_for
 from tidal.backends.api import WorkerSpec
 from tidal.backends.local import LocalBackend
 from tidal.master.connections import (
@@ -81,14 +80,6 @@ class LimitedJob(Job):
 
     def auth(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.info()['token']}"}
-
-
-@pytest.fixture
-def jobs() -> Iterator[list[Job]]:
-    started: list[Job] = []
-    yield started
-    for job in started:
-        job.kill_all()
 
 
 def connect_idle(addr: tuple[str, int]) -> socket.socket:
@@ -174,11 +165,6 @@ def test_idle_connections_are_capped_and_closed(tmp_path: Path, jobs: list[Job])
         close_all(flood)
     assert job.proc.poll() is None, job.output()[-3000:]
     assert len(job.output()) < 100_000
-
-
-def example_args(samples: int, epochs: int, batch: int, sleep: float) -> list[str]:
-    return ["--samples", str(samples), "--epochs", str(epochs), "--batch-size", str(batch),
-            "--step-sleep", str(sleep), "--log-every", "0"]
 
 
 @pytest.mark.slow

@@ -55,6 +55,16 @@ class RefusingJournal(MemoryJournal):
             raise JournalUnavailableError("cannot write the journal: database or disk is full")
 
 
+def with_refusing_journal(master: JobMaster) -> RefusingJournal:
+    """Put a RefusingJournal under ``master`` and form round 0 with worker 0."""
+    journal = RefusingJournal()
+    master.journal = journal
+    master.start()
+    master.tick()
+    form_round(master, [0])
+    return journal
+
+
 def lease(master: JobMaster, w: int, epoch: int = 0) -> tuple[int, int] | None:
     resp = master.lease(LeaseRequest(worker_id=w, round=master.round, epoch=epoch, dataset_size=SIZE,
                                      batch_size=BATCH, batches_per_shard=PER_SHARD, shuffle=False, epochs=1))
@@ -85,11 +95,7 @@ def report_all(master: JobMaster, workers: list[int], records: list[StepRecord])
 
 def test_a_refused_journal_write_pauses_the_job_and_rolls_back(tmp_path: Path) -> None:
     master, clock, backend = make_master(tmp_path, "1:1")
-    journal = RefusingJournal()
-    master.journal = journal
-    master.start()
-    master.tick()
-    form_round(master, [0])
+    journal = with_refusing_journal(master)
     first = lease(master, 0)
     journal.full = True
     with pytest.raises(JournalUnavailableError):
@@ -115,11 +121,7 @@ def test_a_refused_journal_write_pauses_the_job_and_rolls_back(tmp_path: Path) -
 
 def test_commits_refused_by_the_journal_are_resent_after_the_reload(tmp_path: Path) -> None:
     master, clock, _ = make_master(tmp_path, "1:1")
-    journal = RefusingJournal()
-    master.journal = journal
-    master.start()
-    master.tick()
-    form_round(master, [0])
+    journal = with_refusing_journal(master)
     records = train_all(master, [0])
     journal.full = True
     with pytest.raises(JournalUnavailableError):
@@ -137,11 +139,7 @@ def test_commits_refused_by_the_journal_are_resent_after_the_reload(tmp_path: Pa
 
 def test_a_journal_gone_for_good_fails_the_job_with_the_reason(tmp_path: Path) -> None:
     master, clock, backend = make_master(tmp_path, "1:1", journal_patience_s=30.0)
-    journal = RefusingJournal()
-    master.journal = journal
-    master.start()
-    master.tick()
-    form_round(master, [0])
+    journal = with_refusing_journal(master)
     journal.full = True
     with pytest.raises(JournalUnavailableError):
         lease(master, 0)
