@@ -57,10 +57,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--samples", type=int, default=40_000)
+    p.add_argument("--samples", type=int, default=80_000)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--workers", type=int, default=3)
-    p.add_argument("--step-sleep", type=float, default=0.03, help="seconds per step on top of compute")
+    p.add_argument("--step-sleep", type=float, default=0.06, help="seconds per step on top of compute")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a run may take")
     p.add_argument("--work", type=Path, default=None, help="where runs keep their files (default: a temp dir)")
     args = p.parse_args()
@@ -98,8 +98,7 @@ def one_run(index: int, rng: random.Random, directory: Path, args: argparse.Name
     schedule.append((rng.uniform(2, 14), "disk"))
     schedule.sort()
     hang_worker = rng.randrange(args.workers)
-    hang_step = rng.randint(60, 240)
-    run.faults = [name for _, name in schedule] + [f"hang@{hang_step}"]
+    hang_step = rng.randint(30, 180)  # a job of 208 steps at the defaults
     argv = [TIDAL, "run", "-q", "--workers", f"{args.workers}:{args.workers}", "--job-dir", str(job_dir),
             "--ledger", str(ledger), "--collective-timeout", "3", "--round-timeout", "3",
             str(EXAMPLE), "--samples", str(args.samples), "--epochs", str(args.epochs), "--batch-size", "256",
@@ -116,6 +115,10 @@ def one_run(index: int, rng: random.Random, directory: Path, args: argparse.Name
         t_faults = time.time()
         for at, name in schedule:
             time.sleep(max(0.0, t_faults + at - time.time()))
+            if masters[-1].poll() is not None:
+                run.faults.append(f"{name}(after the end)")
+                continue
+            run.faults.append(f"{name}@{time.time() - t_faults:.0f}s")  # faults run one after another
             if name == "kill":
                 kill_a_worker(info, rng)
             elif name == "master":
@@ -129,6 +132,8 @@ def one_run(index: int, rng: random.Random, directory: Path, args: argparse.Name
             run.code = masters[-1].wait(max(1.0, args.timeout - (time.time() - t0)))
         except subprocess.TimeoutExpired:
             run.outcome = "HUNG"
+        hung = f"hang(w{hang_worker}@step{hang_step})"
+        run.faults.append(hung if hang_seen(log, hang_worker) else f"{hung}(not caught)")
         if not run.outcome:
             run.outcome = outcome(run.code, log, ledger, args)
     finally:
@@ -152,6 +157,11 @@ def outcome(code: int | None, log: Path, ledger: Path, args: argparse.Namespace)
         return "exactly once" if audit.ok else "FALSE SUCCESS"
     reason = summary.split(": ", 2)[-1] if "failed" in summary else f"exit {code} without a reason"
     return f"failed: {reason[:90]}"
+
+
+def hang_seen(log: Path, worker: int) -> bool:
+    """Whether the hung worker was caught (its main thread hung and the master failed it)."""
+    return f"worker {worker} failed: did not reach the rendezvous" in log.read_text(errors="replace")
 
 
 def spawn(argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
