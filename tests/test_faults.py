@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from tests.jobtools import Job, alive, example_args, wait_for
@@ -113,6 +114,11 @@ def test_a_stray_finish_is_refused_and_the_job_trains_everything(tmp_path: Path,
     job = Job(tmp_path, "2:2", example_args(samples, epochs, 256, 0.02))
     jobs.append(job.start())
     st = job.wait_step(5)
+    # nothing of the job listens beyond 127.0.0.1: the master, and the workers' gloo pairs
+    pids = [job.info()["master_pid"]] + [w["pid"] for w in st["workers"] if w["state"] == "active"]
+    listening = {c.laddr.ip for pid in pids for c in psutil.Process(pid).net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN}
+    assert listening == {"127.0.0.1"}, listening
     member = next(w for w in st["workers"] if w["state"] == "active")
     resp = post(job, "/v1/finish", {"worker_id": member["worker_id"]})
     assert resp.status_code == 409, resp.text

@@ -332,3 +332,28 @@ def test_the_round_deadline_allows_a_slow_worker_three_of_its_own_steps(tmp_path
     master.rendezvous(RendezvousRequest(worker_id=0, after_round=0, applied_step=2))
     master.tick()
     assert master.workers[1].state is WorkerState.FAILED and backend.terminated == [1]
+
+
+def test_progress_counts_from_the_reload_not_from_the_epoch(tmp_path: Path) -> None:
+    # a reloaded (or resumed) master must not read "no progress since 1970" into its members
+    master, clock, backend = make_master(tmp_path, "2:2", progress_timeout_s=30.0)
+    journal = RefusingJournal()
+    master.journal = journal
+    master.start()
+    master.tick()
+    form_round(master, [0, 1])
+    for w in (0, 1):
+        master.report(ReportRequest(worker_id=w, round=0, applied_step=4, incarnation=master.incarnation))
+    master.scale(2)  # journals the worker table, applied steps included
+    journal.full = True
+    with pytest.raises(JournalUnavailableError):
+        lease(master, 0)
+    journal.full = False
+    clock.now += 1.0
+    master.tick()
+    assert master.paused is None and master.workers[1].applied_step == 4
+    master.report(ReportRequest(worker_id=0, round=0, applied_step=5, incarnation=master.incarnation))
+    master.report(ReportRequest(worker_id=1, round=0, applied_step=4, incarnation=master.incarnation))
+    clock.now += 1.0
+    master.tick()
+    assert backend.terminated == [] and master.workers[1].state is WorkerState.ACTIVE

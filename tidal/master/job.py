@@ -240,7 +240,8 @@ class JobMaster:
         now = self.clock()
         for worker_id, row in j.load_workers().items():
             rec = WorkerRecord.from_row(worker_id, row)
-            rec.last_seen = now
+            # liveness and progress count from now: the time the master was away is no one's fault
+            rec.last_seen = rec.progressed_at = now
             self.workers[worker_id] = rec
             if rec.alive and not self.backend.adopt(worker_id, rec.pid, rec.create_time):
                 self._worker_failed(rec, None, "gone while the master was down")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import logging
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -82,7 +83,13 @@ class RoundComm:
                 opts._timeout = datetime.timedelta(seconds=timeout_s)
                 comm.group = dist.ProcessGroupNCCL(store, rank, world_size, opts)
             else:
-                comm.group = dist.ProcessGroupGloo(store, rank, world_size, connect)
+                opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+                opts._timeout = connect
+                # gloo's default device listens on whatever the machine's hostname resolves to
+                # (an outside interface on many machines): listen on the job's host, as the
+                # master does (DESIGN.md 5)
+                opts._devices = [dist.ProcessGroupGloo.create_device(hostname=urlsplit(url).hostname or "127.0.0.1")]
+                comm.group = dist.ProcessGroupGloo(store, rank, world_size, opts)
                 comm.group._set_default_timeout(datetime.timedelta(seconds=timeout_s))
         except (RuntimeError, ValueError) as exc:
             comm.close()
