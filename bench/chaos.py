@@ -145,6 +145,8 @@ def one_run(index: int, rng: random.Random, directory: Path, args: argparse.Name
         kill_job(job_id)
         if ledger.exists():
             shutil.copy(ledger, directory / "ledger.jsonl")
+        if job_dir.exists():  # the workers' logs and the journal, for a post-mortem
+            shutil.copytree(job_dir, directory / "job", dirs_exist_ok=True)
         subprocess.run(["umount", "-l", str(disk)], check=False)
     return run
 

@@ -37,6 +37,7 @@ No false success (DESIGN.md 4):
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import secrets
 import statistics
@@ -454,7 +455,11 @@ class JobMaster:
         pending += [(r.epoch, r.start, r.end) for r in req.records if r.step <= req.applied_step]
         left = self.shards.unconsumed(pending)
         if left:
-            raise NotExhaustedError(f"worker {req.worker_id} says training is over, but {_samples_left(left)}")
+            gaps = list(itertools.islice(self.shards.uncovered(pending), 3))
+            message = (f"worker {req.worker_id} says training is over after step {req.applied_step}, but "
+                       f"{_samples_left(left)}; first untrained (epoch, start, end): {gaps}")
+            self._event("error", f"finish refused: {message}")
+            raise NotExhaustedError(message)
         rec.finished = True
         for key, value in req.metrics.items():
             if key in self.metrics or len(self.metrics) < MAX_METRICS:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import NamedTuple
@@ -261,32 +261,36 @@ class ShardManager:
         worker's records of steps the master has not finalized yet), used only if they continue
         a shard's committed prefix, as a commit would.
         """
+        out: dict[int, int] = {}
+        for epoch, start, end in self.uncovered(extra):
+            out[epoch] = out.get(epoch, 0) + end - start
+        return out
+
+    def uncovered(self, extra: Iterable[tuple[int, int, int]] = ()) -> Iterator[tuple[int, int, int]]:
+        """The ``(epoch, start, end)`` ranges ``unconsumed`` counts, in shard order."""
         if self.config is None:
-            return {}
+            return
         more: dict[int, dict[int, int]] = {}
         for epoch, start, end in extra:
             if end > start:
                 more.setdefault(epoch, {})[start] = max(end, more.get(epoch, {}).get(start, end))
         last = max(self._epochs, default=-1) + 1
         epochs = self.config.epochs if self.config.epochs is not None else last
-        out: dict[int, int] = {}
         for number in range(max(epochs, last)):
             ranges = more.get(number, {})
             if number not in self._epochs and not ranges:
-                out[number] = self.config.size
+                yield (number, 0, self.config.size)
                 continue
             # an epoch nobody leased yet (logical workers commit without leasing): its table is
             # a pure function of the dataset, built here to place the ranges on its shards
             table = self._epoch(number)
-            left = 0
-            for entry in table.shards.values():
+            for shard_start in table.starts:
+                entry = table.shards[shard_start]
                 pos = entry.done_to
                 while pos < entry.end and pos in ranges:
                     pos = min(ranges[pos], entry.end)
-                left += entry.end - pos
-            if left:
-                out[number] = left
-        return out
+                if pos < entry.end:
+                    yield (number, pos, entry.end)
 
     def entries(self) -> list[ShardEntry]:
         return [e for t in self._epochs.values() for e in t.shards.values()]
