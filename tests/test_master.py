@@ -260,3 +260,35 @@ def test_a_resumed_master_finalizes_after_every_member_reports_again(tmp_path: P
     lines = (tmp_path / "ledger.jsonl").read_text().splitlines()
     assert len(lines) == 4  # the ledger was rewritten from the journal, then extended
     assert second.assignments[0].store_port == 2  # the new store for rounds to come
+
+
+def test_a_member_found_dead_on_resume_holds_finalization_until_the_round_settles(tmp_path: Path) -> None:
+    from tidal.master.journal import SqliteJournal
+
+    journal_path = tmp_path / "journal.sqlite"
+    spec = JobSpec(job_id="t", argv=["python", "x.py"], min_workers=1, max_workers=2, token="tok",
+                   job_dir=str(tmp_path), ledger_path=str(tmp_path / "ledger.jsonl"), start_grace_s=60.0)
+    clock, backend = FakeClock(), FakeBackend()
+    first = JobMaster(spec, SqliteJournal(journal_path), backend, MaxWorkersPlanner(), clock, store_port=1)
+    first.start()
+    first.tick()
+    form_round(first, [0, 1])
+    a, b = lease(first, 0), lease(first, 1)
+    recs = [StepRecord(step=s, worker=w, epoch=0, start=base + 10 * s, end=base + 10 * s + 10)
+            for s in range(2) for w, base in ((0, a[0]), (1, b[0]))]
+    report(first, 0, 0, [r for r in recs if r.worker == 0 and r.step == 0])
+    report(first, 1, 0, [r for r in recs if r.worker == 1 and r.step == 0])
+    assert first.finalized_step == 0
+    first.close()
+    backend.terminated.append(1)  # worker 1 dies with the master, after applying step 1
+
+    second = JobMaster(spec, SqliteJournal(journal_path), backend, MaxWorkersPlanner(), clock, store_port=2)
+    second.resume()
+    assert second.workers[1].state is WorkerState.FAILED
+    report(second, 0, 1, [r for r in recs if r.worker == 0 and r.step == 1])
+    assert second.finalized_step == 0  # worker 1's record of step 1 is not here yet
+    # the survivor carries every record of step 1 to the rendezvous: the round settles it
+    second.rendezvous(RendezvousRequest(worker_id=0, after_round=0, applied_step=1, records=recs))
+    assert second.finalized_step == 1
+    ledger = (tmp_path / "ledger.jsonl").read_text().splitlines()
+    assert len(ledger) == 4  # both workers' steps 0 and 1

@@ -250,8 +250,12 @@ class JobMaster:
             if rec.alive:
                 # the new master's store replaces the old one for rounds to come
                 rec.last_seen = now
-        # every live member must report to this master before a step is final again
-        self.progress = MemberProgress([m for m in self.members if self.workers.get(m) and self.workers[m].alive])
+        # Every member must report to this master before a step is final again. One found dead
+        # above holds finalization back, as in a running master, until the next round settles its
+        # steps: its records of the last steps are only in the survivors' hands, and finalizing
+        # those steps on the survivors' reports alone would drop them (the chaos audit found it).
+        self.progress = MemberProgress([m for m in self.members if m in self.workers
+                                        and self.workers[m].state is not W.SUCCEEDED])
         if self.round >= 0:
             for a in self.assignments.values():
                 if a.status == "ready":
