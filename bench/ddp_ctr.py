@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import StampWriter, split_args
 from examples.ctr.data import ClickDataset
 from examples.ctr.model import DLRM
+from examples.ctr.train import MODEL_SIZES, pick_device
 from examples.ctr.train import parse_args as example_args
 
 
@@ -63,20 +64,25 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     stamps = StampWriter(bench.stamp_dir)
     distributed = "RANK" in os.environ  # under torchrun; plain python: one process, no DDP
+    device = pick_device(args.device)
+    if device.type == "cuda" and distributed:  # one GPU per local rank, as torchrun users do
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
     if distributed:
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     torch.manual_seed(args.seed)
     train = ClickDataset(args.samples, seed=args.seed)
-    model = DLRM()
+    model = DLRM(**MODEL_SIZES[args.model_size]).to(device)  # type: ignore[arg-type]
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     step, epoch, skip = -1, 0, 0
     if bench.ckpt and os.path.exists(bench.ckpt):
-        ck = torch.load(bench.ckpt, weights_only=True)
+        ck = torch.load(bench.ckpt, weights_only=True, map_location=device)
         model.load_state_dict(ck["model"])
         optimizer.load_state_dict(ck["optimizer"])
         step, epoch, skip = int(ck["step"]), int(ck["epoch"]), int(ck["batches_done"])
-    ddp = DistributedDataParallel(model) if distributed else model
+    ddp = (DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+           if distributed else model)
     loss_fn = torch.nn.BCEWithLogitsLoss()
     n_batches = (len(train) + args.batch_size - 1) // args.batch_size
     sampler = DistributedSampler(range(n_batches), num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
@@ -91,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
             samples = sum(e - s for s, e in ranges)
             optimizer.zero_grad(set_to_none=True)
             for j, (s, e) in enumerate(ranges):
-                batch = train.get_range(s, e)
+                batch = {k: v.to(device, non_blocking=True) for k, v in train.get_range(s, e).items()}
                 sync = ddp.no_sync() if distributed and j < len(ranges) - 1 else contextlib.nullcontext()
                 with sync:
                     loss = loss_fn(ddp(batch["dense"], batch["sparse"]), batch["label"])

@@ -34,7 +34,6 @@ class Job:
                      "--ledger", str(self.ledger), *(run_args or []), str(script), *script_args]
         self.proc: subprocess.Popen[bytes] | None = None
         self.masters: list[subprocess.Popen[bytes]] = []
-        self.seen_pids: set[int] = set()
         self._info: dict[str, Any] | None = None
 
     def start(self) -> Job:
@@ -65,7 +64,6 @@ class Job:
         resp = httpx.get(info["url"] + "/v1/status", headers={"Authorization": f"Bearer {info['token']}"}, timeout=5)
         resp.raise_for_status()
         data = resp.json()
-        self.seen_pids.update(w["pid"] for w in data["workers"] if w["pid"])
         return data
 
     def try_status(self) -> dict[str, Any] | None:
@@ -123,11 +121,16 @@ class Job:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)
+        if self._info is None and (self.dir / "job.json").is_file():
+            self._info = json.loads((self.dir / "job.json").read_text())
         job_id = self._info["job_id"] if self._info else None
-        for pid in self.seen_pids:
+        if not job_id:
+            return
+        # every worker of the job, also those no status showed (they run in sessions of their
+        # own, so killing the master's process group does not reach them)
+        for p in psutil.process_iter():
             try:
-                p = psutil.Process(pid)
-                if job_id and p.environ().get("TIDAL_JOB_ID") == job_id:
+                if p.environ().get("TIDAL_JOB_ID") == job_id:
                     p.kill()
             except psutil.Error:
                 pass

@@ -323,3 +323,11 @@ def test_job_files_are_readable_by_the_user_only(tmp_path: Path) -> None:
     for path in [journal, job_dir / "job.json", *sidecars]:
         if path.exists():
             assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+
+
+@pytest.mark.parametrize(("value", "names"), [("nccl", "GPU per worker"), ("mpi", "gloo or nccl")])
+def test_comm_backend_is_checked_against_the_gpus(tidal, script: Path, tmp_path: Path, value: str,
+                                                  names: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU visible, whatever this machine has
+    r = tidal("run", "--workers", "1:2", "--comm-backend", value, "--job-dir", str(tmp_path / "job"), str(script))
+    assert_one_line_error(r, names)

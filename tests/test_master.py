@@ -292,3 +292,47 @@ def test_a_member_found_dead_on_resume_holds_finalization_until_the_round_settle
     assert second.finalized_step == 1
     ledger = (tmp_path / "ledger.jsonl").read_text().splitlines()
     assert len(ledger) == 4  # both workers' steps 0 and 1
+
+
+def test_each_worker_slot_gets_its_own_gpu_and_knows_whether_it_shares(tmp_path: Path) -> None:
+    master, _, backend = make_master(tmp_path, "2:2", gpus=["3", "5"])
+    master.tick()
+    assert [(s.env["CUDA_VISIBLE_DEVICES"], s.env["TIDAL_OWN_GPU"]) for s in backend.launched] == [("3", "1"), ("5", "1")]
+    backend.exit(1, -9)
+    master.tick()
+    master.tick()
+    assert backend.launched[-1].env["CUDA_VISIBLE_DEVICES"] == "5"  # the replacement takes its slot's GPU
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "cpu").mkdir()
+    shared, _, backend = make_master(tmp_path / "shared", "1:3", gpus=["0"])
+    shared.tick()
+    assert {(s.env["CUDA_VISIBLE_DEVICES"], s.env["TIDAL_OWN_GPU"]) for s in backend.launched} == {("0", "0")}
+    cpu, _, backend = make_master(tmp_path / "cpu", "1:1")
+    cpu.tick()
+    assert "CUDA_VISIBLE_DEVICES" not in backend.launched[0].env
+
+
+def test_rounds_that_keep_failing_before_a_step_fail_the_job(tmp_path: Path) -> None:
+    master, _, _ = make_master(tmp_path, "2:2", round_failure_limit=4)
+    master.tick()
+    form_round(master, [0, 1])
+    why = "cannot form the process group: ncclInvalidUsage: Duplicate GPU detected"
+    for _ in range(3):
+        for w in (0, 1):
+            master.rendezvous(RendezvousRequest(worker_id=w, after_round=master.round, applied_step=-1, failure=why))
+        assert master.state is JobState.RUNNING
+    for w in (0, 1):
+        master.rendezvous(RendezvousRequest(worker_id=w, after_round=master.round, applied_step=-1, failure=why))
+    assert master.state is JobState.FAILED
+    assert master.error is not None and "4 rounds in a row failed" in master.error and "Duplicate GPU" in master.error
+
+
+def test_a_round_that_applied_a_step_resets_the_failure_count(tmp_path: Path) -> None:
+    master, _, _ = make_master(tmp_path, "2:2", round_failure_limit=2)
+    master.tick()
+    form_round(master, [0, 1])
+    for step in range(5):  # every round trains a step before a peer's collective breaks
+        for w in (0, 1):
+            master.rendezvous(RendezvousRequest(worker_id=w, after_round=master.round, applied_step=step,
+                                                failure="gradient all-reduce failed"))
+    assert master.state is JobState.RUNNING and master.round == 5

@@ -44,14 +44,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--logical-workers", type=int, default=None,
                    help="train N logical workers, bitwise the same on any number of processes")
     p.add_argument("--checkpoint-dir", default=None, help="write the final checkpoint here")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="cpu",
+                   help="where the model trains (auto: cuda when available); tidal picks the workers' "
+                        "process-group backend from it")
+    p.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="small",
+                   help="small: the CPU-sized DLRM; large: wider MLPs and embeddings, so that a GPU step "
+                        "is not bound by kernel launches")
     return p.parse_args(argv)
 
 
-def evaluate(model: torch.nn.Module, data: ClickDataset) -> float:
+# DLRM widths per --model-size: embedding dimension, bottom MLP, top MLP
+MODEL_SIZES: dict[str, dict[str, object]] = {
+    "small": {"emb_dim": 16, "bottom": (32,), "top": (64, 32)},
+    "large": {"emb_dim": 128, "bottom": (512, 256), "top": (2048, 2048, 1024)},
+}
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is available to this process")
+    return torch.device(name)
+
+
+def evaluate(model: torch.nn.Module, data: ClickDataset, device: torch.device) -> float:
     model.eval()
     with torch.no_grad():
         batch = data.get_range(0, len(data))
-        scores = model(batch["dense"], batch["sparse"]).numpy()
+        scores = model(batch["dense"].to(device), batch["sparse"].to(device)).cpu().numpy()
     model.train()
     return roc_auc(batch["label"].numpy(), scores)
 
@@ -62,7 +83,8 @@ def main(argv: list[str] | None = None) -> None:
     job = tidal.worker.init(logical_workers=args.logical_workers, checkpoint_dir=args.checkpoint_dir)
     torch.manual_seed(args.seed)
     train = ClickDataset(args.samples, seed=args.seed)
-    model = DLRM()
+    device = pick_device(args.device)
+    model = DLRM(**MODEL_SIZES[args.model_size]).to(device)  # type: ignore[arg-type]
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     job.state(model, optimizer)
     loss_fn = torch.nn.BCEWithLogitsLoss()
@@ -71,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     t0, seen, logged = time.monotonic(), 0, -1
     for batch in job.loader(train, batch_size=args.batch_size, epochs=args.epochs, seed=args.seed):
         started = time.monotonic()
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         optimizer.zero_grad(set_to_none=True)
         loss = loss_fn(model(batch["dense"], batch["sparse"]), batch["label"])
         loss.backward()
@@ -92,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     train_seconds = time.monotonic() - t0
     if job.rank == 0:
         held_out = ClickDataset(args.eval_samples, seed=args.seed, offset=args.samples)
-        auc = evaluate(model, held_out)
+        auc = evaluate(model, held_out, device)
         ceiling = held_out.oracle_auc()
         print(f"final AUC {auc:.4f} (ceiling of the known model {ceiling:.4f}) after step {job.applied_step}",
               flush=True)

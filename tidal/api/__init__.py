@@ -146,6 +146,7 @@ class RendezvousRequest(_Wire):
     after_round: int = Field(ge=-1, le=_I64)
     applied_step: int = Field(ge=-1, le=_I64)
     records: list[StepRecord] = Field(default_factory=list, max_length=MAX_RECORDS_PER_REQUEST)
+    failure: str = Field(default="", max_length=1000)  # why it left: a collective or group that failed
 
 
 class RendezvousResponse(_Wire):

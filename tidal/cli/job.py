@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -131,6 +132,11 @@ def run(
     checkpoint_dir: Path | None = typer.Option(None, "--checkpoint-dir", help="Final and on-demand checkpoints go here."),
     determinism: str | None = typer.Option(
         None, "--determinism", help="D0, D1 (default with --logical-workers) or D2 (also across CPU types)."),
+    comm_backend: str | None = typer.Option(
+        None, "--comm-backend",
+        help="Force the workers' process-group backend, gloo or nccl. Default: from the model's device "
+             "(gloo on CPU; nccl on GPUs when each worker has its own, one GPU per worker from "
+             "CUDA_VISIBLE_DEVICES or the machine's; gloo over CUDA where they must share)."),
 ) -> None:
     """Run SCRIPT [ARGS...] as an elastic job of local worker processes.
 
@@ -158,6 +164,14 @@ def run(
         raise fail(f"--initial {initial} is outside --workers {low}:{high}")
     check_ledger(ledger)
     env = logical_env(logical_workers, high, checkpoint_dir, determinism)
+    gpus = visible_gpus()
+    if comm_backend is not None:
+        if comm_backend not in ("gloo", "nccl"):
+            raise fail(f"--comm-backend must be gloo or nccl, got {comm_backend!r}")
+        if comm_backend == "nccl" and high > len(gpus):
+            raise fail(f"--comm-backend nccl needs a GPU per worker: --workers MAX is {high}, "
+                       f"this machine shows {len(gpus)} GPU(s)")
+        env["TIDAL_COMM_BACKEND"] = comm_backend
     sock = bind_socket("127.0.0.1", port)
     job_id = uuid.uuid4().hex[:8]
     directory = (job_dir or tidal_home() / job_id).resolve()
@@ -168,13 +182,27 @@ def run(
         ledger_path=str(ledger.resolve()) if ledger else None, initial_workers=initial,
         heartbeat_timeout_s=heartbeat_timeout, collective_timeout_s=collective_timeout,
         round_timeout_s=round_timeout, progress_timeout_s=progress_timeout, max_restarts=max_restarts,
-        cwd=os.getcwd(), env=env,
+        cwd=os.getcwd(), env=env, gpus=gpus,
     )
     _point_current(directory)
     typer.echo(f"tidal: job {job_id} on http://127.0.0.1:{spec.port} (job dir {directory})", err=True)
     code, master = run_master(spec, directory / "journal.sqlite", sock=sock, follow_logs=not quiet)
     _print_summary(master)
     raise typer.Exit(code)
+
+
+def visible_gpus() -> list[str]:
+    """The GPU ids workers may be given: ``CUDA_VISIBLE_DEVICES`` when set, else every NVIDIA GPU
+    the driver lists (read from /proc, so that the master need not import torch or CUDA)."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        ids = [g.strip() for g in listed.split(",") if g.strip()]
+        # CUDA stops at the first invalid entry ("-1" hides every GPU)
+        return list(itertools.takewhile(lambda g: g != "-1", ids))
+    try:
+        return [str(i) for i in range(len(os.listdir("/proc/driver/nvidia/gpus")))]
+    except OSError:
+        return []
 
 
 def logical_env(logical: int | None, max_workers: int, checkpoint_dir: Path | None,

@@ -84,11 +84,15 @@ class JobSpec:
     # journal still holds every committed step: ``tidal master --resume`` carries on from it)
     journal_patience_s: float = 300.0
     max_restarts: int = 20
+    # rounds in a row that fail (a collective or a group that failed, reported by a member) before
+    # any step is applied: the runtime's crash loop, e.g. NCCL refusing the group every time
+    round_failure_limit: int = 10
     crash_loop_limit: int = 3  # consecutive start failures of one worker slot (reset once it trains)
     straggler_factor: float = 2.0  # slower per sample than the peers' median by this much ...
     straggler_window_s: float = 2.0  # ... for this long
     env: dict[str, str] = field(default_factory=dict)
     cwd: str | None = None
+    gpus: list[str] = field(default_factory=list)  # GPU ids the local backend hands out, one per worker slot
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -163,6 +163,9 @@ class JobMaster:
         self.reforming = False
         self.reform_cause = ""
         self.reform_started = 0.0
+        self.round_start_step = -1  # the step the current round resumed after
+        self.failed_rounds = 0  # rounds in a row that failed before a step (see _round_failed_again)
+        self.round_failure = ""
         self.waiting: dict[int, RendezvousRequest] = {}
         self.waiting_since: dict[int, float] = {}
         self.assignments: dict[int, RendezvousResponse] = {}
@@ -665,6 +668,12 @@ class JobMaster:
             "PYTHONUNBUFFERED": "1",
             **self.spec.env,
         }
+        gpus = self.spec.gpus
+        if gpus:
+            # one GPU per worker slot (a replacement takes its slot's GPU); when MAX exceeds the
+            # GPUs, workers share them and say so, and their groups use gloo (tidal.worker.placement)
+            env["CUDA_VISIBLE_DEVICES"] = gpus[self.workers[worker_id].slot % len(gpus)]
+            env["TIDAL_OWN_GPU"] = "1" if self.spec.max_workers <= len(gpus) else "0"
         log_path = str(Path(self.spec.job_dir) / "logs" / f"worker-{worker_id}.log")
         return WorkerSpec(worker_id, list(self.spec.argv), env, self.spec.cwd, log_path)
 
@@ -726,6 +735,10 @@ class JobMaster:
     def _close_round(self, chosen: list[int], candidates: list[int], now: float) -> None:
         prev_round = self.round
         reqs = {w: self.waiting[w] for w in chosen}
+        if self._round_failed_again(prev_round, candidates):
+            self._fail_job(f"{self.failed_rounds} rounds in a row failed before a step was applied; "
+                           f"the last: {self.round_failure}")
+            return
         with_state = [w for w in chosen if reqs[w].applied_step >= 0]
         # the source: the highest applied step; ties go to the lowest previous rank
         if not with_state and self.finalized_step >= 0:
@@ -756,6 +769,7 @@ class JobMaster:
         self.shards.release()
 
         self.round = prev_round + 1
+        self.round_start_step = resume_step
         cause = self.reform_cause or ("start" if prev_round < 0 else "re-form")
         self.round_causes[self.round] = cause
         self.round_causes.pop(self.round - MAX_PAUSES, None)  # a pause reported that late is not kept
@@ -793,6 +807,19 @@ class JobMaster:
             f"round {self.round}: {len(chosen)} workers {chosen}, resume after step {resume_step} ({cause})",
         )
         self._on_change()
+
+    def _round_failed_again(self, prev_round: int, candidates: list[int]) -> bool:
+        """Count rounds that ended in a failure (a member reports a broken collective or a group
+        that did not form) without any step applied; True once ``round_failure_limit`` in a row."""
+        back = [self.waiting[w] for w in candidates]
+        failures = [r.failure for r in back if r.failure and r.after_round == prev_round]
+        top = max((r.applied_step for r in back), default=-1)
+        if prev_round >= 0 and failures and top <= self.round_start_step:
+            self.failed_rounds += 1
+            self.round_failure = failures[0]
+        else:
+            self.failed_rounds = 0
+        return self.failed_rounds >= self.spec.round_failure_limit
 
     def _old_rank(self, worker_id: int) -> int:
         return self.workers[worker_id].rank if self.is_member(worker_id) else 1 << 30

@@ -55,6 +55,7 @@ from tidal.worker.logical import (
     folds,
     skip_empty_zero_grad,
 )
+from tidal.worker.placement import choose_backend, model_device
 from tidal.worker.state import State
 
 log = logging.getLogger(__name__)
@@ -95,8 +96,10 @@ class Job:
         self.client = client
         self.worker_id = worker_id
         self.job_id = job_id
-        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        # decided by ``state()`` from the model's parameters (tidal.worker.placement)
+        self._forced_backend = backend or os.environ.get("TIDAL_COMM_BACKEND") or None
+        self.backend = "gloo"
+        self.device = torch.device("cpu")
         self.round = -1
         self.rank = 0
         self.world_size = 1
@@ -122,6 +125,7 @@ class Job:
         self._stop = threading.Event()
         self._reporter: threading.Thread | None = None
         self._gone: str | None = None
+        self._failure = ""  # why this worker last left a round, for the master (see _rendezvous)
         # logical workers (EasyScale ESTs); None: one worker per process
         self.logical: int | None = None
         self.est_seed = 0
@@ -143,6 +147,11 @@ class Job:
             raise UsageError("job.state() was already called")
         if self.logical is not None and optimizer is not None:
             skip_empty_zero_grad(optimizer)  # called once per EST, after the stash emptied .grad
+        self.device = model_device(list(model.parameters()))
+        self.backend, warning = choose_backend(self.device, self._forced_backend,
+                                               own_gpu=os.environ.get("TIDAL_OWN_GPU") == "1")
+        if warning and self.worker_id == 0:
+            print(warning, file=sys.stderr, flush=True)
         self._state = State(model, optimizer, **extras)
         return self._state
 
@@ -417,14 +426,18 @@ class Job:
                 self._enter_round(state, assignment)
             except CollectiveError as exc:
                 log.warning("worker %d: round %d failed to form: %s", self.worker_id, assignment.round, exc)
+                self._failure = f"round {assignment.round} failed to form: {exc}"
                 self._leave_round()
 
     def _rendezvous(self, state: State) -> RendezvousResponse:
         assert self.client is not None
         with self._lock:
             records = [r for step in sorted(self._records) if step > self._acked for r in self._records[step]]
+        # why it left its round (a collective that failed, a group that did not form): the master
+        # fails the job when rounds keep failing before a step (the crash loop of the runtime)
+        failure, self._failure = self._failure[:1000], ""
         req = RendezvousRequest(worker_id=self.worker_id, after_round=self.round,
-                                applied_step=state.applied_step, records=records)
+                                applied_step=state.applied_step, records=records, failure=failure)
         while True:
             self._check_gone()
             try:
@@ -476,6 +489,7 @@ class Job:
 
     def _broken(self, exc: Exception) -> None:
         log.info("worker %d: collective broke in round %d: %s", self.worker_id, self.round, exc)
+        self._failure = str(exc)
         self._leave_for_rendezvous(str(exc))
 
     def _leave_for_rendezvous(self, why: str) -> None:
@@ -571,7 +585,9 @@ def init(backend: str | None = None, *, logical_workers: int | None = None,
     """Join the job named by the ``TIDAL_*`` environment, or start a local single-worker job.
 
     Args:
-        backend: "gloo" or "nccl" (default: nccl when CUDA is available).
+        backend: force "gloo" or "nccl" (also ``TIDAL_COMM_BACKEND``); by default it follows the
+            model's parameters: gloo on the CPU, nccl on a GPU of the worker's own, gloo over
+            CUDA tensors where workers share a GPU (tidal.worker.placement).
         logical_workers: train this many logical workers whatever the number of processes
             (``tidal run --logical-workers N`` sets it too; the two must agree).
         checkpoint_dir: where ``job.checkpoint()`` and the final checkpoint go.
