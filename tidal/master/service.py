@@ -143,20 +143,29 @@ async def _fast(send: Any, body: bytes, model: type[BaseModel], handler: Callabl
     try:
         result = handler(model.model_validate_json(body))
     except ValidationError as exc:
-        errors = [{"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
-                  for e in exc.errors()]
-        await _send_json(send, 422, json.dumps({"detail": errors}).encode())
-        return
-    except MasterError as exc:
-        await _reply(send, exc.status, str(exc))
-        return
-    except ShardConflictError as exc:
-        await _reply(send, 409, str(exc))
+        await _send_json(send, 422, json.dumps({"detail": validation_errors(exc)}).encode())
         return
     except TidalError as exc:
-        await _reply(send, 400, str(exc))
+        await _reply(send, http_status(exc), str(exc))
         return
     await _send_json(send, 200, result.model_dump_json().encode())
+
+
+def http_status(exc: TidalError) -> int:
+    """The one error-to-status table of the control plane: a master error carries its own status
+    (tidal.master.api), a shard conflict is 409, any other refusal on purpose 400; never a 500."""
+    if isinstance(exc, MasterError):
+        return exc.status
+    if isinstance(exc, ShardConflictError):
+        return 409
+    return 400
+
+
+def validation_errors(exc: ValidationError | RequestValidationError) -> list[dict[str, Any]]:
+    """Pydantic's errors without the offending input (FastAPI echoes it, and NaN or Infinity is
+    no JSON)."""
+    return [{"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
+            for e in exc.errors()]
 
 
 async def _send_json(send: Any, status: int, payload: bytes, extra: list[tuple[bytes, bytes]] | None = None) -> None:
@@ -185,22 +194,11 @@ def create_app(master: JobMaster, token: str, notifier: ChangeNotifier) -> Any:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        # FastAPI echoes the offending input, which cannot be JSON when it is NaN or Infinity
-        errors = [{"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
-                  for e in exc.errors()]
-        return JSONResponse({"detail": errors}, status_code=422)
-
-    @app.exception_handler(MasterError)
-    async def _master_error(_: Request, exc: MasterError) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=exc.status)
-
-    @app.exception_handler(ShardConflictError)
-    async def _conflict(_: Request, exc: ShardConflictError) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=409)
+        return JSONResponse({"detail": validation_errors(exc)}, status_code=422)
 
     @app.exception_handler(TidalError)
     async def _tidal_error(_: Request, exc: TidalError) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=400)
+        return JSONResponse({"detail": str(exc)}, status_code=http_status(exc))
 
     @app.post("/v1/workers/join", response_model=JoinResponse, responses={404: {}, 410: {}})
     async def join(req: JoinRequest) -> Response:
