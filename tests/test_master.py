@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -226,18 +227,28 @@ def test_member_progress_minimum() -> None:
     assert p.minimum() == 7
 
 
-def test_a_resumed_master_finalizes_after_every_member_reports_again(tmp_path: Path) -> None:
+def journaled_round(tmp_path: Path, min_workers: int) -> tuple[JobMaster, Any, FakeClock, FakeBackend, tuple, tuple]:
+    """A master on a SQLite journal with round 0 of workers 0 and 1, each holding a lease; returns
+    it, a factory for its successor on the same journal, the clock, the backend and the leases."""
     from tidal.master.journal import SqliteJournal
 
     journal_path = tmp_path / "journal.sqlite"
-    spec = JobSpec(job_id="t", argv=["python", "x.py"], min_workers=2, max_workers=2, token="tok",
+    spec = JobSpec(job_id="t", argv=["python", "x.py"], min_workers=min_workers, max_workers=2, token="tok",
                    job_dir=str(tmp_path), ledger_path=str(tmp_path / "ledger.jsonl"), start_grace_s=60.0)
     clock, backend = FakeClock(), FakeBackend()
-    first = JobMaster(spec, SqliteJournal(journal_path), backend, MaxWorkersPlanner(), clock, store_port=1)
+
+    def successor(store_port: int) -> JobMaster:
+        return JobMaster(spec, SqliteJournal(journal_path), backend, MaxWorkersPlanner(), clock, store_port=store_port)
+
+    first = successor(1)
     first.start()
     first.tick()
     form_round(first, [0, 1])
-    a, b = lease(first, 0), lease(first, 1)
+    return first, successor, clock, backend, lease(first, 0), lease(first, 1)
+
+
+def test_a_resumed_master_finalizes_after_every_member_reports_again(tmp_path: Path) -> None:
+    first, successor, _, _, a, b = journaled_round(tmp_path, 2)
     recs = {w: [StepRecord(step=s, worker=w, epoch=0, start=base + 10 * s, end=base + 10 * s + 10) for s in range(2)]
             for w, base in ((0, a[0]), (1, b[0]))}
     report(first, 0, 0, recs[0][:1])
@@ -246,7 +257,7 @@ def test_a_resumed_master_finalizes_after_every_member_reports_again(tmp_path: P
     report(first, 0, 1, recs[0][1:])  # step 1 of worker 0 reaches the old master only
     first.close()
 
-    second = JobMaster(spec, SqliteJournal(journal_path), backend, MaxWorkersPlanner(), clock, store_port=2)
+    second = successor(2)
     second.resume()
     assert (second.round, second.members, second.finalized_step) == (0, [0, 1], 0)
     assert second.incarnation != first.incarnation
@@ -263,17 +274,7 @@ def test_a_resumed_master_finalizes_after_every_member_reports_again(tmp_path: P
 
 
 def test_a_member_found_dead_on_resume_holds_finalization_until_the_round_settles(tmp_path: Path) -> None:
-    from tidal.master.journal import SqliteJournal
-
-    journal_path = tmp_path / "journal.sqlite"
-    spec = JobSpec(job_id="t", argv=["python", "x.py"], min_workers=1, max_workers=2, token="tok",
-                   job_dir=str(tmp_path), ledger_path=str(tmp_path / "ledger.jsonl"), start_grace_s=60.0)
-    clock, backend = FakeClock(), FakeBackend()
-    first = JobMaster(spec, SqliteJournal(journal_path), backend, MaxWorkersPlanner(), clock, store_port=1)
-    first.start()
-    first.tick()
-    form_round(first, [0, 1])
-    a, b = lease(first, 0), lease(first, 1)
+    first, successor, _, backend, a, b = journaled_round(tmp_path, 1)
     recs = [StepRecord(step=s, worker=w, epoch=0, start=base + 10 * s, end=base + 10 * s + 10)
             for s in range(2) for w, base in ((0, a[0]), (1, b[0]))]
     report(first, 0, 0, [r for r in recs if r.worker == 0 and r.step == 0])
@@ -282,7 +283,7 @@ def test_a_member_found_dead_on_resume_holds_finalization_until_the_round_settle
     first.close()
     backend.terminated.append(1)  # worker 1 dies with the master, after applying step 1
 
-    second = JobMaster(spec, SqliteJournal(journal_path), backend, MaxWorkersPlanner(), clock, store_port=2)
+    second = successor(2)
     second.resume()
     assert second.workers[1].state is WorkerState.FAILED
     report(second, 0, 1, [r for r in recs if r.worker == 0 and r.step == 1])
