@@ -249,10 +249,6 @@ class JobMaster:
             self.workers[worker_id] = rec
             if rec.alive and not self.backend.adopt(worker_id, rec.pid, rec.create_time):
                 self._worker_failed(rec, None, "gone while the master was down")
-        for rec in self.workers.values():
-            if rec.alive:
-                # the new master's store replaces the old one for rounds to come
-                rec.last_seen = now
         # Every member must report to this master before a step is final again. One found dead
         # above holds finalization back, as in a running master, until the next round settles its
         # steps: its records of the last steps are only in the survivors' hands, and finalizing
@@ -566,8 +562,8 @@ class JobMaster:
         cfg = self.shards.config
         if cfg is None:
             return None
-        epochs = cfg.epochs if cfg.epochs is not None else len(self.shards.counts())
-        audit = audit_ranges(((c.epoch, c.start, c.end) for c in self.journal.load_ledger()), cfg.size, epochs)
+        # epochs=None audits the epochs the ledger has: ``unconsumed`` already saw every other one
+        audit = audit_ranges(((c.epoch, c.start, c.end) for c in self.journal.load_ledger()), cfg.size, cfg.epochs)
         return None if audit.ok else f"the journal's ledger is not exactly once: {audit.summary()}"
 
     def _check_progress(self, now: float) -> None:

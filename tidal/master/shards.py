@@ -273,7 +273,8 @@ class ShardManager:
         more: dict[int, dict[int, int]] = {}
         for epoch, start, end in extra:
             if end > start:
-                more.setdefault(epoch, {})[start] = max(end, more.get(epoch, {}).get(start, end))
+                ranges = more.setdefault(epoch, {})
+                ranges[start] = max(end, ranges.get(start, end))
         last = max(self._epochs, default=-1) + 1
         epochs = self.config.epochs if self.config.epochs is not None else last
         for number in range(max(epochs, last)):

@@ -24,6 +24,7 @@ T = TypeVar("T", bound=BaseModel)
 class MasterClient:
     def __init__(self, url: str, token: str, patience_s: float = 120.0, timeout_s: float = 10.0) -> None:
         self.url = url
+        self.token = token  # the job's bearer token (the rendezvous store speaks with it too)
         self.patience_s = patience_s
         self._http = httpx.Client(
             base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s,

@@ -195,10 +195,9 @@ class Job:
         if self.checkpoint_dir and self.rank == 0 and self._state is not None and self._state.applied_step >= 0:
             self.checkpoint()
         if self.client is not None:
-            with self._lock:
-                held = [r for step in sorted(self._records) if step > self._acked for r in self._records[step]]
+            held = self._held_records()[-MAX_RECORDS_PER_REQUEST:]
             req = FinishRequest(worker_id=self.worker_id, metrics={k: float(v) for k, v in metrics.items()},
-                                applied_step=self.applied_step, records=held[-MAX_RECORDS_PER_REQUEST:])
+                                applied_step=self.applied_step, records=held)
             try:
                 self.client.post_raw("/v1/finish", req)
             except StaleRoundError as exc:  # 409: the master's ledger says the data is not exhausted
@@ -431,8 +430,7 @@ class Job:
 
     def _rendezvous(self, state: State) -> RendezvousResponse:
         assert self.client is not None
-        with self._lock:
-            records = [r for step in sorted(self._records) if step > self._acked for r in self._records[step]]
+        records = self._held_records()
         # why it left its round (a collective that failed, a group that did not form): the master
         # fails the job when rounds keep failing before a step (the crash loop of the runtime)
         failure, self._failure = self._failure[:1000], ""
@@ -455,6 +453,12 @@ class Job:
                 self.close()
                 raise SystemExit(0)
 
+    def _held_records(self) -> list[StepRecord]:
+        """Every worker's records of the steps this worker applied and the master has not
+        acknowledged as final (what a rendezvous or a finish carries)."""
+        with self._lock:
+            return [r for step in sorted(self._records) if step > self._acked for r in self._records[step]]
+
     def _enter_round(self, state: State, a: RendezvousResponse) -> None:
         self._leave_round()
         # from here on this worker belongs to round ``a.round``: if forming it fails, the next
@@ -467,7 +471,7 @@ class Job:
             self._records.clear()
         assert self.client is not None
         self._comm = RoundComm.connect(
-            url=self.client.url, token=os.environ.get("TIDAL_TOKEN", ""),
+            url=self.client.url, token=self.client.token,
             prefix=f"tidal/{self.job_id}/round{a.round}/", rank=a.rank, world_size=a.world_size,
             backend=self.backend, device=self.device, timeout_s=self.collective_timeout_s,
         )
