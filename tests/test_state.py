@@ -1,4 +1,5 @@
-"""Worker state: pack/unpack (the only way state crosses a socket) and commit/restore."""
+"""Worker state: pack/unpack (the only way state crosses a socket: the tidal.api.frames codec with
+the tree skeleton as its meta) and commit/restore."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from tidal.api import FrameError, frames
 from tidal.worker.state import State, pack_state, unpack_state
 
 
@@ -128,95 +130,103 @@ def test_pack_refuses_what_it_cannot_send(bad: Any) -> None:
         pack_state(bad)
 
 
-def _spec(dtype: str = "float32", shape: list[int] | None = None, offset: int = 0, nbytes: int | None = None) -> dict:
-    shape = [2] if shape is None else shape
-    numel = math.prod(shape)
-    return {"T": dtype, "shape": shape, "offset": offset, "nbytes": numel * 4 if nbytes is None else nbytes}
+def test_pack_refuses_two_tensors_at_one_path() -> None:
+    """Paths join keys with "/": {0: a, "0": b} would send one of them twice and lose the other."""
+    for bad in ({0: torch.zeros(1), "0": torch.ones(1)}, {"a/b": torch.zeros(1), "a": {"b": torch.ones(1)}}):
+        with pytest.raises(TypeError, match="path"):
+            pack_state(bad)
 
 
-def _header(node: Any) -> bytes:
-    return json.dumps(node).encode()
+def test_the_skeleton_travels_as_the_codec_meta() -> None:
+    header, flat = pack_state({"w": torch.tensor([2.0, 3.0]), "n": 4})
+    fields = json.loads(header)
+    assert fields["keys"] == ["/w"] and fields["dtype"] == ["float32"] and fields["shape"] == [[2]]
+    assert fields["meta"] == {"D": [["w", {"T": "float32", "shape": [2], "path": "/w"}], ["n", {"V": 4}]]}
+    assert flat.numel() == 8
 
 
-def test_a_valid_hand_written_header_is_accepted() -> None:
-    flat = torch.tensor([1.0, 2.0, 3.0]).view(torch.uint8)
-    back = unpack_state(_header({"D": [["w", _spec(shape=[2], offset=4)]]}), flat)
-    assert torch.equal(back["w"], torch.tensor([2.0, 3.0]))
+def _node(path: str = "/w", dtype: str = "float32", shape: list[int] | None = None) -> dict[str, Any]:
+    return {"T": dtype, "shape": [2] if shape is None else shape, "path": path}
 
 
-@pytest.mark.parametrize("dtype", ["complex64", "float8_e4m3fn", "object", "qint8", "", "torch.float32"])
-def test_unpack_rejects_a_dtype_outside_the_whitelist(dtype: str) -> None:
-    with pytest.raises(ValueError, match="not allowed"):
-        unpack_state(_header(_spec(dtype=dtype, nbytes=8)), torch.zeros(8, dtype=torch.uint8))
+def _message(skeleton: Any, tensors: dict[str, torch.Tensor] | None = None) -> tuple[bytes, torch.Tensor]:
+    """A hand-built state message: codec frames of ``tensors`` with ``skeleton`` as the meta."""
+    tensors = {"/w": torch.tensor([2.0, 3.0])} if tensors is None else tensors
+    return frames.encode_joined(tensors, meta=skeleton)
+
+
+def _edit(header: bytes, **fields: Any) -> bytes:
+    return json.dumps({**json.loads(header), **fields}).encode()
+
+
+def test_a_hand_built_state_message_is_accepted() -> None:
+    back = unpack_state(*_message({"D": [["w", _node()]]}))
+    assert list(back) == ["w"] and torch.equal(back["w"], torch.tensor([2.0, 3.0]))
 
 
 @pytest.mark.parametrize(
-    "node",
+    ("fields", "match"),
     [
-        _spec(shape=[3]),  # 12 bytes from an 8-byte buffer
-        _spec(shape=[2], offset=4),  # 8 bytes from offset 4 of 8
-        _spec(shape=[1 << 40, 1 << 40]),  # huge; nbytes matches the shape, not the buffer
-        _spec(shape=[2], nbytes=4),  # nbytes disagrees with the shape
-        _spec(shape=[1], nbytes=8),
-        _spec(shape=[2], offset=-4),
-        _spec("float64", shape=[1], nbytes=4),
+        ({"dtype": ["complex64"]}, "not allowed"),
+        ({"dtype": ["object"]}, "not allowed"),
+        ({"shape": [[3]]}, "payload holds 8 bytes, the header describes 12"),
+        ({"shape": [[-2]]}, "negative dimension"),
+        ({"offsets": [0]}, "unknown header field"),
+        ({"meta": None}, "no tree skeleton"),
     ],
 )
-def test_unpack_rejects_sizes_that_do_not_fit_the_buffer(node: dict) -> None:
-    with pytest.raises(ValueError, match="does not match the buffer"):
-        unpack_state(_header({"D": [["w", node]]}), torch.zeros(8, dtype=torch.uint8))
+def test_unpack_checks_the_message_with_the_codec(fields: dict[str, Any], match: str) -> None:
+    header, flat = _message({"D": [["w", _node()]]})
+    with pytest.raises(FrameError, match=match):
+        unpack_state(_edit(header, **fields), flat)
 
 
-@pytest.mark.parametrize("shape", [[-1], [2, -1], [-2, -4]])
-def test_unpack_rejects_negative_dimensions(shape: list[int]) -> None:
-    node = {"T": "float32", "shape": shape, "offset": 0, "nbytes": 4 * math.prod(shape)}
-    with pytest.raises(ValueError, match="negative dimension"):
-        unpack_state(_header(node), torch.zeros(64, dtype=torch.uint8))
+def test_unpack_rejects_a_buffer_one_byte_off_and_a_state_over_its_limit() -> None:
+    header, flat = _message({"D": [["w", _node()]]})
+    with pytest.raises(FrameError, match="payload holds"):
+        unpack_state(header, flat[:-1])
+    with pytest.raises(FrameError, match="over the limit"):
+        unpack_state(header, flat, max_bytes=len(header) + flat.numel() - 1)
 
 
 @pytest.mark.parametrize(
-    "header",
+    ("skeleton", "match"),
     [
-        b"",
-        b"not json",
-        b"{\"D\": [",
-        b"[]",
-        b"{}",
-        b"1",
-        b"null",
-        b"\"V\"",
-        b"{\"X\": 1}",
-        b"{\"D\": [[\"a\", {}]]}",
-        b"{\"L\": [5]}",
-        b"{\"D\": [[\"a\"]]}",
-        b"{\"U\": [{\"Q\": 0}]}",
-        b"\xff\xfe",
+        ({"D": [["w", _node(dtype="float64")]]}, "does not match the skeleton"),
+        ({"D": [["w", _node(shape=[1, 2])]]}, "does not match the skeleton"),
+        ({"D": [["w", _node(path="/v")]]}, "missing"),
+        ({"D": [["w", _node()], ["v", _node()]]}, "twice"),
+        ({"D": [["w", _node(dtype="complex64")]]}, "not allowed"),
+        ({"D": [["w", _node(shape=[-2])]]}, "negative dimension"),
+        ({"D": [["n", {"V": 1}]]}, "not in the skeleton"),  # a tensor the skeleton does not place
     ],
+)
+def test_unpack_rejects_a_skeleton_that_does_not_describe_its_tensors(skeleton: Any, match: str) -> None:
+    with pytest.raises(FrameError, match=match):
+        unpack_state(*_message(skeleton))
+
+
+@pytest.mark.parametrize(
+    "skeleton",
+    [{}, {"X": 1}, {"D": [["a", {}]]}, {"L": [5]}, {"D": [["a"]]}, {"U": [{"Q": 0}]}, {"D": 5}, {"L": 3},
+     {"T": "float32"}, {"T": "float32", "shape": 3, "path": "/w"}, {"D": [[{"i": "x"}, {"V": 1}]]}],
+)
+def test_unpack_rejects_a_malformed_skeleton(skeleton: Any) -> None:
+    with pytest.raises(FrameError):
+        unpack_state(*_message(skeleton))
+
+
+@pytest.mark.parametrize(
+    "header", [b"", b"not json", b'{"D": [', b"[]", b"{}", b"1", b"null", b'"V"', b'{"X": 1}', b"\xff\xfe"],
 )
 def test_unpack_rejects_a_malformed_header(header: bytes) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(FrameError):
         unpack_state(header, torch.zeros(8, dtype=torch.uint8))
 
 
-@pytest.mark.parametrize(
-    "header",
-    [
-        b"{\"T\": \"float32\"}",  # no shape / offset / nbytes
-        b"{\"T\": \"float32\", \"shape\": 3, \"offset\": 0, \"nbytes\": 12}",
-        b"{\"D\": 5}",
-        b"{\"L\": 3}",
-    ],
-)
-def test_unpack_rejects_a_malformed_header_with_value_error(header: bytes) -> None:
-    with pytest.raises(ValueError):
-        unpack_state(header, torch.zeros(16, dtype=torch.uint8))
-
-
 def test_unpack_rejects_an_oversized_header() -> None:
-    import tidal.worker.state as state_mod
-
-    header = b" " * (state_mod.MAX_STATE_HEADER + 1)
-    with pytest.raises(ValueError, match="too large"):
+    header = b" " * (frames.MAX_HEADER_BYTES + 1)
+    with pytest.raises(FrameError, match="too large"):
         unpack_state(header, torch.zeros(0, dtype=torch.uint8))
 
 

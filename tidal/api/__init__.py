@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tidal.api.errors import (
     ConfigError,
+    FrameError,
     PermanentError,
     RetryableError,
     StaleRoundError,
@@ -33,6 +34,7 @@ __all__ = [
     "DatasetRequest",
     "Event",
     "FinishRequest",
+    "FrameError",
     "JobSnapshot",
     "JobState",
     "JoinRequest",

@@ -26,3 +26,10 @@ class ConfigError(PermanentError):
 
 class StaleRoundError(RetryableError):
     """The request named a membership round that is no longer current: rendezvous again."""
+
+
+class FrameError(PermanentError, ValueError):
+    """A data-plane message (``tidal.api.frames``) that breaks the codec's rules: malformed or
+    unknown header fields, a dtype outside the whitelist, a buffer whose length does not match
+    its shape, a size over a limit. The same bytes will fail again, so it is permanent; it is a
+    ``ValueError`` because it is bad input."""

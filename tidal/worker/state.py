@@ -6,28 +6,31 @@ as committed; what a forward pass may have changed since (module buffers such as
 statistics) and the user's extras are snapshotted and put back by ``restore()``. That keeps a
 commit cheap (no copy of the parameters) while giving Horovod-style commit/restore semantics.
 
-A new worker gets the whole state from the round's source over the process group:
-``pack_state`` turns it into a JSON header plus one flat byte buffer, ``unpack_state`` checks
-every dtype against a whitelist and every size against the buffer before touching it. No
-pickle crosses a socket.
+A new worker gets the whole state from the round's source over the process group, in the
+data-plane codec of ``tidal.api.frames``: ``split_tree`` turns the tree into a JSON skeleton
+(containers and scalars; tensors as ``{"T": dtype, "shape": shape, "path": path}``) and the
+tensors by path; ``pack_state`` encodes the tensors with the skeleton as the message's ``meta``
+into ``(header, flat buffer)`` (``encode_joined``); ``unpack_state`` decodes them
+(``decode_joined``: every dtype checked against the whitelist, every length against the header)
+and rebuilds the tree, checking each tensor against its skeleton node. A checkpoint stores the
+same skeleton beside a safetensors file. No pickle crosses a socket.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8,
-    "uint8": torch.uint8, "bool": torch.bool,
-}
-_NAMES = {v: k for k, v in _DTYPES.items()}
-MAX_STATE_HEADER = 64 << 20
+from tidal.api import FrameError
+from tidal.api.frames import DTYPES, decode_joined, encode_joined
+
+_NAMES = {v: k for k, v in DTYPES.items()}
+# A bound on the state a worker accepts from the round's source, checked before allocating: it
+# is the user's model and optimizer, so only a corrupt size is ever over it.
+MAX_STATE_BYTES = 1 << 40
 
 
 class State:
@@ -134,9 +137,9 @@ def _encode(tree: Any, on_tensor: Callable[[torch.Tensor, str], dict[str, Any]])
 def _decode(skeleton: Any, on_tensor: Callable[[dict[str, Any], torch.dtype, list[int]], torch.Tensor]) -> Any:
     def dec(node: Any) -> Any:
         if not isinstance(node, dict) or len(node) == 0:
-            raise ValueError("malformed state header")
+            raise ValueError("malformed state skeleton")
         if "T" in node:
-            dtype = _DTYPES.get(node["T"])
+            dtype = DTYPES.get(node["T"])
             if dtype is None:
                 raise ValueError(f"dtype {node['T']!r} not allowed")
             shape = [int(s) for s in node["shape"]]
@@ -151,57 +154,42 @@ def _decode(skeleton: Any, on_tensor: Callable[[dict[str, Any], torch.dtype, lis
             return [dec(v) for v in node["L"]]
         if "V" in node:
             return node["V"]
-        raise ValueError("malformed state header")
+        raise ValueError("malformed state skeleton")
 
     try:
         return dec(skeleton)
-    except (KeyError, TypeError, IndexError, AttributeError) as exc:
-        raise ValueError(f"malformed state header: {exc!r}") from exc
-
-
-def _nbytes(dtype: torch.dtype, shape: list[int]) -> int:
-    numel = 1
-    for s in shape:
-        numel *= s
-    return numel * torch.empty(0, dtype=dtype).element_size()
+    except (KeyError, TypeError, IndexError, AttributeError, RecursionError) as exc:
+        raise ValueError(f"malformed state skeleton: {exc!r}") from exc
 
 
 def pack_state(tree: Any) -> tuple[bytes, torch.Tensor]:
-    """Nested dicts/lists/tuples of tensors and JSON scalars -> (JSON header, flat uint8 buffer)."""
-    chunks: list[torch.Tensor] = []
-    offset = 0
+    """Nested dicts/lists/tuples of tensors and JSON scalars -> (header, flat uint8 buffer).
 
-    def place(t: torch.Tensor, _path: str) -> dict[str, Any]:
-        nonlocal offset
-        nbytes = t.numel() * t.element_size()
-        chunks.append(t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8))
-        spec = {"offset": offset, "nbytes": nbytes}
-        offset += nbytes
-        return spec
+    The header is a ``tidal.api.frames`` header whose ``meta`` is the tree's skeleton; the buffer
+    is the tensors' frames back to back (``frames.encode_joined``: one copy).
 
-    header = json.dumps(_encode(tree, place)).encode()
-    flat = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
-    return header, flat
+    Raises:
+        TypeError: the tree holds something that cannot be sent (see ``split_tree``).
+        FrameError: the header would be over ``frames.MAX_HEADER_BYTES``.
+    """
+    skeleton, tensors = split_tree(tree)
+    return encode_joined(tensors, meta=skeleton)
 
 
-def unpack_state(header: bytes, flat: torch.Tensor) -> Any:
-    """Inverse of ``pack_state``; validates dtypes, shapes and offsets against the buffer."""
-    if len(header) > MAX_STATE_HEADER:
-        raise ValueError("state header too large")
-    total = flat.numel()
+def unpack_state(header: bytes, flat: torch.Tensor, *, max_bytes: int = MAX_STATE_BYTES) -> Any:
+    """Inverse of ``pack_state``; the tensors come back in memory of their own.
 
-    def take(node: dict[str, Any], dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-        nbytes = _nbytes(dtype, shape)
-        start = int(node["offset"])
-        if nbytes != int(node["nbytes"]) or start < 0 or start + nbytes > total:
-            raise ValueError("tensor size does not match the buffer")
-        return flat[start:start + nbytes].clone().view(dtype).reshape(shape)
-
+    Raises:
+        FrameError: the message breaks a rule of ``tidal.api.frames``, or its skeleton does not
+            describe exactly its tensors.
+    """
+    message = decode_joined(header, flat, max_bytes=max_bytes)
+    if message.meta is None:
+        raise FrameError("state message has no tree skeleton in its meta")
     try:
-        skeleton = json.loads(header)
+        return join_tree(message.meta, message.tensors)
     except ValueError as exc:
-        raise ValueError(f"malformed state header: {exc}") from exc
-    return _decode(skeleton, take)
+        raise FrameError(str(exc)) from None
 
 
 def split_tree(tree: Any) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -209,22 +197,35 @@ def split_tree(tree: Any) -> tuple[Any, dict[str, torch.Tensor]]:
     tensors: dict[str, torch.Tensor] = {}
 
     def name(t: torch.Tensor, path: str) -> dict[str, Any]:
-        tensors[path or "/"] = t
-        return {"path": path or "/"}
+        path = path or "/"
+        if path in tensors:  # {0: a, "0": b} or {"a/b": a, "a": {"b": b}}: one would overwrite the other
+            raise TypeError(f"two tensors of the state tree have the path {path!r}; rename a key")
+        tensors[path] = t
+        return {"path": path}
 
     return _encode(tree, name), tensors
 
 
 def join_tree(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    """Inverse of ``split_tree``; every tensor must match its recorded dtype and shape."""
+    """Inverse of ``split_tree``; every tensor must match its recorded dtype and shape, and the
+    skeleton must name each tensor exactly once."""
+    used: set[str] = set()
 
     def take(node: dict[str, Any], dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-        t = tensors.get(str(node["path"]))
+        path = str(node["path"])
+        t = tensors.get(path)
         if t is None or t.dtype != dtype or list(t.shape) != shape:
-            raise ValueError(f"tensor {node['path']!r} is missing or does not match the skeleton")
+            raise ValueError(f"tensor {path!r} is missing or does not match the skeleton")
+        if path in used:
+            raise ValueError(f"the skeleton names tensor {path!r} twice")
+        used.add(path)
         return t
 
-    return _decode(skeleton, take)
+    tree = _decode(skeleton, take)
+    unused = [path for path in tensors if path not in used]
+    if unused:
+        raise ValueError(f"tensors not in the skeleton: {', '.join(map(repr, unused[:5]))}")
+    return tree
 
 
 def _key(k: Any) -> Any:
