@@ -71,35 +71,10 @@ BATCHES_PER_SHARD = 50
 
 
 # ---------------------------------------------------------------------------- the master process
-class NullBackend:
-    """A tidal.backends.api.Backend that starts nothing: the simulated workers stand in for it."""
-
-    def __init__(self) -> None:
-        self.launched: list[int] = []
-
-    def launch(self, specs: list[Any], request_id: str) -> list[Any]:
-        self.launched.extend(s.worker_id for s in specs)
-        return []
-
-    def terminate(self, worker_ids: list[int], request_id: str) -> None:
-        pass
-
-    def adopt(self, worker_id: int, pid: int, create_time: float | None) -> bool:
-        return False
-
-    def pids(self) -> dict[int, tuple[int, float]]:
-        return {}
-
-    def poll_events(self) -> list[Any]:
-        return []
-
-    def close(self) -> None:
-        pass
-
-
 def serve_master(work: Path, workers: int) -> None:
     import uvicorn
 
+    from tidal.backends import registry
     from tidal.brain import planners
     from tidal.master.api import JobSpec
     from tidal.master.job import JobMaster, new_token
@@ -113,7 +88,8 @@ def serve_master(work: Path, workers: int) -> None:
     (work / "logs").mkdir(parents=True, exist_ok=True)
     journal = SqliteJournal(work / "journal.sqlite")
     box: list[ChangeNotifier] = []
-    master = JobMaster(spec, journal, NullBackend(), planners.get(spec.planner), time.time, store_port=1,
+    # the simulated workers stand in for the processes: an in-memory backend starts nothing
+    master = JobMaster(spec, journal, registry.get("fake"), planners.get(spec.planner), time.time, store_port=1,
                        on_change=lambda: box[0].notify() if box else None)
     master.start()
     stopping = asyncio.Event()

@@ -331,3 +331,29 @@ def test_comm_backend_is_checked_against_the_gpus(tidal, script: Path, tmp_path:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU visible, whatever this machine has
     r = tidal("run", "--workers", "1:2", "--comm-backend", value, "--job-dir", str(tmp_path / "job"), str(script))
     assert_one_line_error(r, names)
+
+
+def test_backend_help_lists_each_backend(tidal) -> None:
+    r = tidal("run", "--help")
+    assert r.code == 0, r.err
+    text = " ".join(r.out.split())
+    assert "--backend" in r.out and "local (processes of this machine" in text and "fake (in memory" in text
+
+
+def test_unknown_backend(tidal, script: Path, tmp_path: Path) -> None:
+    r = tidal("run", "--backend", "ray9", "--job-dir", str(tmp_path / "job"), str(script))
+    assert_one_line_error(r, "unknown --backend 'ray9'", "known: fake, local")
+    assert not (tmp_path / "job").exists()  # refused before anything was made
+
+
+def test_resume_of_a_journal_naming_an_unknown_backend(tidal, tmp_path: Path) -> None:
+    from tidal.master.api import JobSpec
+    from tidal.master.journal import SqliteJournal
+
+    spec = JobSpec(job_id="j", argv=["python", "x.py"], min_workers=1, max_workers=1, token="t",
+                   job_dir=str(tmp_path / "job"), backend="gone-since")
+    journal = SqliteJournal(tmp_path / "journal.sqlite")
+    journal.put_meta("spec", spec.to_json())
+    journal.close()
+    r = tidal("master", "--resume", str(tmp_path / "journal.sqlite"))
+    assert_one_line_error(r, "backend 'gone-since', unknown here", "known: fake, local")

@@ -16,6 +16,7 @@ from tidal.api import (
     StepRecord,
     WorkerState,
 )
+from tidal.backends.api import NodeSpec, parse_node_id
 from tidal.backends.fake import FakeBackend
 from tidal.brain.planners import MaxWorkersPlanner
 from tidal.master.api import BadRequestError, JobSpec, StaleRoundMasterError
@@ -29,6 +30,10 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def worker_of(spec: NodeSpec) -> int:
+    return parse_node_id(spec.node_id)[1]
 
 
 def make_master(tmp_path: Path, workers: str = "2:2", **spec_args: object) -> tuple[JobMaster, FakeClock, FakeBackend]:
@@ -75,7 +80,7 @@ def test_first_round_waits_for_slow_starters_for_the_grace_period(tmp_path: Path
 def test_first_round_forms_when_every_launched_worker_waits(tmp_path: Path) -> None:
     master, _, backend = make_master(tmp_path)
     master.tick()
-    assert [s.worker_id for s in backend.launched] == [0, 1]
+    assert [s.node_id for s in backend.launched] == ["worker-0", "worker-1"]
     master.join(JoinRequest(worker_id=0, pid=1))
     master.rendezvous(RendezvousRequest(worker_id=0, after_round=-1, applied_step=-1))
     assert master.round == -1  # worker 1 has not joined
@@ -94,10 +99,10 @@ def test_missed_heartbeats_fail_the_worker_and_launch_a_replacement(tmp_path: Pa
     clock.now += 2.0  # worker 1 silent for 6 s > 5 s
     master.tick()
     assert master.workers[1].state is WorkerState.FAILED
-    assert backend.terminated == [1]
+    assert backend.terminated == ["worker-1"]
     assert master.reforming
     master.tick()
-    assert [s.worker_id for s in backend.launched] == [0, 1, 2]
+    assert [s.node_id for s in backend.launched] == ["worker-0", "worker-1", "worker-2"]
 
 
 def test_records_are_final_only_when_every_member_applied_the_step(tmp_path: Path) -> None:
@@ -128,7 +133,7 @@ def test_a_step_only_the_dead_worker_applied_goes_back_to_todo(tmp_path: Path) -
              StepRecord(step=1, worker=1, epoch=0, start=b[0] + 10, end=b[0] + 20)]
     # worker 1 applied step 1 and reported it; worker 0 never finished step 1
     report(master, 1, 1, [r for r in step0 + step1 if r.worker == 1])
-    backend.exit(1, -9)
+    backend.exit(f"worker-{1}", -9)
     master.tick()
     assert master.reforming
     # the survivor is at step 0 and carries both workers' records of step 0
@@ -146,9 +151,9 @@ def test_crash_loop_fails_the_job_with_the_scripts_error(tmp_path: Path) -> None
     (tmp_path / "logs").mkdir()
     for _ in range(3):
         master.tick()
-        worker = backend.launched[-1].worker_id
+        worker = worker_of(backend.launched[-1])
         (tmp_path / "logs" / f"worker-{worker}.log").write_text("Traceback...\nValueError: bad config\n")
-        backend.exit(worker, 1)
+        backend.exit(f"worker-{worker}", 1)
         master.tick()
         clock.now += 10
     assert master.state is JobState.FAILED
@@ -202,7 +207,7 @@ def test_a_dead_member_holds_finalization_back_until_the_round_settles(tmp_path:
     report(master, 0, 1, recs[0])
     report(master, 1, 0, recs[1][:1])
     assert master.finalized_step == 0
-    backend.exit(1, -9)  # worker 1 applied step 1 too, but died before reporting it
+    backend.exit(f"worker-{1}", -9)  # worker 1 applied step 1 too, but died before reporting it
     master.tick()
     assert master.finalized_step == 0  # worker 0's report alone must not finalize step 1
     master.rendezvous(RendezvousRequest(worker_id=0, after_round=0, applied_step=1, records=recs[0] + recs[1]))
@@ -238,7 +243,9 @@ def journaled_round(tmp_path: Path, min_workers: int) -> tuple[JobMaster, Any, F
     clock, backend = FakeClock(), FakeBackend()
 
     def successor(store_port: int) -> JobMaster:
-        return JobMaster(spec, SqliteJournal(journal_path), backend, MaxWorkersPlanner(), clock, store_port=store_port)
+        # a restarted master: a new backend instance on the same machine, adopting what runs
+        on = backend if store_port == 1 else backend.restarted()
+        return JobMaster(spec, SqliteJournal(journal_path), on, MaxWorkersPlanner(), clock, store_port=store_port)
 
     first = successor(1)
     first.start()
@@ -270,7 +277,7 @@ def test_a_resumed_master_finalizes_after_every_member_reports_again(tmp_path: P
     assert second.finalized_step == 1
     lines = (tmp_path / "ledger.jsonl").read_text().splitlines()
     assert len(lines) == 4  # the ledger was rewritten from the journal, then extended
-    assert second.assignments[0].store_port == 2  # the new store for rounds to come
+    assert second.rounds.assignments[0].store_port == 2  # the new store for rounds to come
 
 
 def test_a_member_found_dead_on_resume_holds_finalization_until_the_round_settles(tmp_path: Path) -> None:
@@ -281,10 +288,11 @@ def test_a_member_found_dead_on_resume_holds_finalization_until_the_round_settle
     report(first, 1, 0, [r for r in recs if r.worker == 1 and r.step == 0])
     assert first.finalized_step == 0
     first.close()
-    backend.terminated.append(1)  # worker 1 dies with the master, after applying step 1
+    backend.exit("worker-1", -9)  # worker 1 dies with the master, after applying step 1
 
     second = successor(2)
     second.resume()
+    second.tick()  # the backend reports it gone
     assert second.workers[1].state is WorkerState.FAILED
     report(second, 0, 1, [r for r in recs if r.worker == 0 and r.step == 1])
     assert second.finalized_step == 0  # worker 1's record of step 1 is not here yet
@@ -299,7 +307,7 @@ def test_each_worker_slot_gets_its_own_gpu_and_knows_whether_it_shares(tmp_path:
     master, _, backend = make_master(tmp_path, "2:2", gpus=["3", "5"])
     master.tick()
     assert [(s.env["CUDA_VISIBLE_DEVICES"], s.env["TIDAL_OWN_GPU"]) for s in backend.launched] == [("3", "1"), ("5", "1")]
-    backend.exit(1, -9)
+    backend.exit(f"worker-{1}", -9)
     master.tick()
     master.tick()
     assert backend.launched[-1].env["CUDA_VISIBLE_DEVICES"] == "5"  # the replacement takes its slot's GPU

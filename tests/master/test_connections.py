@@ -3,24 +3,21 @@
 A hostile client opened about 1,100 TCP connections to a master with a 1,024 descriptor limit and
 sent nothing: accept() failed, asyncio logged a traceback per failed accept (87 MB in 10 s),
 workers could not be replaced and the job failed. These tests open such floods against real
-``tidal run`` masters on 127.0.0.1 (bounded in count and time), and provoke a real EMFILE in
-``LocalBackend.launch``.
+``tidal run`` masters on 127.0.0.1 (bounded in count and time). The launch of a replacement when the
+master is out of descriptors (a real EMFILE in ``LocalBackend.launch``, reported as retryable) is
+tested beside the backend, in tests/backends/test_local.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import os
 import resource
 import select
-import signal
 import socket
 import subprocess
-import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -30,8 +27,6 @@ import psutil
 import pytest
 
 from tests.jobtools import EXAMPLE, ROOT, Job, example_args, wait_for
-from tidal.backends.api import WorkerSpec
-from tidal.backends.local import LocalBackend
 from tidal.master.connections import (
     HEADER_TIMEOUT_S,
     ConnectionGuard,
@@ -252,82 +247,3 @@ def test_log_floods_are_rate_limited() -> None:
     assert limiter.filter(other)
     now[0] = 10
     assert limiter.filter(records[0]) and "999 more like this" in str(records[0].msg)
-
-
-# ----------------------------------------------------------------------------- LocalBackend
-def _lowest_free_limit() -> int:
-    return max(int(fd) for fd in os.listdir("/proc/self/fd")) + 1
-
-
-def test_launch_out_of_descriptors_is_retryable(tmp_path: Path) -> None:
-    backend = LocalBackend()
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    specs = [WorkerSpec(0, [sys.executable, "-c", "pass"], log_path=str(tmp_path / "w0.log")),
-             WorkerSpec(1, [sys.executable, "-c", "pass"])]
-    fillers: list[int] = []
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (_lowest_free_limit(), hard))
-        while True:  # fill any holes below the limit: the next descriptor anyone asks for fails
-            try:
-                fillers.append(os.open(os.devnull, os.O_RDONLY))
-            except OSError as exc:
-                assert exc.errno == errno.EMFILE
-                break
-        errors = backend.launch(specs, "r1")
-    finally:
-        for fd in fillers:
-            os.close(fd)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-        backend.close()
-    assert [e.worker_id for e in errors] == [0, 1]
-    for e in errors:
-        assert e.retryable, e
-        assert "EMFILE" in e.message and "Too many open files" in e.message, e.message
-    assert backend.pids() == {}
-
-
-def test_launch_of_a_missing_program_is_not_retryable(tmp_path: Path) -> None:
-    backend = LocalBackend()
-    missing = str(tmp_path / "no-such-python")
-    errors = backend.launch([WorkerSpec(3, [missing, "train.py"])], "r1")
-    backend.close()
-    assert len(errors) == 1 and errors[0].worker_id == 3
-    assert not errors[0].retryable
-    assert missing in errors[0].message and "ENOENT" in errors[0].message, errors[0].message
-
-
-def _threads(name: str) -> int:
-    return sum(t.name == name for t in threading.enumerate())
-
-
-def test_adopt_twice_watches_once() -> None:
-    backend = LocalBackend(poll_interval_s=0.02)
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        create_time = psutil.Process(proc.pid).create_time()
-        assert backend.adopt(7, proc.pid, create_time)
-        assert backend.adopt(7, proc.pid, create_time)  # the master reloaded its journal
-        assert _threads("tidal-watch-7") == 1
-        proc.send_signal(signal.SIGKILL)
-        wait_for(lambda: _threads("tidal-watch-7") == 0, 10, "the watcher to see the exit")
-        time.sleep(0.2)
-        assert [e.worker_id for e in backend.poll_events()] == [7]
-    finally:
-        proc.kill()
-        proc.wait()
-        backend.close()
-
-
-def test_adopting_a_process_it_launched_starts_no_watcher(tmp_path: Path) -> None:
-    backend = LocalBackend()
-    try:
-        assert backend.launch([WorkerSpec(0, [sys.executable, "-c", "import time; time.sleep(60)"])], "r1") == []
-        pid, create_time = backend.pids()[0]
-        assert backend.adopt(0, pid, create_time)
-        assert _threads("tidal-watch-0") == 0
-        backend.terminate([0], "t1")
-        wait_for(lambda: _threads("tidal-wait-0") == 0, 10, "the launched worker to exit")
-        assert [e.worker_id for e in backend.poll_events()] == [0]
-    finally:
-        backend.terminate([0], "t2")
-        backend.close()

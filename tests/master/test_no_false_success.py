@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.test_master import form_round, make_master
+from tests.test_master import form_round, make_master, worker_of
 from tidal.api import (
     FinishRequest,
     JobState,
@@ -27,7 +27,8 @@ from tidal.api import (
     WorkerState,
 )
 from tidal.master.api import JournalUnavailableError, NotExhaustedError
-from tidal.master.job import MAX_PAUSES, JobMaster
+from tidal.master.events import MAX_PAUSES
+from tidal.master.job import JobMaster
 from tidal.master.journal import MemoryJournal
 
 SIZE, BATCH, PER_SHARD = 100, 10, 2  # 5 shards of 20 samples, 2 steps each
@@ -146,7 +147,7 @@ def test_a_journal_gone_for_good_fails_the_job_with_the_reason(tmp_path: Path) -
     clock.now += 31.0
     master.tick()
     assert master.state is JobState.FAILED and "could not be written for 31s" in (master.error or "")
-    assert backend.terminated == [0]
+    assert backend.terminated == ["worker-0"]
     master.tick()
     assert master.done
 
@@ -176,8 +177,8 @@ def test_finish_counts_the_records_the_master_has_not_finalized_yet(tmp_path: Pa
     assert master.state is JobState.FINISHING
     report_all(master, [1], records)
     master.finish(FinishRequest(worker_id=1, applied_step=last, records=records))
-    backend.exit(0, 0)
-    backend.exit(1, 0)
+    backend.exit(f"worker-{0}", 0)
+    backend.exit(f"worker-{1}", 0)
     master.tick()
     assert master.state is JobState.SUCCEEDED, master.error
 
@@ -188,7 +189,7 @@ def test_a_script_that_stops_early_does_not_succeed(tmp_path: Path) -> None:
     form_round(master, [0])
     records = train_all(master, [0])
     report_all(master, [0], records[:4])
-    backend.exit(0, 0)  # exit 0 without finishing the data
+    backend.exit(f"worker-{0}", 0)  # exit 0 without finishing the data
     master.tick()
     master.tick()
     assert master.state is JobState.FAILED
@@ -204,8 +205,8 @@ def test_a_worker_that_fails_while_finishing_fails_the_job(tmp_path: Path) -> No
     records = train_all(master, [0, 1])
     report_all(master, [0, 1], records)
     master.finish(FinishRequest(worker_id=1))
-    backend.exit(1, 0)
-    backend.exit(0, 1)  # rank 0 could not write the final checkpoint
+    backend.exit(f"worker-{1}", 0)
+    backend.exit(f"worker-{0}", 1)  # rank 0 could not write the final checkpoint
     master.tick()
     master.tick()
     assert master.state is JobState.FAILED
@@ -225,7 +226,7 @@ def test_a_round_that_does_not_close_in_time_fails_the_absent_members(tmp_path: 
         master.report(ReportRequest(worker_id=1, round=0, applied_step=-1))
         master.rendezvous(RendezvousRequest(worker_id=0, after_round=0, applied_step=-1))  # long-poll again
         master.tick()
-    assert master.workers[1].state is WorkerState.FAILED and backend.terminated == [1]
+    assert master.workers[1].state is WorkerState.FAILED and backend.terminated == ["worker-1"]
     assert any("did not reach the rendezvous 12s after the re-form began" in e.message for e in master.events)
     assert master.round == 1 and master.members == [0]
 
@@ -239,7 +240,7 @@ def test_a_member_that_applies_no_step_while_its_peers_do_is_replaced(tmp_path: 
         master.report(ReportRequest(worker_id=0, round=0, applied_step=step))
         master.report(ReportRequest(worker_id=1, round=0, applied_step=0))
         master.tick()
-    assert master.workers[1].state is WorkerState.FAILED and backend.terminated == [1]
+    assert master.workers[1].state is WorkerState.FAILED and backend.terminated == ["worker-1"]
     assert master.workers[0].state is WorkerState.ACTIVE
 
 
@@ -256,13 +257,13 @@ def test_start_failures_that_are_not_consecutive_do_not_fail_the_job(tmp_path: P
     form_round(master, [0, 1])
     for _ in range(4):
         victim = max(master.members)
-        backend.exit(victim, -9)  # a trained worker is killed ...
-        master.tick()
-        crasher = backend.launched[-1].worker_id
-        backend.exit(crasher, 1)  # ... its replacement crashes at start ...
+        backend.exit(f"worker-{victim}", -9)  # a trained worker is killed ...
+        later(master, clock, 0.2)
+        crasher = worker_of(backend.launched[-1])
+        backend.exit(f"worker-{crasher}", 1)  # ... its replacement crashes at start ...
         master.tick()
         later(master, clock, 4.0)
-        healthy = backend.launched[-1].worker_id
+        healthy = worker_of(backend.launched[-1])
         master.join(JoinRequest(worker_id=healthy, pid=1))  # ... and the next one trains
         master.rendezvous(RendezvousRequest(worker_id=0, after_round=master.round, applied_step=-1))
         master.rendezvous(RendezvousRequest(worker_id=healthy, after_round=-1, applied_step=-1))
@@ -275,11 +276,11 @@ def test_three_consecutive_start_failures_of_one_slot_fail_the_job(tmp_path: Pat
     master, clock, backend = make_master(tmp_path, "2:2", crash_loop_limit=3)
     master.tick()
     form_round(master, [0, 1])
-    backend.exit(1, -9)
+    backend.exit("worker-1", -9)
     master.tick()
     later(master, clock, 1.0)
     for _ in range(3):
-        backend.exit(backend.launched[-1].worker_id, 1)
+        backend.exit(f"worker-{worker_of(backend.launched[-1])}", 1)
         master.tick()
         later(master, clock, 4.0)
     assert master.state is JobState.FAILED and "3 times in a row" in (master.error or "")
@@ -331,7 +332,7 @@ def test_the_round_deadline_allows_a_slow_worker_three_of_its_own_steps(tmp_path
     master.report(ReportRequest(worker_id=1, round=0, applied_step=2))
     master.rendezvous(RendezvousRequest(worker_id=0, after_round=0, applied_step=2))
     master.tick()
-    assert master.workers[1].state is WorkerState.FAILED and backend.terminated == [1]
+    assert master.workers[1].state is WorkerState.FAILED and backend.terminated == ["worker-1"]
 
 
 def test_progress_counts_from_the_reload_not_from_the_epoch(tmp_path: Path) -> None:

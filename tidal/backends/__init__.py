@@ -1,16 +1,42 @@
-"""Where worker processes run. ``backends.get("local")`` is the embedded default."""
+"""Where a job's nodes run. ``backends.get("local")`` is the embedded default (DESIGN.md 3).
+
+The interface is in ``tidal.backends.api``; the implementations (``local``, ``fake``) are built by
+name through ``tidal.backends.registry``, which imports each only when it is asked for.
+"""
 
 from __future__ import annotations
 
-from tidal.api import ConfigError
-from tidal.backends.api import Backend, BackendEvent, LaunchError, WorkerSpec
+from tidal.backends.api import (
+    ROLES,
+    Backend,
+    BackendError,
+    BackendState,
+    NodeError,
+    NodeExit,
+    NodeHandle,
+    NodeSpec,
+    Resources,
+    Role,
+    node_id,
+    parse_node_id,
+)
+from tidal.backends.registry import get, names, register, summary
 
-__all__ = ["Backend", "BackendEvent", "LaunchError", "WorkerSpec", "get"]
-
-
-def get(name: str, **options: object) -> Backend:
-    if name == "local":
-        from tidal.backends.local import LocalBackend
-
-        return LocalBackend(**options)  # type: ignore[arg-type]
-    raise ConfigError(f"unknown backend {name!r}; known: local")
+__all__ = [
+    "ROLES",
+    "Backend",
+    "BackendError",
+    "BackendState",
+    "NodeError",
+    "NodeExit",
+    "NodeHandle",
+    "NodeSpec",
+    "Resources",
+    "Role",
+    "get",
+    "names",
+    "node_id",
+    "parse_node_id",
+    "register",
+    "summary",
+]

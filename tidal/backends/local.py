@@ -1,4 +1,19 @@
-"""The local backend: workers are subprocesses of the master on this machine."""
+"""The local backend: a job's nodes are processes of this machine, started by the master.
+
+Why it is built the way it is:
+
+* Each node runs in its own session, so that a Ctrl-C meant for ``tidal run`` reaches the master
+  (which then stops the job) rather than every node at once, and so that nodes keep running if
+  the master dies: a restarted master adopts them by pid (``adopt``).
+* Output goes to the spec's log file, never a pipe: a pipe would fill, and block the node, the
+  moment the master that reads it is gone.
+* A thread per child waits for its exit, so the exit status is read as soon as it exists and
+  ``poll`` never blocks. A node adopted from an earlier master is not our child: its status cannot
+  be read, so a thread polls psutil until it is gone and reports it with ``exit_code`` None.
+* A launch that fails for want of descriptors, processes, memory or disk is reported as
+  retryable: the machine is at fault, not the script, and the same launch can succeed a moment
+  later.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +21,23 @@ import contextlib
 import errno
 import logging
 import os
-import queue
 import signal
 import subprocess
 import threading
 import time
+from dataclasses import dataclass
 
 import psutil
 
-from tidal.backends.api import BackendEvent, LaunchError, WorkerSpec
+from tidal.backends.api import (
+    BackendError,
+    BackendState,
+    NodeError,
+    NodeExit,
+    NodeHandle,
+    NodeSpec,
+    Resources,
+)
 
 log = logging.getLogger(__name__)
 
@@ -22,137 +45,220 @@ log = logging.getLogger(__name__)
 # the machine is at fault, not the script, and the same launch can succeed a moment later.
 RETRYABLE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOSPC, errno.EAGAIN, errno.ENOMEM})
 
+# psutil computes a create time from the boot time and the process's start in clock ticks: two
+# readings of one process may differ by rounding, two processes on one pid differ by far more.
+CREATE_TIME_TOLERANCE_S = 1.0
+
+
+@dataclass
+class _Node:
+    proc: subprocess.Popen[bytes] | psutil.Process  # a Popen: our child; a psutil.Process: adopted
+    handle: NodeHandle
+    resources: Resources
+
 
 class LocalBackend:
-    """Subprocesses with their output in log files and a thread per process waiting for its exit.
+    """Nodes as processes of this machine (``tidal.backends.api.Backend``).
 
-    Processes are started in their own session so that a Ctrl-C meant for ``tidal run`` reaches
-    the master (which then stops the job) rather than every worker at once, and so that they
-    keep running if the master dies: a restarted master adopts them by pid.
+    ``resources`` are recorded, not enforced: ``cpus`` and ``memory_mb`` set no limit on this
+    machine, and ``gpus`` is not acted on here, because the master hands out the GPUs itself by
+    setting ``CUDA_VISIBLE_DEVICES`` in the node's ``env``.
+
+    Args:
+        poll_interval_s: how often the watcher of an adopted node looks whether it is gone.
+
+    Raises:
+        BackendError: ``poll_interval_s`` is not positive.
     """
 
+    name = "local"
+
     def __init__(self, poll_interval_s: float = 0.05) -> None:
-        self._procs: dict[int, subprocess.Popen[bytes] | psutil.Process] = {}
-        self._create_times: dict[int, float] = {}
-        self._events: queue.SimpleQueue[BackendEvent] = queue.SimpleQueue()
-        self._requests: set[str] = set()
-        self._lock = threading.Lock()
+        if not poll_interval_s > 0:
+            raise BackendError(f"poll_interval_s must be positive, got {poll_interval_s}")
         self._poll_interval_s = poll_interval_s
+        self._lock = threading.Lock()  # the state below, shared with the waiter and watcher threads
+        self._nodes: dict[str, _Node] = {}  # running, by node id
+        self._gone: set[str] = set()  # node ids whose end was reported (or queued): never twice
+        self._ended: list[NodeExit] = []  # not yet returned by poll
+        self._errors: list[NodeError] = []  # not yet returned by poll
+        # launch and adopt run one at a time: a node id is checked and then started or watched,
+        # and another call in between must not start or watch it a second time
+        self._start_lock = threading.Lock()
+        self._requests: set[tuple[str, str]] = set()  # (call, request id) already seen
         self._closed = threading.Event()
+        self._watchers: list[threading.Thread] = []
 
-    def launch(self, specs: list[WorkerSpec], request_id: str) -> list[LaunchError]:
-        with self._lock:
-            if request_id in self._requests:
-                return []
-            self._requests.add(request_id)
-        errors = []
-        for spec in specs:
-            try:
-                proc = self._spawn(spec)
-            except OSError as exc:
-                errors.append(launch_error(spec, exc))
-                continue
-            with self._lock:
-                self._procs[spec.worker_id] = proc
+    # ------------------------------------------------------------------------------ launch
+    def launch(self, specs: list[NodeSpec], request_id: str) -> None:
+        """Start the nodes. A node id already running starts nothing (it runs, as asked); one that
+        ran and ended is reported as a ``NodeError`` (a node id names one process, once)."""
+        with self._start_lock:
+            if not self._first("launch", request_id):
+                return
+            for spec in specs:
+                with self._lock:
+                    if spec.node_id in self._nodes:
+                        continue
+                    if spec.node_id in self._gone:
+                        self._errors.append(NodeError(spec.node_id, f"node {spec.node_id} already ran and ended; "
+                                                      "a node id is launched once"))
+                        continue
+                if not spec.argv:
+                    self._fail(NodeError(spec.node_id, "cannot start a node with an empty argv"))
+                    continue
                 try:
-                    self._create_times[spec.worker_id] = psutil.Process(proc.pid).create_time()
-                except psutil.Error:
-                    self._create_times[spec.worker_id] = time.time()
-            threading.Thread(target=self._wait_child, args=(spec.worker_id, proc), daemon=True,
-                             name=f"tidal-wait-{spec.worker_id}").start()
-        return errors
+                    proc = _spawn(spec)
+                except OSError as exc:
+                    self._fail(launch_error(spec, exc))
+                    continue
+                except (ValueError, subprocess.SubprocessError) as exc:  # e.g. a NUL byte in argv
+                    self._fail(NodeError(spec.node_id, f"cannot start {spec.argv[0]}: {exc}"))
+                    continue
+                try:
+                    create_time: float = psutil.Process(proc.pid).create_time()
+                except psutil.Error:  # cannot happen to an unreaped child; a guess beats no handle
+                    create_time = time.time()
+                handle = NodeHandle(spec.node_id, proc.pid, create_time)
+                with self._lock:
+                    self._nodes[spec.node_id] = _Node(proc, handle, spec.resources)
+                log.info("node %s started: pid %d, %s", spec.node_id, proc.pid, spec.resources)
+                threading.Thread(target=self._wait_child, args=(spec.node_id, proc), daemon=True,
+                                 name=f"tidal-wait-{spec.node_id}").start()
 
-    @staticmethod
-    def _spawn(spec: WorkerSpec) -> subprocess.Popen[bytes]:
-        env = {**os.environ, **spec.env}
-        with contextlib.ExitStack() as stack:  # the log file is closed even if Popen fails
-            log_file = stack.enter_context(open(spec.log_path, "ab")) if spec.log_path else subprocess.DEVNULL
-            return subprocess.Popen(
-                spec.argv, env=env, cwd=spec.cwd, stdin=subprocess.DEVNULL,
-                stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
-            )
+    def _fail(self, error: NodeError) -> None:
+        log.warning("node %s did not start: %s", error.node_id, error.message)
+        with self._lock:
+            self._errors.append(error)
 
-    def _wait_child(self, worker_id: int, proc: subprocess.Popen[bytes]) -> None:
-        code = proc.wait()
-        self._finish(worker_id, code)
+    def _wait_child(self, node_id: str, proc: subprocess.Popen[bytes]) -> None:
+        self._finish(node_id, proc.wait())  # negative for a signal, as NodeExit wants
 
-    def _watch_adopted(self, worker_id: int, proc: psutil.Process) -> None:
+    # ------------------------------------------------------------------------------ terminate
+    def terminate(self, node_ids: list[str], request_id: str) -> None:
+        """SIGKILL the nodes. Our child is reported with its status (-9); an adopted node, not our
+        child, with None. Unknown and ended ids are ignored."""
+        with self._lock:
+            if not self._first_locked("terminate", request_id):
+                return
+            procs = [(n, self._nodes[n].proc) for n in node_ids if n in self._nodes]
+        for node_id, proc in procs:
+            log.info("node %s: SIGKILL to pid %d", node_id, proc.pid)
+            try:
+                if isinstance(proc, subprocess.Popen):
+                    proc.send_signal(signal.SIGKILL)  # does nothing once the waiter reaped it
+                else:
+                    proc.kill()  # psutil refuses a pid that now belongs to another process
+            except (OSError, psutil.Error):
+                pass  # already gone: its watcher reports it
+
+    # ------------------------------------------------------------------------------ adopt
+    def adopt(self, handles: list[NodeHandle], request_id: str) -> None:
+        """Watch processes an earlier master started. Idempotent: a master that reloads its
+        journal adopts the same nodes again, and a second watcher would report an end twice."""
+        with self._start_lock:
+            if not self._first("adopt", request_id):
+                return
+            for handle in handles:
+                self._adopt_one(handle)
+
+    def _adopt_one(self, handle: NodeHandle) -> None:
+        with self._lock:
+            node = self._nodes.get(handle.node_id)
+            if handle.node_id in self._gone:
+                return  # its end was reported already
+        if node is not None:
+            if node.handle.pid != handle.pid:
+                log.warning("node %s runs as pid %d: not adopting pid %d under its id",
+                            handle.node_id, node.handle.pid, handle.pid)
+            return  # launched here, or adopted before
+        try:
+            if handle.pid <= 0:  # never a node's (psutil shows Linux's idle task as pid 0)
+                raise psutil.NoSuchProcess(handle.pid)
+            proc = psutil.Process(handle.pid)
+            create_time = proc.create_time()
+            reused = (handle.create_time is not None
+                      and abs(create_time - handle.create_time) > CREATE_TIME_TOLERANCE_S)
+            gone = reused or proc.status() == psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            gone = True
+        if gone:
+            log.info("node %s (pid %d) is gone: not adopted", handle.node_id, handle.pid)
+            self._finish(handle.node_id, None)
+            return
+        with self._lock:
+            self._nodes[handle.node_id] = _Node(proc, NodeHandle(handle.node_id, handle.pid, create_time), Resources())
+        log.info("node %s adopted: pid %d", handle.node_id, handle.pid)
+        watcher = threading.Thread(target=self._watch_adopted, args=(handle.node_id, proc), daemon=True,
+                                   name=f"tidal-watch-{handle.node_id}")
+        self._watchers.append(watcher)
+        watcher.start()
+
+    def _watch_adopted(self, node_id: str, proc: psutil.Process) -> None:
         while not self._closed.is_set():
             try:
+                # is_running() is False once the pid belongs to another process (psutil compares
+                # create times); a zombie has ended, its parent just has not reaped it yet
                 if not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE:
                     break
             except psutil.Error:
                 break
-            time.sleep(self._poll_interval_s)
+            self._closed.wait(self._poll_interval_s)
         else:
-            return
-        self._finish(worker_id, None)  # not our child: its exit code is not ours to read
+            return  # closed: the node keeps running for the next master to adopt
+        self._finish(node_id, None)  # not our child: its exit status is not ours to read
 
-    def _finish(self, worker_id: int, code: int | None) -> None:
+    # ------------------------------------------------------------------------------ poll
+    def _finish(self, node_id: str, code: int | None) -> None:
         with self._lock:
-            self._procs.pop(worker_id, None)
-            self._create_times.pop(worker_id, None)
-        self._events.put(BackendEvent(worker_id, code, time.time()))
+            self._nodes.pop(node_id, None)
+            if node_id in self._gone:
+                return
+            self._gone.add(node_id)
+            self._ended.append(NodeExit(node_id, code, time.time()))
+        log.info("node %s ended: exit code %s", node_id, code)
 
-    def adopt(self, worker_id: int, pid: int, create_time: float | None) -> bool:
-        """Idempotent: a master that reloads its state adopts the same processes again, and a
-        second watcher would report the process's end twice."""
+    def poll(self) -> BackendState:
         with self._lock:
-            watched = self._procs.get(worker_id)
-        if watched is not None and watched.pid == pid:
-            return True
-        try:
-            proc = psutil.Process(pid)
-            if create_time is not None and abs(proc.create_time() - create_time) > 1.0:
-                return False  # the pid was reused by another process
-            if proc.status() == psutil.STATUS_ZOMBIE:
-                return False
-        except psutil.Error:
-            return False
-        with self._lock:
-            watched = self._procs.get(worker_id)
-            if watched is not None and watched.pid == pid:
-                return True  # adopted meanwhile by another caller
-            self._procs[worker_id] = proc
-            self._create_times[worker_id] = proc.create_time()
-        threading.Thread(target=self._watch_adopted, args=(worker_id, proc), daemon=True,
-                         name=f"tidal-watch-{worker_id}").start()
-        return True
-
-    def terminate(self, worker_ids: list[int], request_id: str) -> None:
-        for worker_id in worker_ids:
-            with self._lock:
-                proc = self._procs.get(worker_id)
-            if proc is None:
-                continue
-            try:
-                if isinstance(proc, subprocess.Popen):
-                    proc.send_signal(signal.SIGKILL)
-                else:
-                    proc.kill()
-            except (OSError, psutil.Error):
-                pass
-
-    def pids(self) -> dict[int, tuple[int, float]]:
-        with self._lock:
-            return {w: (p.pid, self._create_times.get(w, 0.0)) for w, p in self._procs.items()}
-
-    def poll_events(self) -> list[BackendEvent]:
-        out = []
-        while True:
-            try:
-                out.append(self._events.get_nowait())
-            except queue.Empty:
-                return out
+            state = BackendState({n: node.handle for n, node in self._nodes.items()}, self._ended, self._errors)
+            self._ended, self._errors = [], []
+        return state
 
     def close(self) -> None:
+        """Stop the watchers of adopted nodes (the nodes keep running). The waiters of our own
+        children stay: each ends when its child does, and reaps it."""
         self._closed.set()
+        for watcher in self._watchers:
+            watcher.join()
+
+    # ------------------------------------------------------------------------------ helpers
+    def _first(self, call: str, request_id: str) -> bool:
+        with self._lock:
+            return self._first_locked(call, request_id)
+
+    def _first_locked(self, call: str, request_id: str) -> bool:
+        """Record ``request_id`` for ``call``; False if it was seen before (a retried call)."""
+        key = (call, request_id)
+        if key in self._requests:
+            return False
+        self._requests.add(key)
+        return True
 
 
-def launch_error(spec: WorkerSpec, exc: OSError) -> LaunchError:
+def _spawn(spec: NodeSpec) -> subprocess.Popen[bytes]:
+    env = {**os.environ, **spec.env}
+    with contextlib.ExitStack() as stack:  # the log file is closed even if Popen fails
+        out = stack.enter_context(open(spec.log_path, "ab")) if spec.log_path else subprocess.DEVNULL
+        return subprocess.Popen(
+            spec.argv, env=env, cwd=spec.cwd, stdin=subprocess.DEVNULL,
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+
+
+def launch_error(spec: NodeSpec, exc: OSError) -> NodeError:
     """``retryable`` when the machine ran short (RETRYABLE_ERRNOS), not when the script is wrong
     (a missing interpreter, a bad working directory)."""
     code = errno.errorcode.get(exc.errno or 0, "no errno")
     retryable = exc.errno in RETRYABLE_ERRNOS
     hint = "; the machine is short of resources, not the script at fault" if retryable else ""
-    return LaunchError(spec.worker_id, f"cannot start {spec.argv[0]}: {exc} ({code}){hint}", retryable=retryable)
+    return NodeError(spec.node_id, f"cannot start {spec.argv[0]}: {exc} ({code}){hint}", retryable=retryable)

@@ -7,6 +7,7 @@ import sys
 import typer
 
 from tidal.api import ConfigError
+from tidal.backends.api import BackendError
 
 app = typer.Typer(
     name="tidal",
@@ -49,7 +50,7 @@ def main() -> None:
     except typer.Abort:
         typer.echo("tidal: aborted", err=True)
         sys.exit(1)
-    except ConfigError as exc:
+    except (ConfigError, BackendError) as exc:  # BackendError: e.g. a journal naming a backend not registered
         typer.echo(f"tidal: error: {exc}", err=True)
         sys.exit(2)
     # without standalone mode click returns what ended the command: typer.Exit's code or None

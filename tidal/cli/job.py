@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import typer
 
+from tidal import backends
 from tidal.api import ConfigError, StatusResponse
 from tidal.cli import app, fail
 
@@ -34,6 +35,12 @@ HEARTBEAT_TIMEOUT_S = (1.0, 3600.0)
 COLLECTIVE_TIMEOUT_S = (1.0, 3600.0)
 ROUND_TIMEOUT_S = (1.0, 3600.0)
 PROGRESS_TIMEOUT_S = (1.0, 86400.0)  # a day: one step of a large model may take many minutes
+
+
+def backends_help() -> str:
+    """``--backend``'s help: each registered backend and what it is."""
+    return "Where the job's processes run: " + "; ".join(
+        f"{name} ({backends.summary(name)})" if backends.summary(name) else name for name in backends.names()) + "."
 
 
 def check_range(option: str, value: float, bounds: tuple[float, float], after: str = "") -> None:
@@ -137,6 +144,7 @@ def run(
         help="Force the workers' process-group backend, gloo or nccl. Default: from the model's device "
              "(gloo on CPU; nccl on GPUs when each worker has its own, one GPU per worker from "
              "CUDA_VISIBLE_DEVICES or the machine's; gloo over CUDA where they must share)."),
+    backend: str = typer.Option("local", "--backend", metavar="NAME", help=backends_help()),
 ) -> None:
     """Run SCRIPT [ARGS...] as an elastic job of local worker processes.
 
@@ -158,6 +166,8 @@ def run(
     check_range("--round-timeout", round_timeout, ROUND_TIMEOUT_S, " seconds")
     check_range("--progress-timeout", progress_timeout, PROGRESS_TIMEOUT_S, " seconds")
     check_range("--max-restarts", max_restarts, (0, MAX_RESTARTS))
+    if backend not in backends.names():
+        raise fail(f"unknown --backend {backend!r}; known: {', '.join(backends.names())}")
     if not script.is_file():
         raise fail(f"script {script} not found")
     if initial is not None and not low <= initial <= high:
@@ -182,7 +192,7 @@ def run(
         ledger_path=str(ledger.resolve()) if ledger else None, initial_workers=initial,
         heartbeat_timeout_s=heartbeat_timeout, collective_timeout_s=collective_timeout,
         round_timeout_s=round_timeout, progress_timeout_s=progress_timeout, max_restarts=max_restarts,
-        cwd=os.getcwd(), env=env, gpus=gpus,
+        cwd=os.getcwd(), env=env, gpus=gpus, backend=backend,
     )
     _point_current(directory)
     typer.echo(f"tidal: job {job_id} on http://127.0.0.1:{spec.port} (job dir {directory})", err=True)
@@ -267,6 +277,8 @@ def master(
     if raw is None:
         raise fail(f"{resume} is not a tidal journal")
     spec = JobSpec.from_json(raw)
+    if spec.backend not in backends.names():  # a job started by a program that registered its own
+        raise fail(f"the job ran on backend {spec.backend!r}, unknown here; known: {', '.join(backends.names())}")
     sock = bind_socket(spec.host, spec.port)
     typer.echo(f"tidal: resuming job {spec.job_id} on http://{spec.host}:{spec.port}", err=True)
     code, m = run_master(spec, resume, resume=True, sock=sock, follow_logs=not quiet)

@@ -44,6 +44,13 @@ class NotExhaustedError(MasterError, PermanentError):
     status = 409
 
 
+class InvalidTransitionError(MasterError, PermanentError):
+    """A state change the transition table forbids (a worker record, a shard): the request that
+    asked for it conflicts with the state, or the master has a bug; it never passes silently."""
+
+    status = 409
+
+
 class JournalUnavailableError(MasterError, RetryableError):
     """The journal (or the ledger beside it) cannot be written: disk full, I/O error.
 
@@ -93,6 +100,9 @@ class JobSpec:
     env: dict[str, str] = field(default_factory=dict)
     cwd: str | None = None
     gpus: list[str] = field(default_factory=list)  # GPU ids the local backend hands out, one per worker slot
+    # where the nodes run, by name in tidal.backends.registry; journaled with the spec, so a
+    # resumed master uses the backend that started the nodes it adopts
+    backend: str = "local"
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

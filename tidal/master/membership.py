@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tidal.api import WorkerState
+from tidal.master.api import InvalidTransitionError
 
 W = WorkerState
 
@@ -49,17 +50,20 @@ class WorkerRecord:
     # the latest transitions (a worker moves ACTIVE <-> WAITING every round: bounded)
     history: deque[tuple[float, str]] = field(default_factory=lambda: deque(maxlen=HISTORY))
 
-    def move(self, new: WorkerState, now: float) -> bool:
-        """Apply a transition; returns False (and changes nothing) if the table forbids it."""
+    def move(self, new: WorkerState, now: float) -> None:
+        """Apply a transition (moving to the state it is in changes nothing).
+
+        Raises:
+            InvalidTransitionError: the table forbids it; nothing changed.
+        """
         if new is self.state:
-            return True
+            return
         if new not in ALLOWED_TRANSITIONS[self.state]:
-            return False
+            raise InvalidTransitionError(f"worker {self.worker_id} cannot go from {self.state.value} to {new.value}")
         self.state = new
         self.history.append((now, new.value))
         if new is W.ACTIVE:
             self.ever_active = True
-        return True
 
     def progressed(self, step: int, now: float) -> None:
         """It reports ``step`` applied: note when, and how long its steps take."""

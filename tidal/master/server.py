@@ -93,7 +93,7 @@ def run_master(
     sock = sock or bind_socket(spec.host, spec.port)
     spec.port = sock.getsockname()[1]
     journal = SqliteJournal(journal_path, create=not resume)
-    backend = get_backend("local")
+    backend = get_backend(spec.backend)
 
     # The workers' process groups rendezvous through the master's own control plane
     # (/v1/store, tidal.master.store): same socket, same token, no second listener.
