@@ -306,18 +306,19 @@ def split_args(argv: list[str] | None = None, extra: Sequence[tuple[str, dict[st
 def _instrument(job: Any, stamps: StampWriter) -> None:
     """Stamp every step this process applies, with its own samples of that step.
 
-    Wraps the job's ``_applied`` (called once per applied step, after ``optimizer.step()``, in
-    both the plain and the logical-worker path), so there is one stamp per optimizer step, as
-    bench/ddp_ctr.py writes one: with E logical workers in a process, one stamp carries their
-    E batches (a stamp per EST would cost the logical run E writes per step to the peer's one).
+    Wraps the job's public ``step_applied`` (the step runner calls it once per applied step,
+    after ``optimizer.step()``, in both the plain and the logical-worker path), so there is one
+    stamp per optimizer step, as bench/ddp_ctr.py writes one: with E logical workers in a
+    process, one stamp carries their E batches (a stamp per EST would cost the logical run E
+    writes per step to the peer's one).
     """
-    applied = job._applied
+    applied = job.step_applied
 
-    def stamped_applied(state: Any, pending: Any, collective_s: float) -> None:
-        applied(state, pending, collective_s)
-        stamps.stamp(job.world_size, pending.mine, state.applied_step)
+    def stamped_applied(step: Any) -> None:
+        applied(step)
+        stamps.stamp(job.world_size, step.mine, step.step)
 
-    job._applied = stamped_applied
+    job.step_applied = stamped_applied
 
 
 def tidal_worker(argv: list[str] | None = None) -> None:

@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     device = pick_device(args.device)
     model = DLRM(**MODEL_SIZES[args.model_size]).to(device)  # type: ignore[arg-type]
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    job.state(model, optimizer)
+    state = job.state(model, optimizer)
     loss_fn = torch.nn.BCEWithLogitsLoss()
     slow = args.slowdown if job.worker_id == args.slow_worker else 1.0
 
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
             if job.rank == 0 and args.log_every and step % args.log_every == 0 and step != logged:
                 logged = step
                 rate = seen / max(time.monotonic() - t0, 1e-9)
-                print(f"step {step} epoch {job._state.epoch if job._state else 0} loss {loss.item():.4f} "
+                print(f"step {step} epoch {state.epoch} loss {loss.item():.4f} "
                       f"workers {job.world_size} {rate:.0f} samples/s (this worker)", flush=True)
 
     train_seconds = time.monotonic() - t0

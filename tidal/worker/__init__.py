@@ -3,8 +3,9 @@
 See tidal.worker.job for the loop and the README for a side-by-side with a torchrun script.
 """
 
+from tidal.worker.api import WorkerGoneError
 from tidal.worker.job import Job, init
 from tidal.worker.loader import ElasticDataLoader
 from tidal.worker.state import State
 
-__all__ = ["ElasticDataLoader", "Job", "State", "init"]
+__all__ = ["ElasticDataLoader", "Job", "State", "WorkerGoneError", "init"]

@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
+import time
 from typing import Any
 from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
 
+from tidal.api import FrameError
+from tidal.api.frames import MAX_HEADER_BYTES
 from tidal.worker.api import CollectiveError
 from tidal.worker.logical import Grads, flatten, param_grads, set_grads, sum_and_scale, unflatten
-from tidal.worker.state import pack_state, unpack_state
+from tidal.worker.state import MAX_STATE_BYTES, pack_state, unpack_state
 from tidal.worker.store import MasterStore
 
 log = logging.getLogger(__name__)
@@ -65,6 +69,7 @@ class RoundComm:
         self._flat: torch.Tensor | None = None
         self._reduced: tuple[torch.Tensor, int] | None = None
         self._scale_grads = False
+        self.busy_since: float | None = None  # monotonic time the collective in flight began
 
     @classmethod
     def connect(cls, *, url: str, token: str, prefix: str, rank: int, world_size: int, backend: str,
@@ -79,6 +84,9 @@ class RoundComm:
         try:
             store = comm.store = MasterStore(url, token, prefix, timeout=connect)
             if backend == "nccl":
+                # a timed-out collective aborts the communicator and raises in this process
+                # (2: clean up only) instead of torch's default, which kills the process
+                os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = datetime.timedelta(seconds=timeout_s)
                 comm.group = dist.ProcessGroupNCCL(store, rank, world_size, opts)
@@ -95,6 +103,41 @@ class RoundComm:
             comm.close()
             raise CollectiveError(f"cannot form the process group: {exc}") from exc
         return comm
+
+    # ------------------------------------------------------------------ stalls
+    def _wait(self, work: Any) -> None:
+        """Wait for a collective, noting since when (``stalled_for``): a watcher thread can then
+        tell a collective that waits for a dead peer from one that is merely running."""
+        self.busy_since = time.monotonic()
+        try:
+            work.wait()
+        finally:
+            self.busy_since = None
+
+    def stalled_for(self) -> float:
+        """Seconds the collective in flight has waited so far (0: none in flight)."""
+        since = self.busy_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    def abort(self) -> bool:
+        """Abort the collective in flight from another thread; True if the group can be aborted.
+
+        NCCL: a peer that died mid-collective leaves the survivors blocked in the kernel until
+        the watchdog's timeout (torchrun users report 30-minute hangs); ``abort`` tears the
+        communicator down and the blocked ``wait`` raises, so the member goes to the rendezvous
+        at once. Gloo needs none of this (and its ``abort`` does not wake a blocked wait, measured
+        on torch 2.13): a dead peer's sockets close and the wait raises, and a hung peer is
+        SIGKILLed by the master, which closes them.
+        """
+        group = self.group
+        if group is None or self.backend != "nccl":
+            return False
+        try:
+            group.abort()
+        except (RuntimeError, AttributeError) as exc:
+            log.warning("aborting the nccl group: %s", exc)
+            return False
+        return True
 
     def close(self) -> None:
         if self.group is not None:
@@ -116,7 +159,7 @@ class RoundComm:
         mine = mine.to(self.device)
         out = [torch.empty_like(mine) for _ in range(self.world_size)]
         try:
-            self.group.allgather([out], [mine]).wait()
+            self._wait(self.group.allgather([out], [mine]))
         except (RuntimeError, ValueError) as exc:
             raise CollectiveError(f"step header exchange failed: {exc}") from exc
         return torch.stack(out).cpu()
@@ -126,7 +169,7 @@ class RoundComm:
         opts.rootRank = source
         opts.rootTensor = 0
         on_device = tensor.to(self.device)  # a no-op for gloo; nccl needs device tensors
-        self.group.broadcast([on_device], opts).wait()
+        self._wait(self.group.broadcast([on_device], opts))
         if on_device is not tensor:
             tensor.copy_(on_device.cpu())
 
@@ -161,7 +204,7 @@ class RoundComm:
         base = self.rank * HEADER_FIELDS * _CHUNKS
         header[base:base + HEADER_FIELDS * _CHUNKS].copy_(_encode_header(row))
         try:
-            self.group.allreduce([flat]).wait()
+            self._wait(self.group.allreduce([flat]))
         except (RuntimeError, ValueError) as exc:
             raise CollectiveError(f"gradient all-reduce failed: {exc}") from exc
         self._reduced = (flat, length)
@@ -203,7 +246,7 @@ class RoundComm:
             flat.mul_(weight)
         if self.group is not None:
             try:
-                self.group.allreduce([flat]).wait()
+                self._wait(self.group.allreduce([flat]))
             except (RuntimeError, ValueError) as exc:
                 raise CollectiveError(f"gradient all-reduce failed: {exc}") from exc
         set_grads(params, flat)
@@ -240,7 +283,7 @@ class RoundComm:
         part[width:].copy_(_encode_header(row))
         gathered = torch.empty(k * stride, dtype=send.dtype, device=send.device)
         try:
-            self.group.alltoall_base(recv, send, [n * mine for n in counts], [len(local) * s for s in sizes]).wait()
+            self._wait(self.group.alltoall_base(recv, send, [n * mine for n in counts], [len(local) * s for s in sizes]))
             if mine:  # sum_and_scale, on this slice
                 rows = recv.view(sum(counts), mine)
                 acc = part[:mine]
@@ -249,7 +292,7 @@ class RoundComm:
                     acc.add_(rows[r])  # left to right, as sum_in_order
                 if after != 1.0:
                     acc.mul_(after)
-            self.group._allgather_base(gathered, part).wait()
+            self._wait(self.group._allgather_base(gathered, part))
         except (RuntimeError, ValueError) as exc:
             raise CollectiveError(f"logical-order reduction failed: {exc}") from exc
         blocks = gathered.view(k, stride)
@@ -267,7 +310,7 @@ class RoundComm:
         flat = flatten(sum_and_scale(local, after))
         if self.group is not None:
             try:
-                self.group.allreduce([flat]).wait()
+                self._wait(self.group.allreduce([flat]))
             except (RuntimeError, ValueError) as exc:
                 raise CollectiveError(f"gradient all-reduce failed: {exc}") from exc
         return unflatten(flat, like), headers
@@ -289,17 +332,34 @@ class RoundComm:
                 offset += n
 
     def broadcast_state(self, tree: object | None, source: int) -> object:
-        """Send the source's state to every member; returns the state as received."""
+        """Send the source's state to every member; returns the state as received.
+
+        Three broadcasts: the two sizes, the header, the flat buffer (``tidal.worker.state``'s
+        ``pack_state``: a ``tidal.api.frames`` message joined into one buffer). A receiver checks
+        the sizes before it allocates and the message before it builds a tensor.
+
+        Raises:
+            CollectiveError: a broadcast failed (a peer died or left): re-form.
+            TypeError: (on the source) the state holds something that cannot be sent.
+            FrameError: the state is too large to send, or a receiver got sizes or a message
+                that break the codec's rules (the source is not to be trusted with memory).
+        """
         if self.group is None:
             return tree
+        if self.rank == source:
+            header, flat = pack_state(tree)
+            sizes = torch.tensor([len(header), flat.numel()], dtype=torch.int64)
+        else:
+            sizes = torch.zeros(2, dtype=torch.int64)
         try:
-            if self.rank == source:
-                header, flat = pack_state(tree)
-                sizes = torch.tensor([len(header), flat.numel()], dtype=torch.int64)
-            else:
-                sizes = torch.zeros(2, dtype=torch.int64)
             self._broadcast(sizes, source)
-            n_header, n_flat = int(sizes[0]), int(sizes[1])
+        except (RuntimeError, ValueError) as exc:
+            raise CollectiveError(f"state broadcast failed: {exc}") from exc
+        n_header, n_flat = int(sizes[0]), int(sizes[1])
+        if not (0 < n_header <= MAX_HEADER_BYTES and 0 <= n_flat <= MAX_STATE_BYTES):
+            raise FrameError(f"state broadcast announces a header of {n_header} bytes and a buffer of "
+                             f"{n_flat} (limits {MAX_HEADER_BYTES} and {MAX_STATE_BYTES})")
+        try:
             header_t = (torch.frombuffer(bytearray(header), dtype=torch.uint8) if self.rank == source
                         else torch.empty(n_header, dtype=torch.uint8))
             self._broadcast(header_t, source)

@@ -1,4 +1,4 @@
-"""A training process's side of an elastic job: join, rounds, steps, commits, re-forms.
+"""A training process's side of an elastic job: join, rounds, re-forms, reports.
 
 The script's loop stays an ordinary loop::
 
@@ -11,8 +11,16 @@ The script's loop stays an ordinary loop::
 
 Re-forms happen inside ``for`` and ``job.step()``: on a broken collective or the master's
 notice, the process leaves the round, rendezvous again, restores (or receives) the committed
-state in place and carries on; the loop never sees an exception. Without ``TIDAL_MASTER_URL`` in
-the environment the same script runs as one local worker with no master (for debugging).
+state in place and carries on; the loop never sees an exception for it. Two decisions of the
+master do end the loop, at the next iteration, and neither one silently: a worker scaled in
+(or left over when the job finished) raises ``SystemExit(0)``, a worker the master declared
+failed raises ``tidal.worker.api.WorkerGoneError`` (``Job.ensure_round`` says why). Without
+``TIDAL_MASTER_URL`` in the environment the same script runs as one local worker with no master
+(for debugging).
+
+``Job`` owns membership: the rounds, the rendezvous and the reporter thread. Applying a step
+(reduction, ``optimizer.step()``, commit; plain or logical workers) belongs to its
+``tidal.worker.step.StepRunner``, which the elastic loader drives (``job.steps``).
 """
 
 from __future__ import annotations
@@ -22,7 +30,6 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,55 +51,30 @@ from tidal.api import (
 from tidal.worker.api import CollectiveError, FinishRefusedError, UsageError, WorkerGoneError
 from tidal.worker.checkpoint import save_checkpoint
 from tidal.worker.client import MasterClient
-from tidal.worker.comm import END, EPOCH, REFORM, START, WORKER, N, RoundComm
-from tidal.worker.logical import (
-    GradientStash,
-    Weighting,
-    contributions_sent,
-    enter_context,
-    est_ranks,
-    est_seed,
-    folds,
-    skip_empty_zero_grad,
-)
+from tidal.worker.comm import RoundComm
+from tidal.worker.loader import ElasticDataLoader
 from tidal.worker.placement import choose_backend, model_device
 from tidal.worker.state import State
+from tidal.worker.step import AppliedStep, StepRunner
 
 log = logging.getLogger(__name__)
 
 REPORT_INTERVAL_S = 0.25
-
-
-@dataclass
-class PendingStep:
-    """The step whose batch the script is computing: headers of every worker, this worker's part."""
-
-    step: int
-    headers: list[list[int]]  # one row per worker (tidal.worker.comm.HEADER_FIELDS)
-    total: int
-    mine: int
-    started: float
-    collective_s: float
-    records: list[StepRecord] | None = None  # logical workers: known from the data order
-    span: tuple[int, int, int] | None = None  # (epoch, start, end) of this worker's batch
-
-
-@dataclass
-class LogicalStep:
-    """One global step of logical workers in this process (see tidal.worker.logical)."""
-
-    pending: PendingStep
-    batches: list[tuple[int, int]]  # [start, end) of every logical rank
-    weighting: Weighting
-    current: int | None = None  # the EST whose batch the script is computing
-    buffers_start: list[torch.Tensor] | None = None
-    buffers_est0: list[torch.Tensor] | None = None
+STALL_ABORT_S = 1.0  # a collective waiting this long when the master re-forms waits for a dead peer
 
 
 class Job:
-    """Membership in an elastic job (or a local single-worker run when ``client`` is None)."""
+    """Membership in an elastic job (or a local single-worker run when ``client`` is None).
 
-    def __init__(self, client: MasterClient | None, worker_id: int, job_id: str, backend: str | None = None) -> None:
+    The job owns the rounds (rendezvous, the process group, re-forms) and the reporter thread
+    (heartbeats, step records, pauses); applying a step belongs to its ``StepRunner``
+    (``job.steps``, tidal.worker.step), which tells the job of every applied step, broken
+    collective and re-form through ``step_applied``, ``collective_broke`` and
+    ``leave_for_rendezvous``.
+    """
+
+    def __init__(self, client: MasterClient | None, worker_id: int, job_id: str, backend: str | None = None,
+                 *, logical: int | None = None) -> None:
         self.client = client
         self.worker_id = worker_id
         self.job_id = job_id
@@ -105,9 +87,9 @@ class Job:
         self.world_size = 1
         self.generation = 0  # bumped on every new round; loaders reset their leases
         self._state: State | None = None
+        self._steps: StepRunner | None = None
         self._comm: RoundComm | None = None
         self._in_round = False
-        self._pending: PendingStep | None = None
         self._reform_notice = False
         self._pause_from: float | None = None
         self._last_step_end = time.monotonic()
@@ -126,15 +108,8 @@ class Job:
         self._reporter: threading.Thread | None = None
         self._gone: str | None = None
         self._failure = ""  # why this worker last left a round, for the master (see _rendezvous)
-        # logical workers (EasyScale ESTs); None: one worker per process
-        self.logical: int | None = None
-        self.est_seed = 0
+        self.logical = logical  # logical workers (EasyScale ESTs); None: one worker per process
         self.checkpoint_dir: str | None = None
-        self.local_ests: list[int] = []
-        self._est_counts: list[int] = []
-        self._stash = GradientStash()
-        self._lstep: LogicalStep | None = None
-        self._reduction = os.environ.get("TIDAL_REDUCTION", "ordered")
 
     # ------------------------------------------------------------------ public API
     @property
@@ -142,22 +117,38 @@ class Job:
         return self.client is None
 
     def state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, **extras: Any) -> State:
-        """Register what is committed, restored and sent to new workers."""
+        """Register what is committed, restored and sent to new workers.
+
+        Raises:
+            tidal.worker.api.UsageError: called twice, or ``TIDAL_REDUCTION`` names no reduction.
+        """
         if self._state is not None:
             raise UsageError("job.state() was already called")
-        if self.logical is not None and optimizer is not None:
-            skip_empty_zero_grad(optimizer)  # called once per EST, after the stash emptied .grad
         self.device = model_device(list(model.parameters()))
         self.backend, warning = choose_backend(self.device, self._forced_backend,
                                                own_gpu=os.environ.get("TIDAL_OWN_GPU") == "1")
         if warning and self.worker_id == 0:
             print(warning, file=sys.stderr, flush=True)
-        self._state = State(model, optimizer, **extras)
-        return self._state
+        state = State(model, optimizer, **extras)
+        self._steps = StepRunner(state, self, worker_id=self.worker_id, lock=self._lock, logical=self.logical,
+                                 ledger=self.client is not None,
+                                 reduction=os.environ.get("TIDAL_REDUCTION", "ordered"))
+        self._state = state
+        return state
 
-    def loader(self, dataset: Any, batch_size: int, epochs: int = 1, **options: Any) -> Any:
-        from tidal.worker.loader import ElasticDataLoader
+    @property
+    def steps(self) -> StepRunner:
+        """The owner of applying steps (tidal.worker.step); the elastic loader drives it.
 
+        Raises:
+            tidal.worker.api.UsageError: ``job.state()`` was not called yet.
+        """
+        if self._steps is None:
+            raise UsageError("call job.state(model, optimizer) before iterating the loader")
+        return self._steps
+
+    def loader(self, dataset: Any, batch_size: int, epochs: int = 1, **options: Any) -> ElasticDataLoader:
+        """An elastic data loader over ``dataset`` (tidal.worker.loader.ElasticDataLoader)."""
         return ElasticDataLoader(self, dataset, batch_size=batch_size, epochs=epochs, **options)
 
     @property
@@ -169,15 +160,12 @@ class Job:
         dropped by a re-form (its samples go back to the queue; the loop just continues).
 
         With logical workers the gradient is stashed for the current logical worker and the
-        step is applied once every local logical worker has had its turn."""
-        state = self._require_state()
-        if self._lstep is not None:
-            return self._stash_est(state, self._lstep)
-        pending = self._pending
-        if pending is None:
-            raise UsageError("job.step() called without a batch from the elastic loader")
-        self._pending = None
-        return self._reduce_and_apply(state, pending) == "applied"
+        step is applied once every local logical worker has had its turn.
+
+        Raises:
+            tidal.worker.api.UsageError: no batch of the elastic loader waits for this call.
+        """
+        return self.steps.step()
 
     def finish(self, **metrics: float) -> None:
         """Tell the master training is over; ``metrics`` (e.g. ``auc=0.79``) go into its summary.
@@ -188,10 +176,12 @@ class Job:
 
         Raises:
             tidal.worker.api.FinishRefusedError: the master knows samples that were not trained.
+            tidal.worker.api.WorkerGoneError: the master declared this worker failed.
             OSError: the final checkpoint could not be written.
         """
         if self.client is not None:
             self._flush_reports()
+            self._check_gone()  # a failed worker's state is not the job's: no checkpoint of it
         if self.checkpoint_dir and self.rank == 0 and self._state is not None and self._state.applied_step >= 0:
             self.checkpoint()
         if self.client is not None:
@@ -210,219 +200,95 @@ class Job:
             self._reporter.join(timeout=2)
         self._leave_round()
 
-    # ------------------------------------------------------------------ step internals
-    def _require_state(self) -> State:
-        if self._state is None:
-            raise UsageError("call job.state(model, optimizer) before iterating the loader")
-        return self._state
-
-    def _local_step(self, epoch: int, start: int, end: int) -> PendingStep:
-        """The step this worker is about to compute (nothing is exchanged before the reduction)."""
-        self._check_gone()
-        state = self._require_state()
-        return PendingStep(state.applied_step + 1, [], 0, end - start, time.monotonic(), 0.0,
-                           span=(epoch, start, end))
-
-    def _reduce_and_apply(self, state: State, pending: PendingStep) -> str:
-        """One all-reduce carries the gradients and every worker's step header.
-
-        Returns "applied", "epoch_end" (no worker had data: nothing to apply) or "broken".
-        A re-form notice in any header is acted on after the step is applied, by everyone.
-        """
-        assert self._comm is not None and pending.span is not None
-        epoch, start, end = pending.span
-        params = state.trainable()
-        row = [pending.mine, int(self._reform_notice), epoch, start, end, self.worker_id]
-        t0 = time.monotonic()
-        try:
-            # each worker adds its samples' share; dividing by the step's total gives the mean
-            headers = self._comm.reduce_with_header(params, float(pending.mine), row)
-        except CollectiveError as exc:
-            self._broken(exc)
-            return "broken"
-        rows = headers.tolist()
-        total = sum(r[N] for r in rows)
-        if total == 0:
-            return "epoch_end"
-        self._comm.apply_reduced(params, 1.0 / total)
-        if state.optimizer is not None:
-            state.optimizer.step()
-        pending.headers, pending.total = rows, total
-        self._applied(state, pending, time.monotonic() - t0)
-        if any(r[REFORM] for r in rows):
-            self._leave_for_rendezvous("re-form requested by the master")
-        return "applied"
-
-    def _empty_step(self, epoch: int) -> str:
-        """Take part in a step with no samples of our own (others may still have data)."""
-        state = self._require_state()
-        if state.optimizer is not None:
-            state.optimizer.zero_grad(set_to_none=True)
-        return self._reduce_and_apply(state, self._local_step(epoch, 0, 0))
-
-    def _applied(self, state: State, pending: PendingStep, collective_s: float) -> None:
-        now = time.monotonic()
-        wall = now - pending.started
-        if pending.mine:
-            rate = pending.mine / max(wall, 1e-9)
-            compute = max(wall - collective_s, 0.0) / pending.mine
-            a = 0.2 if self._samples_per_s else 1.0
-            self._samples_per_s = (1 - a) * self._samples_per_s + a * rate
-            self._compute_per_sample = (1 - a) * self._compute_per_sample + a * compute
-        if self.client is None:  # a local job: no master keeps a ledger
-            records = []
-        elif pending.records is not None:
-            records = pending.records
-        else:
-            records = [StepRecord(step=pending.step, worker=h[WORKER], epoch=h[EPOCH], start=h[START], end=h[END])
-                       for h in pending.headers if h[N] > 0]
-        with self._lock:  # the reporter must never see the step without its records
-            state.applied_step = pending.step
-            if records:
-                self._records[pending.step] = records
-            self._unsent.extend(r for r in records if r.worker == self.worker_id)
-            if self._pause_from is not None:
-                self._pauses.append(PauseReport(round=max(self.round, 0), seconds=now - self._pause_from))
-                self._pause_from = None
-        state.commit()
-        self._last_step_end = now
-
-    # ------------------------------------------------------------------ logical workers
-    def _assign_ests(self) -> None:
-        if self.logical is None:
-            return
-        if self.world_size > self.logical:
-            raise UsageError(f"{self.world_size} processes for {self.logical} logical workers: "
-                             "run with --workers MAX no larger than --logical-workers")
-        self.local_ests = est_ranks(self.logical, self.world_size, self.rank)
-        self._est_counts = contributions_sent(self.logical, self.world_size)
-
-    def _begin_logical_step(self, epoch: int, batches: list[tuple[int, int]]) -> LogicalStep:
-        """The step this process is about to run for its logical workers (nothing is exchanged:
-        the step header rides in the reduction at the end of the step)."""
-        state = self._require_state()
-        self._check_gone()
-        sizes = [e - s for s, e in batches]
-        mine = sum(sizes[r] for r in self.local_ests)
-        pending = PendingStep(state.applied_step + 1, [], sum(sizes), mine, time.monotonic(), 0.0,
-                              span=(epoch, 0, 0))
-        weighting = Weighting.of(sizes)
-        self._stash.begin(weighting, fold=folds(self.rank))
-        self._lstep = LogicalStep(pending, batches, weighting)
-        return self._lstep
-
-    def _enter_est(self, lstep: LogicalStep, logical_rank: int) -> None:
-        """Context switch: the EST's random streams, and the buffers the step started with."""
-        state = self._require_state()
-        buffers = state.buffers() if len(self.local_ests) > 1 else []  # alone: nothing to undo
-        if buffers:
-            if lstep.buffers_start is None:
-                lstep.buffers_start = [b.detach().clone() for b in buffers]
-            else:
-                with torch.no_grad():
-                    for b, saved in zip(buffers, lstep.buffers_start, strict=True):
-                        b.copy_(saved)
-        enter_context(self.est_seed, logical_rank, lstep.pending.step)
-        lstep.current = logical_rank
-
-    def _stash_est(self, state: State, lstep: LogicalStep) -> bool:
-        r = lstep.current
-        if r is None:
-            raise UsageError("job.step() called twice for one batch")
-        self._stash.put(r, state.trainable())
-        if r == 0 and len(self.local_ests) > 1 and state.buffers():  # the ESTs after it will change them
-            lstep.buffers_est0 = [b.detach().clone() for b in state.buffers()]
-        lstep.current = None
-        return True
-
-    def _finish_logical_step(self, lstep: LogicalStep) -> bool:
-        """Reduce every EST's gradient in logical order, apply, commit."""
-        state = self._require_state()
-        self._lstep = None
-        params = state.trainable()
-        for r in self.local_ests:
-            s, e = lstep.batches[r]
-            if e <= s:  # no data for this EST at this step
-                self._stash.put_zeros(r, params)
-        assert self._comm is not None and self.logical is not None
-        pending = lstep.pending
-        assert pending.span is not None
-        epoch = pending.span[0]
-        row = [pending.mine, int(self._reform_notice), epoch, 0, 0, self.worker_id]
-        t0 = time.monotonic()
-        try:
-            local = self._stash.take()
-            after = lstep.weighting.after
-            if self._reduction == "allreduce":
-                grads, rows = self._comm.reduce_by_allreduce(local, after, row)
-            else:
-                grads, rows = self._comm.reduce_in_logical_order(local, self._est_counts, after, row)
-            # buffers follow EST 0, like DDP's follow rank 0; integer ones (counters, indices)
-            # evolve the same everywhere, floating ones (BatchNorm statistics) are sent
-            floating = [b for b in state.buffers() if b.is_floating_point()]
-            if lstep.buffers_est0 is not None:
-                with torch.no_grad():
-                    for b, v in zip(state.buffers(), lstep.buffers_est0, strict=True):
-                        b.copy_(v)
-            self._comm.broadcast_tensors(floating, source=0)
-        except CollectiveError as exc:
-            self._broken(exc)
-            return False
-        for p, g in zip(params, grads, strict=True):
-            p.grad = g
-        if state.optimizer is not None:
-            state.optimizer.step()
-            # the gradient is spent (as DeepSpeed's engine.step() releases it): the script cannot
-            # see it anyway, since this runs inside the loader before its next batch, and its
-            # zero_grad() then finds nothing to clear (skip_empty_zero_grad)
-            for p in params:
-                p.grad = None
-        state.epoch_step += 1
-        pending.headers = rows
-        if self.client is not None:  # for the master's exactly-once ledger (``_applied``)
-            holders = {r: rows[p][WORKER] for p in range(self.world_size)
-                       for r in est_ranks(self.logical, self.world_size, p)}
-            # built from values this worker computed itself: no validation needed on the hot path
-            pending.records = [StepRecord.model_construct(step=pending.step, worker=holders[r], epoch=epoch,
-                                                          start=s, end=e)
-                               for r, (s, e) in enumerate(lstep.batches) if e > s]
-        self._applied(state, pending, time.monotonic() - t0)
-        if any(r[REFORM] for r in rows):
-            self._leave_for_rendezvous("re-form requested by the master")
-        return True
-
     def est_contexts(self) -> list[dict[str, Any]]:
         """Every logical worker's context: what it needs to resume anywhere (tidal.worker.logical)."""
-        step = self.applied_step + 1
-        return [{"logical_rank": r, "seed": self.est_seed, "next_step": step,
-                 "stream_seed": est_seed(self.est_seed, r, step)} for r in range(self.logical or 0)]
+        return self._steps.est_contexts() if self._steps is not None else []
 
     def checkpoint(self, directory: str | None = None) -> str:
         """Write the committed state and every EST's context (all processes hold the same state)."""
         target = directory or self.checkpoint_dir
         if not target:
             raise UsageError("no checkpoint directory: pass one or run with --checkpoint-dir")
-        state = self._require_state()
+        state = self.steps.state
         path = save_checkpoint(target, state.applied_step, state.to_tree(), self.est_contexts())
         return str(path)
 
+    # ------------------------------------------------------------------ what the step runner tells
+    @property
+    def reform_notice(self) -> bool:
+        """The master asked this worker to re-form (set by the reporter, cleared by a new round)."""
+        return self._reform_notice
+
+    def step_applied(self, applied: AppliedStep) -> None:
+        """Keep an applied step's records for the master and this worker's throughput.
+
+        Called by the step runner under ``self._lock``, with ``state.applied_step`` already
+        moved to ``applied.step``: the reporter never sees the step without its records."""
+        if applied.mine:
+            wall = applied.finished - applied.started
+            rate = applied.mine / max(wall, 1e-9)
+            compute = max(wall - applied.collective_s, 0.0) / applied.mine
+            a = 0.2 if self._samples_per_s else 1.0
+            self._samples_per_s = (1 - a) * self._samples_per_s + a * rate
+            self._compute_per_sample = (1 - a) * self._compute_per_sample + a * compute
+        if applied.records:
+            self._records[applied.step] = applied.records
+        self._unsent.extend(r for r in applied.records if r.worker == self.worker_id)
+        if self._pause_from is not None:
+            self._pauses.append(PauseReport(round=max(self.round, 0), seconds=applied.finished - self._pause_from))
+            self._pause_from = None
+        self._last_step_end = applied.finished
+
+    def collective_broke(self, exc: CollectiveError) -> None:
+        """A collective failed (a peer died or left): re-form, telling the master why."""
+        log.info("worker %d: collective broke in round %d: %s", self.worker_id, self.round, exc)
+        self._failure = str(exc)
+        self.leave_for_rendezvous(str(exc))
+
+    def leave_for_rendezvous(self, why: str) -> None:
+        """Leave the round now: the step in flight is dropped and the committed state restored;
+        the next ``ensure_round`` (the loader's next iteration) rendezvous again."""
+        log.debug("worker %d leaves round %d: %s", self.worker_id, self.round, why)
+        if self._pause_from is None:
+            self._pause_from = self._last_step_end
+        self._leave_round()
+        if self._state is not None:
+            self._state.restore()
+
     # ------------------------------------------------------------------ rounds
     def ensure_round(self) -> None:
-        """Block until this worker is a member of a round with its state in place."""
+        """Block until this worker is a member of a round with its state in place.
+
+        The elastic loader calls it before every step, so it is also where the decisions that
+        end this worker's training reach the training thread (the reporter thread learns them
+        but cannot act on the script's behalf).
+
+        Raises:
+            tidal.worker.api.UsageError: ``job.state()`` was not called, or the round has more
+                processes than logical workers.
+            tidal.worker.api.WorkerGoneError: the master declared this worker failed (it missed
+                its heartbeats, or hung): its replacement may already train on its data, so
+                this process must not train on. The reporter and the round are closed first.
+            SystemExit: with status 0, when the master scales this worker in or the job has
+                finished without it: the process has nothing left to do, and the master counts
+                an exit 0 as a clean leave (the script's ``finally`` blocks still run).
+        """
+        self._check_gone()
         if self._in_round:
             return
-        state = self._require_state()
+        steps = self.steps
+        state = steps.state
         if self.client is None:
             self._comm = RoundComm(0, 1, self.backend, self.device)
             self._in_round = True
             self.round += 1
             self.generation += 1
-            self._assign_ests()
+            steps.enter_round(self._comm, 0, 1)
             return
         while not self._in_round:
             assignment = self._rendezvous(state)
             try:
-                self._enter_round(state, assignment)
+                self._enter_round(steps, assignment)
             except CollectiveError as exc:
                 log.warning("worker %d: round %d failed to form: %s", self.worker_id, assignment.round, exc)
                 self._failure = f"round {assignment.round} failed to form: {exc}"
@@ -451,7 +317,7 @@ class Job:
                 log.info("worker %d exits: %s", self.worker_id, why)
                 print(f"tidal: worker {self.worker_id} exits: {why}", file=sys.stderr, flush=True)
                 self.close()
-                raise SystemExit(0)
+                raise SystemExit(0)  # see ensure_round: a clean leave
 
     def _held_records(self) -> list[StepRecord]:
         """Every worker's records of the steps this worker applied and the master has not
@@ -459,7 +325,8 @@ class Job:
         with self._lock:
             return [r for step in sorted(self._records) if step > self._acked for r in self._records[step]]
 
-    def _enter_round(self, state: State, a: RendezvousResponse) -> None:
+    def _enter_round(self, steps: StepRunner, a: RendezvousResponse) -> None:
+        state = steps.state
         self._leave_round()
         # from here on this worker belongs to round ``a.round``: if forming it fails, the next
         # rendezvous names it, and the master re-forms instead of handing out the same round
@@ -487,26 +354,14 @@ class Job:
         self._reform_notice = False
         self._in_round = True
         self.generation += 1
-        self._assign_ests()
+        steps.enter_round(self._comm, a.rank, a.world_size)
         log.info("worker %d: round %d rank %d/%d from step %d", self.worker_id, a.round, a.rank,
                  a.world_size, state.applied_step)
 
-    def _broken(self, exc: Exception) -> None:
-        log.info("worker %d: collective broke in round %d: %s", self.worker_id, self.round, exc)
-        self._failure = str(exc)
-        self._leave_for_rendezvous(str(exc))
-
-    def _leave_for_rendezvous(self, why: str) -> None:
-        if self._pause_from is None:
-            self._pause_from = self._last_step_end
-        self._pending = None
-        self._lstep = None
-        self._leave_round()
-        if self._state is not None:
-            self._state.restore()
-
     def _leave_round(self) -> None:
         self._in_round = False
+        if self._steps is not None:
+            self._steps.leave_round()
         if self._comm is not None:
             self._comm.close()
             self._comm = None
@@ -569,19 +424,34 @@ class Job:
             self._incarnation = resp.incarnation
             if resp.round == self.round and resp.reform and self._in_round:
                 self._reform_notice = True
+                self._abort_stalled_collective()
             if resp.finalized_step > self._acked and resp.round == self.round:
                 self._acked = resp.finalized_step
                 for s in [s for s in self._records if s <= self._acked]:
                     del self._records[s]
+
+    def _abort_stalled_collective(self) -> None:
+        """The master re-forms the round while this worker's collective has waited for
+        ``STALL_ABORT_S``: a peer is gone (a healthy step-boundary collective takes milliseconds).
+        Abort it so the training thread goes to the rendezvous now rather than after the
+        collective timeout (NCCL only: see ``RoundComm.abort``)."""
+        comm = self._comm
+        if comm is not None and comm.stalled_for() >= STALL_ABORT_S and comm.abort():
+            log.warning("worker %d: aborted a collective stalled for %.1fs: the round re-forms",
+                        self.worker_id, comm.stalled_for())
 
     def _flush_reports(self) -> None:
         if self.client is not None:
             self._send_report()
 
     def _check_gone(self) -> None:
-        if self._gone:
-            print(f"tidal: worker {self.worker_id}: {self._gone}", file=sys.stderr, flush=True)
-            os._exit(3)
+        """Raise ``WorkerGoneError`` in the training thread once the reporter learned that the
+        master declared this worker failed (see ``ensure_round``)."""
+        gone = self._gone
+        if gone:
+            log.warning("worker %d: %s", self.worker_id, gone)
+            self.close()
+            raise WorkerGoneError(f"worker {self.worker_id} must stop training: {gone}")
 
 
 def init(backend: str | None = None, *, logical_workers: int | None = None,
@@ -612,18 +482,17 @@ def init(backend: str | None = None, *, logical_workers: int | None = None,
         _pin_determinism(level)
     url = os.environ.get("TIDAL_MASTER_URL")
     if not url:
-        job = Job(None, 0, "local", backend)
+        job = Job(None, 0, "local", backend, logical=logical)
     else:
         token = os.environ.get("TIDAL_TOKEN", "")
         worker_id = int(os.environ.get("TIDAL_WORKER_ID", "0"))
         patience = float(os.environ.get("TIDAL_MASTER_TIMEOUT", "120"))
         client = MasterClient(url, token, patience_s=patience)
-        job = Job(client, worker_id, os.environ.get("TIDAL_JOB_ID", "job"), backend)
+        job = Job(client, worker_id, os.environ.get("TIDAL_JOB_ID", "job"), backend, logical=logical)
         info = client.post("/v1/workers/join", JoinRequest(worker_id=worker_id, pid=os.getpid()), JoinResponse)
         job.collective_timeout_s = info.collective_timeout_s
         job.heartbeat_interval_s = info.heartbeat_interval_s
         job.start_reporter()
-    job.logical = logical
     job.checkpoint_dir = checkpoints
     return job
 

@@ -13,15 +13,56 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tidal.api import DatasetRequest, LeaseRequest, LeaseResponse, Shard, StaleRoundError
 from tidal.api.sharding import shard_starts
 from tidal.worker.api import UsageError
 from tidal.worker.logical import BatchSchedule
+from tidal.worker.step import StepOutcome, StepRunner
 
 if TYPE_CHECKING:
-    from tidal.worker.job import Job
+    from tidal.worker.client import MasterClient
+
+
+class LoaderHost(Protocol):
+    """What the loader needs of its job (``Job``, tidal.worker's job module): the round, the steps."""
+
+    @property
+    def worker_id(self) -> int: ...
+
+    @property
+    def client(self) -> MasterClient | None:
+        """The master's control plane; None for a local run (no master: the loader leases itself)."""
+        ...
+
+    @property
+    def round(self) -> int: ...
+
+    @property
+    def generation(self) -> int:
+        """Bumped on every new round: the loader's leases of an earlier round are void."""
+        ...
+
+    @property
+    def steps(self) -> StepRunner:
+        """The owner of applying steps.
+
+        Raises:
+            UsageError: the job's state was not created yet."""
+        ...
+
+    def ensure_round(self) -> None:
+        """Block until this worker is a member of a round with its state in place."""
+        ...
+
+    def leave_for_rendezvous(self, why: str) -> None:
+        """Leave the round now (the committed state is restored); ``ensure_round`` re-forms."""
+        ...
+
+    def finish(self) -> None:
+        """Training is over: tell the master."""
+        ...
 
 
 class ElasticDataLoader:
@@ -35,7 +76,7 @@ class ElasticDataLoader:
         shuffle, seed: shuffle the order of shards in each epoch, reproducibly.
     """
 
-    def __init__(self, job: Job, dataset: Any, batch_size: int, epochs: int = 1, *, shuffle: bool = True,
+    def __init__(self, job: LoaderHost, dataset: Any, batch_size: int, epochs: int = 1, *, shuffle: bool = True,
                  seed: int = 0, batches_per_shard: int = 16, collate_fn: Callable[[list[Any]], Any] | None = None) -> None:
         if batch_size < 1 or epochs < 0 or batches_per_shard < 1:
             raise UsageError("batch_size and batches_per_shard must be >= 1 and epochs >= 0")
@@ -64,14 +105,23 @@ class ElasticDataLoader:
 
     @property
     def epoch(self) -> int:
-        return self.job._require_state().epoch
+        return self.job.steps.state.epoch
 
     def __iter__(self) -> Iterator[Any]:
-        if self.job.logical is not None:
-            yield from self._iter_logical()
+        """The batches of this worker; ``job.step()`` must follow each one.
+
+        Raises:
+            UsageError: ``job.state()`` was not called, or ``job.step()`` was not called once
+                for a batch.
+            tidal.worker.api.WorkerGoneError, SystemExit: the master ended this worker's
+                training (see ``Job.ensure_round``).
+        """
+        steps = self.job.steps
+        if steps.logical is not None:
+            yield from self._iter_logical(steps, steps.logical)
             return
         job = self.job
-        state = job._require_state()
+        state = steps.state
         while True:
             job.ensure_round()
             if self._generation != job.generation:
@@ -82,30 +132,27 @@ class ElasticDataLoader:
             if epoch >= self.epochs:
                 job.finish()
                 return
-            if job._pending is not None:
+            if steps.pending is not None:
                 raise UsageError("call job.step() once for every batch of the elastic loader")
             span = self._next_range(epoch)
             if span is None:
                 continue  # the round went stale while leasing: re-form
             start, end = span
             if end <= start:
-                if job._empty_step(epoch) == "epoch_end":
-                    state.epoch += 1  # nobody had data left: every worker moves on at this step
-                    state.commit()
+                if steps.empty(epoch) is StepOutcome.EPOCH_END:
+                    steps.end_epoch()  # nobody had data left: every worker moves on at this step
                 continue
-            pending = job._local_step(epoch, start, end)
-            job._pending = pending
+            pending = steps.begin(epoch, start, end)
             yield self._fetch(start, end)
-            if job._pending is pending:
+            if steps.pending is pending:
                 raise UsageError("call job.step() once for every batch of the elastic loader")
 
-    def _iter_logical(self) -> Iterator[Any]:
+    def _iter_logical(self, steps: StepRunner, logical: int) -> Iterator[Any]:
         """N logical workers in a fixed data order (tidal.worker.logical): no leases."""
         job = self.job
-        state = job._require_state()
-        assert job.logical is not None
-        schedule = BatchSchedule(self.size, self.batch_size, job.logical, self.shuffle, self.seed)
-        job.est_seed = self.seed
+        state = steps.state
+        schedule = BatchSchedule(self.size, self.batch_size, logical, self.shuffle, self.seed)
+        steps.est_seed = self.seed
         order_epoch, order = -1, []
         while True:
             job.ensure_round()
@@ -117,26 +164,24 @@ class ElasticDataLoader:
                 job.finish()
                 return
             if state.epoch_step >= schedule.steps_per_epoch:
-                state.epoch += 1
-                state.epoch_step = 0
-                state.commit()
+                steps.end_epoch()
                 continue
             if order_epoch != state.epoch:
                 order_epoch, order = state.epoch, schedule.order(state.epoch)
-            batches = [schedule.batch(order, state.epoch_step, r) for r in range(job.logical)]
-            lstep = job._begin_logical_step(state.epoch, batches)
-            for r in job.local_ests:
+            batches = [schedule.batch(order, state.epoch_step, r) for r in range(logical)]
+            lstep = steps.begin_logical(state.epoch, batches)
+            for r in steps.local_ests:
                 start, end = batches[r]
                 if end <= start:
                     continue
-                job._enter_est(lstep, r)
+                steps.enter_est(r)
                 yield self._fetch(start, end)
-                if job._lstep is not lstep:
+                if steps.logical_step is not lstep:
                     break  # the step was dropped by a re-form
                 if lstep.current is not None:
                     raise UsageError("call job.step() once for every batch of the elastic loader")
             else:
-                job._finish_logical_step(lstep)
+                steps.finish_logical()
 
     def _declare_dataset(self) -> None:
         job = self.job
@@ -148,7 +193,7 @@ class ElasticDataLoader:
         try:
             job.client.post_raw("/v1/dataset", req)
         except StaleRoundError:
-            job._leave_for_rendezvous("stale round while declaring the dataset")
+            job.leave_for_rendezvous("stale round while declaring the dataset")
 
     def _next_range(self, epoch: int) -> tuple[int, int] | None:
         """The next batch's ``[start, end)`` ((0, 0) when this worker has no data this epoch)."""
@@ -159,7 +204,7 @@ class ElasticDataLoader:
             try:
                 shard = self._take_prefetched(epoch)
             except StaleRoundError:
-                self.job._leave_for_rendezvous("stale round while leasing")
+                self.job.leave_for_rendezvous("stale round while leasing")
                 return None
             if shard is None:
                 self._empty_epoch = epoch
