@@ -1,5 +1,8 @@
 """The master's HTTP control plane: FastAPI over a JobMaster, bearer token, size limits.
 
+One router per caller: the workers (`_worker_router`), a user or tool (`_user_router`) and the
+workers' process groups (`_store_router`); parameter servers and data workers get their own.
+
 Every route requires ``Authorization: Bearer <job token>`` (401 otherwise, the OpenAPI document
 included). Bodies over ``MAX_BODY_BYTES`` get 413 before they are parsed. Domain errors carry
 their HTTP status (tidal.master.api); validation errors are FastAPI's 422. Nothing the master
@@ -16,7 +19,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
@@ -200,12 +203,30 @@ def create_app(master: JobMaster, token: str, notifier: ChangeNotifier) -> Any:
     async def _tidal_error(_: Request, exc: TidalError) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=http_status(exc))
 
-    @app.post("/v1/workers/join", response_model=JoinResponse, responses={404: {}, 410: {}})
+    app.include_router(_worker_router(master, notifier))
+    app.include_router(_user_router(master))
+
+    fast: dict[str, tuple[type[BaseModel], Callable[[Any], BaseModel]]] = {
+        "/v1/report": (ReportRequest, master.report),
+        "/v1/shards/lease": (LeaseRequest, master.lease),
+    }
+    store_router, store_fast = _store_router(master)
+    app.include_router(store_router)
+    fast.update(store_fast)
+    return GuardMiddleware(app, token, fast_routes=fast)
+
+
+def _worker_router(master: JobMaster, notifier: ChangeNotifier) -> APIRouter:
+    """What a job's worker processes call: join, rendezvous, report, lease, dataset, finish.
+    (Parameter servers and data workers get routers of their own.)"""
+    router = APIRouter(tags=["workers"])
+
+    @router.post("/v1/workers/join", response_model=JoinResponse, responses={404: {}, 410: {}})
     async def join(req: JoinRequest) -> Response:
         """A launched worker registers itself."""
         return _json(master.join(req))
 
-    @app.post("/v1/rendezvous", response_model=RendezvousResponse, responses={404: {}, 409: {}, 410: {}})
+    @router.post("/v1/rendezvous", response_model=RendezvousResponse, responses={404: {}, 409: {}, 410: {}})
     async def rendezvous(req: RendezvousRequest) -> Response:
         """Ask for a place in the next round; long-polls up to a second while the round forms."""
         loop = asyncio.get_running_loop()
@@ -217,50 +238,52 @@ def create_app(master: JobMaster, token: str, notifier: ChangeNotifier) -> Any:
                 return _json(resp)
             await notifier.wait(remaining)
 
-    @app.post("/v1/report", response_model=ReportResponse, responses={400: {}, 404: {}, 409: {}, 410: {}})
+    @router.post("/v1/report", response_model=ReportResponse, responses={400: {}, 404: {}, 409: {}, 410: {}})
     async def report(req: ReportRequest) -> Response:
         """Heartbeat, progress and the worker's step records."""
         return _json(master.report(req))
 
-    @app.post("/v1/shards/lease", response_model=LeaseResponse, responses={400: {}, 404: {}, 409: {}, 410: {}})
+    @router.post("/v1/shards/lease", response_model=LeaseResponse, responses={400: {}, 404: {}, 409: {}, 410: {}})
     async def lease(req: LeaseRequest) -> Response:
         """Lease the next TODO shard of an epoch."""
         return _json(master.lease(req))
 
-    @app.post("/v1/dataset", responses={400: {}, 404: {}, 409: {}, 410: {}})
+    @router.post("/v1/dataset", responses={400: {}, 404: {}, 409: {}, 410: {}})
     async def dataset(req: DatasetRequest) -> dict[str, str]:
         """Declare the dataset (logical workers read it in a fixed order instead of leasing)."""
         master.configure_dataset(req)
         return {"status": "ok"}
 
-    @app.post("/v1/finish", responses={404: {}, 410: {}})
+    @router.post("/v1/finish", responses={404: {}, 410: {}})
     async def finish(req: FinishRequest) -> dict[str, str]:
         """The training loop is done; ``metrics`` (e.g. the final AUC) go into the job summary."""
         master.finish(req)
         return {"state": master.state.value}
 
-    @app.post("/v1/scale", responses={400: {}})
+    return router
+
+
+def _user_router(master: JobMaster) -> APIRouter:
+    """What a user or a tool calls: scale, status, health."""
+    router = APIRouter(tags=["job"])
+
+    @router.post("/v1/scale", responses={400: {}})
     async def scale(req: ScaleRequest) -> dict[str, int]:
         """Set the target number of workers (within the job's MIN:MAX)."""
         return {"target_workers": master.scale(req.workers)}
 
-    @app.get("/v1/status", response_model=StatusResponse)
+    @router.get("/v1/status", response_model=StatusResponse)
     async def status() -> StatusResponse:
         return master.status()
 
-    @app.get("/v1/healthz")
+    @router.get("/v1/healthz")
     async def healthz() -> dict[str, str]:
         return {"state": master.state.value}
 
-    fast: dict[str, tuple[type[BaseModel], Callable[[Any], BaseModel]]] = {
-        "/v1/report": (ReportRequest, master.report),
-        "/v1/shards/lease": (LeaseRequest, master.lease),
-    }
-    fast.update(_store_routes(app, master))
-    return GuardMiddleware(app, token, fast_routes=fast)
+    return router
 
 
-def _store_routes(app: FastAPI, master: JobMaster) -> dict[str, tuple[type[BaseModel], Callable[[Any], BaseModel]]]:
+def _store_router(master: JobMaster) -> tuple[APIRouter, dict[str, tuple[type[BaseModel], Callable[[Any], BaseModel]]]]:
     """``/v1/store/*``: the rendezvous store of the workers' process groups (tidal.master.store).
 
     Behind the same guard as every route (token, body size), on the master's own socket: no
@@ -271,6 +294,7 @@ def _store_routes(app: FastAPI, master: JobMaster) -> dict[str, tuple[type[BaseM
     """
     kv = RoundStore(master.spec.job_id)
     changed = ChangeNotifier()
+    router = APIRouter(tags=["store"])
 
     def store() -> RoundStore:
         kv.observe_round(master.round)
@@ -310,7 +334,7 @@ def _store_routes(app: FastAPI, master: JobMaster) -> dict[str, tuple[type[BaseM
                 return found
             await changed.wait(remaining)
 
-    @app.post("/v1/store/get", response_model=StoreValueResponse, include_in_schema=False)
+    @router.post("/v1/store/get", response_model=StoreValueResponse, include_in_schema=False)
     async def store_get(req: StoreGetRequest) -> Response:
         """The value at ``key``; waits up to ``wait_s`` for it to be set."""
 
@@ -320,7 +344,7 @@ def _store_routes(app: FastAPI, master: JobMaster) -> dict[str, tuple[type[BaseM
 
         return _json(await long_poll(req.wait_s, probe) or StoreValueResponse(found=False))
 
-    @app.post("/v1/store/wait", response_model=StoreKeysResponse, include_in_schema=False)
+    @router.post("/v1/store/wait", response_model=StoreKeysResponse, include_in_schema=False)
     async def store_wait(req: StoreKeysRequest) -> Response:
         """Whether all ``keys`` exist; waits up to ``wait_s`` for them."""
 
@@ -337,7 +361,7 @@ def _store_routes(app: FastAPI, master: JobMaster) -> dict[str, tuple[type[BaseM
         "/v1/store/delete": (StoreDeleteRequest, delete),
         "/v1/store/num_keys": (StoreNumKeysRequest, num_keys),
     }
-    return fast
+    return router, fast
 
 
 def _b64(value: bytes) -> str:
