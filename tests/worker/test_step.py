@@ -1,9 +1,9 @@
 """Applying a step (tidal.worker.step.StepRunner), in one process, without a master.
 
 A world of one uses the real ``RoundComm`` (it has no process group then). Several workers are
-simulated by ``FakeComm``: a hand-written communicator with ``RoundComm``'s methods whose
-members, one thread each, meet at a barrier and sum what they sent in rank order, as the real
-collectives do. Each simulated worker has its own model, optimizer, state and host.
+simulated by ``tidal.worker.fake.FakeComm``: a hand-written communicator with ``RoundComm``'s
+methods whose members, one thread each, meet at a barrier and sum what they sent in rank order,
+as the real collectives do. Each simulated worker has its own model, optimizer, state and host.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 from tidal.worker.api import CollectiveError, UsageError
 from tidal.worker.comm import RoundComm
-from tidal.worker.logical import Grads, flatten, param_grads, set_grads, sum_and_scale, unflatten
+from tidal.worker.fake import BrokenComm, FakeComm, FakeGroup
 from tidal.worker.state import State
 from tidal.worker.step import AppliedStep, StepOutcome, StepRunner
 
@@ -29,86 +29,6 @@ M = TypeVar("M", bound=torch.nn.Module)
 
 
 # ---------------------------------------------------------------------------- fakes
-class FakeGroup:
-    """The members of a simulated round: each ``exchange`` returns every member's value."""
-
-    def __init__(self, world_size: int) -> None:
-        self.world_size = world_size
-        self._barrier = threading.Barrier(world_size, timeout=20)
-        self._slots: list[Any] = [None] * world_size
-
-    def exchange(self, rank: int, value: Any) -> list[Any]:
-        self._slots[rank] = value
-        self._barrier.wait()
-        values = list(self._slots)
-        self._barrier.wait()  # everyone has read before the next exchange writes
-        return values
-
-
-class FakeComm:
-    """``RoundComm``'s step collectives over a ``FakeGroup``: sums in rank order."""
-
-    def __init__(self, group: FakeGroup, rank: int) -> None:
-        self.group = group
-        self.rank = rank
-        self._reduced: torch.Tensor | None = None
-
-    def reduce_with_header(self, params: list[torch.nn.Parameter], weight: float, row: list[int]) -> torch.Tensor:
-        mine = flatten(param_grads(params)) * weight
-        values = self.group.exchange(self.rank, (mine, row))
-        acc = values[0][0].clone()
-        for flat, _ in values[1:]:
-            acc.add_(flat)
-        self._reduced = acc
-        return torch.tensor([r for _, r in values], dtype=torch.int64)
-
-    def apply_reduced(self, params: list[torch.nn.Parameter], scale: float) -> None:
-        assert self._reduced is not None
-        set_grads(params, self._reduced * scale)
-        self._reduced = None
-
-    def reduce_in_logical_order(self, local: list[Grads], counts: list[int], after: float,
-                                row: list[int]) -> tuple[Grads, list[list[int]]]:
-        assert len(local) == counts[self.rank], (len(local), counts)
-        values = self.group.exchange(self.rank, ([flatten(c) for c in local], row))
-        flats = [f for sent, _ in values for f in sent]  # rank order is logical order
-        acc = flats[0].clone()
-        for f in flats[1:]:
-            acc.add_(f)
-        if after != 1.0:
-            acc.mul_(after)
-        return unflatten(acc, local[0]), [list(r) for _, r in values]
-
-    def reduce_by_allreduce(self, local: list[Grads], after: float,
-                            row: list[int]) -> tuple[Grads, list[list[int]]]:
-        partial = flatten(sum_and_scale(local, after))
-        values = self.group.exchange(self.rank, (partial, row))
-        acc = values[0][0].clone()
-        for flat, _ in values[1:]:
-            acc.add_(flat)
-        return unflatten(acc, local[0]), [list(r) for _, r in values]
-
-    def broadcast_tensors(self, tensors: list[torch.Tensor], source: int) -> None:
-        values = self.group.exchange(self.rank, [t.detach().clone() for t in tensors])
-        with torch.no_grad():
-            for t, v in zip(tensors, values[source], strict=True):
-                t.copy_(v)
-
-
-class BrokenComm(FakeComm):
-    """Every collective fails, as when a peer was killed."""
-
-    def __init__(self) -> None:
-        super().__init__(FakeGroup(1), 0)
-
-    def reduce_with_header(self, params: list[torch.nn.Parameter], weight: float, row: list[int]) -> torch.Tensor:
-        raise CollectiveError("gradient all-reduce failed: peer gone")
-
-    def reduce_in_logical_order(self, local: list[Grads], counts: list[int], after: float,
-                                row: list[int]) -> tuple[Grads, list[list[int]]]:
-        raise CollectiveError("logical-order reduction failed: peer gone")
-
-
 class FakeHost:
     """The membership side as the runner sees it; remembers what it was told, in order."""
 

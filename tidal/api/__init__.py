@@ -76,6 +76,7 @@ __all__ = [
 # Control-plane limits: the master answers 413 above MAX_BODY_BYTES, 422 above the list limits.
 MAX_BODY_BYTES = 16 << 20
 MAX_RECORDS_PER_REQUEST = 65536
+MAX_PAUSES_PER_REPORT = 64
 _I64 = 2**63 - 1
 
 
@@ -177,7 +178,7 @@ class ReportRequest(_Wire):
     records: list[StepRecord] = Field(default_factory=list, max_length=MAX_RECORDS_PER_REQUEST)
     compute_s_per_sample: float = Field(default=0.0, ge=0, le=1e6)
     samples_per_s: float = Field(default=0.0, ge=0, le=1e12)
-    pauses: list[PauseReport] = Field(default_factory=list, max_length=64)
+    pauses: list[PauseReport] = Field(default_factory=list, max_length=MAX_PAUSES_PER_REPORT)
     incarnation: str = Field(default="", max_length=64)  # the master these records are complete for
 
 

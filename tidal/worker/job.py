@@ -18,9 +18,10 @@ failed raises ``tidal.worker.api.WorkerGoneError`` (``Job.ensure_round`` says wh
 ``TIDAL_MASTER_URL`` in the environment the same script runs as one local worker with no master
 (for debugging).
 
-``Job`` owns membership: the rounds, the rendezvous and the reporter thread. Applying a step
-(reduction, ``optimizer.step()``, commit; plain or logical workers) belongs to its
-``tidal.worker.step.StepRunner``, which the elastic loader drives (``job.steps``).
+``Job`` owns membership: the rounds and the rendezvous. Applying a step (reduction,
+``optimizer.step()``, commit; plain or logical workers) belongs to its
+``tidal.worker.step.StepRunner``, which the elastic loader drives (``job.steps``); reporting to
+the master (heartbeats, step records, pauses) to its ``tidal.worker.reporter.Reporter``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import logging
 import os
 import sys
 import threading
-import time
 from typing import Any
 
 import torch
@@ -39,14 +39,9 @@ from tidal.api import (
     FinishRequest,
     JoinRequest,
     JoinResponse,
-    PauseReport,
     RendezvousRequest,
     RendezvousResponse,
-    ReportRequest,
-    ReportResponse,
     StaleRoundError,
-    StepRecord,
-    TidalError,
 )
 from tidal.worker.api import CollectiveError, FinishRefusedError, UsageError, WorkerGoneError
 from tidal.worker.checkpoint import save_checkpoint
@@ -54,23 +49,21 @@ from tidal.worker.client import MasterClient
 from tidal.worker.comm import RoundComm
 from tidal.worker.loader import ElasticDataLoader
 from tidal.worker.placement import choose_backend, model_device
+from tidal.worker.reporter import Reporter
 from tidal.worker.state import State
 from tidal.worker.step import AppliedStep, StepRunner
 
 log = logging.getLogger(__name__)
 
-REPORT_INTERVAL_S = 0.25
-STALL_ABORT_S = 1.0  # a collective waiting this long when the master re-forms waits for a dead peer
-
 
 class Job:
     """Membership in an elastic job (or a local single-worker run when ``client`` is None).
 
-    The job owns the rounds (rendezvous, the process group, re-forms) and the reporter thread
-    (heartbeats, step records, pauses); applying a step belongs to its ``StepRunner``
-    (``job.steps``, tidal.worker.step), which tells the job of every applied step, broken
-    collective and re-form through ``step_applied``, ``collective_broke`` and
-    ``leave_for_rendezvous``.
+    The job owns the rounds (rendezvous, the process group, re-forms); applying a step belongs
+    to its ``StepRunner`` (``job.steps``, tidal.worker.step), which tells the job of every
+    applied step, broken collective and re-form through ``step_applied``, ``collective_broke``
+    and ``leave_for_rendezvous``; with a master, reporting belongs to its ``Reporter``
+    (tidal.worker.reporter), which the job tells of the rounds and the applied steps.
     """
 
     def __init__(self, client: MasterClient | None, worker_id: int, job_id: str, backend: str | None = None,
@@ -90,23 +83,12 @@ class Job:
         self._steps: StepRunner | None = None
         self._comm: RoundComm | None = None
         self._in_round = False
-        self._reform_notice = False
-        self._pause_from: float | None = None
-        self._last_step_end = time.monotonic()
+        # the step runner moves the step count and hands the step's records to the reporter
+        # under this lock; the reporter reads both under it (tidal.worker.reporter)
         self._lock = threading.Lock()
-        self._send_lock = threading.Lock()
-        self._records: dict[int, list[StepRecord]] = {}  # every worker's records of applied, unacked steps
-        self._unsent: list[StepRecord] = []  # this worker's records not yet sent
-        self._acked = -1
-        self._incarnation = ""
-        self._pauses: list[PauseReport] = []
-        self._samples_per_s = 0.0
-        self._compute_per_sample = 0.0
+        self._reporter = Reporter(client, worker_id, lock=self._lock, applied_step=lambda: self.applied_step) \
+            if client is not None else None
         self.collective_timeout_s = 60.0
-        self.heartbeat_interval_s = 0.5
-        self._stop = threading.Event()
-        self._reporter: threading.Thread | None = None
-        self._gone: str | None = None
         self._failure = ""  # why this worker last left a round, for the master (see _rendezvous)
         self.logical = logical  # logical workers (EasyScale ESTs); None: one worker per process
         self.checkpoint_dir: str | None = None
@@ -179,13 +161,13 @@ class Job:
             tidal.worker.api.WorkerGoneError: the master declared this worker failed.
             OSError: the final checkpoint could not be written.
         """
-        if self.client is not None:
-            self._flush_reports()
+        if self._reporter is not None:
+            self._reporter.flush()
             self._check_gone()  # a failed worker's state is not the job's: no checkpoint of it
         if self.checkpoint_dir and self.rank == 0 and self._state is not None and self._state.applied_step >= 0:
             self.checkpoint()
-        if self.client is not None:
-            held = self._held_records()[-MAX_RECORDS_PER_REQUEST:]
+        if self.client is not None and self._reporter is not None:
+            held = self._reporter.held_records()[-MAX_RECORDS_PER_REQUEST:]
             req = FinishRequest(worker_id=self.worker_id, metrics={k: float(v) for k, v in metrics.items()},
                                 applied_step=self.applied_step, records=held)
             try:
@@ -195,9 +177,8 @@ class Job:
         self._leave_round()
 
     def close(self) -> None:
-        self._stop.set()
         if self._reporter is not None:
-            self._reporter.join(timeout=2)
+            self._reporter.stop()
         self._leave_round()
 
     def est_contexts(self) -> list[dict[str, Any]]:
@@ -217,27 +198,16 @@ class Job:
     @property
     def reform_notice(self) -> bool:
         """The master asked this worker to re-form (set by the reporter, cleared by a new round)."""
-        return self._reform_notice
+        return self._reporter is not None and self._reporter.reform_notice
 
     def step_applied(self, applied: AppliedStep) -> None:
-        """Keep an applied step's records for the master and this worker's throughput.
+        """Hand an applied step to the reporter (its records, this worker's throughput, the end
+        of a pause); a local run keeps nothing.
 
         Called by the step runner under ``self._lock``, with ``state.applied_step`` already
         moved to ``applied.step``: the reporter never sees the step without its records."""
-        if applied.mine:
-            wall = applied.finished - applied.started
-            rate = applied.mine / max(wall, 1e-9)
-            compute = max(wall - applied.collective_s, 0.0) / applied.mine
-            a = 0.2 if self._samples_per_s else 1.0
-            self._samples_per_s = (1 - a) * self._samples_per_s + a * rate
-            self._compute_per_sample = (1 - a) * self._compute_per_sample + a * compute
-        if applied.records:
-            self._records[applied.step] = applied.records
-        self._unsent.extend(r for r in applied.records if r.worker == self.worker_id)
-        if self._pause_from is not None:
-            self._pauses.append(PauseReport(round=max(self.round, 0), seconds=applied.finished - self._pause_from))
-            self._pause_from = None
-        self._last_step_end = applied.finished
+        if self._reporter is not None:
+            self._reporter.record_step(applied)
 
     def collective_broke(self, exc: CollectiveError) -> None:
         """A collective failed (a peer died or left): re-form, telling the master why."""
@@ -249,9 +219,7 @@ class Job:
         """Leave the round now: the step in flight is dropped and the committed state restored;
         the next ``ensure_round`` (the loader's next iteration) rendezvous again."""
         log.debug("worker %d leaves round %d: %s", self.worker_id, self.round, why)
-        if self._pause_from is None:
-            self._pause_from = self._last_step_end
-        self._leave_round()
+        self._leave_round(pause=True)
         if self._state is not None:
             self._state.restore()
 
@@ -295,8 +263,8 @@ class Job:
                 self._leave_round()
 
     def _rendezvous(self, state: State) -> RendezvousResponse:
-        assert self.client is not None
-        records = self._held_records()
+        assert self.client is not None and self._reporter is not None
+        records = self._reporter.held_records()
         # why it left its round (a collective that failed, a group that did not form): the master
         # fails the job when rounds keep failing before a step (the crash loop of the runtime)
         failure, self._failure = self._failure[:1000], ""
@@ -319,24 +287,15 @@ class Job:
                 self.close()
                 raise SystemExit(0)  # see ensure_round: a clean leave
 
-    def _held_records(self) -> list[StepRecord]:
-        """Every worker's records of the steps this worker applied and the master has not
-        acknowledged as final (what a rendezvous or a finish carries)."""
-        with self._lock:
-            return [r for step in sorted(self._records) if step > self._acked for r in self._records[step]]
-
     def _enter_round(self, steps: StepRunner, a: RendezvousResponse) -> None:
         state = steps.state
         self._leave_round()
         # from here on this worker belongs to round ``a.round``: if forming it fails, the next
         # rendezvous names it, and the master re-forms instead of handing out the same round
         self.round = a.round
-        with self._lock:
-            # closing the round finalized every step up to the source's: nothing held is pending
-            self._acked = max(self._acked, a.applied_step)
-            self._unsent = []
-            self._records.clear()
-        assert self.client is not None
+        assert self.client is not None and self._reporter is not None
+        # closing the round finalized every step up to the source's: nothing held is pending
+        self._reporter.new_round(a.round, a.applied_step)
         self._comm = RoundComm.connect(
             url=self.client.url, token=self.client.token,
             prefix=f"tidal/{self.job_id}/round{a.round}/", rank=a.rank, world_size=a.world_size,
@@ -351,15 +310,18 @@ class Job:
                 state.load_tree(tree)  # type: ignore[arg-type]
         else:
             state.restore()
-        self._reform_notice = False
+        self._reporter.joined(self._comm)
         self._in_round = True
         self.generation += 1
         steps.enter_round(self._comm, a.rank, a.world_size)
         log.info("worker %d: round %d rank %d/%d from step %d", self.worker_id, a.round, a.rank,
                  a.world_size, state.applied_step)
 
-    def _leave_round(self) -> None:
+    def _leave_round(self, *, pause: bool = False) -> None:
+        """Close the round's communicator; ``pause``: to re-form (the reporter counts the pause)."""
         self._in_round = False
+        if self._reporter is not None:
+            self._reporter.left(pause=pause)
         if self._steps is not None:
             self._steps.leave_round()
         if self._comm is not None:
@@ -367,87 +329,15 @@ class Job:
             self._comm = None
 
     # ------------------------------------------------------------------ reporting
-    def start_reporter(self) -> None:
-        self._reporter = threading.Thread(target=self._report_loop, name="tidal-reporter", daemon=True)
-        self._reporter.start()
-
-    def _report_loop(self) -> None:
-        """Heartbeat and step records, batched: one request per REPORT_INTERVAL_S at most.
-
-        Records are not urgent (a step is final once every member reported it; the last ones
-        are flushed by ``finish``), so a worker with 50 steps/s still sends 4 requests/s.
-        """
-        last = 0.0
-        while not self._stop.wait(0.05):
-            now = time.monotonic()
-            with self._lock:
-                have = bool(self._unsent or self._pauses)
-            if (have and now - last >= REPORT_INTERVAL_S) or now - last >= self.heartbeat_interval_s:
-                self._send_report()
-                last = now
-
-    def _send_report(self) -> None:
-        with self._send_lock:  # a flush waits for the reporter's request in flight
-            self._send_report_locked()
-
-    def _send_report_locked(self) -> None:
-        assert self.client is not None
-        with self._lock:
-            unsent, self._unsent = self._unsent, []
-            pauses, self._pauses = self._pauses, []
-            applied = self.applied_step
-        # records belong to the round they were made in, even after the worker left it
-        req = ReportRequest(
-            worker_id=self.worker_id, round=self.round, applied_step=applied,
-            records=unsent, compute_s_per_sample=self._compute_per_sample,
-            samples_per_s=self._samples_per_s, pauses=pauses, incarnation=self._incarnation,
-        )
-        try:
-            resp = self.client.post("/v1/report", req, ReportResponse, patience_s=0.5)
-        except StaleRoundError:
-            return  # the round moved on; these records were settled at the rendezvous
-        except WorkerGoneError as exc:
-            self._gone = str(exc)
-            return
-        except TidalError as exc:
-            log.debug("report failed: %s", exc)
-            with self._lock:  # keep them for the next try (a restarted master needs them)
-                self._unsent = unsent + self._unsent
-                self._pauses = pauses + self._pauses
-            return
-        with self._lock:
-            if self._incarnation and resp.incarnation != self._incarnation:
-                # a restarted master lost the records it had not finalized: send ours again
-                own = [r for step in sorted(self._records) if step > resp.finalized_step
-                       for r in self._records[step] if r.worker == self.worker_id]
-                self._unsent = own + [r for r in self._unsent if r not in own]
-            self._incarnation = resp.incarnation
-            if resp.round == self.round and resp.reform and self._in_round:
-                self._reform_notice = True
-                self._abort_stalled_collective()
-            if resp.finalized_step > self._acked and resp.round == self.round:
-                self._acked = resp.finalized_step
-                for s in [s for s in self._records if s <= self._acked]:
-                    del self._records[s]
-
-    def _abort_stalled_collective(self) -> None:
-        """The master re-forms the round while this worker's collective has waited for
-        ``STALL_ABORT_S``: a peer is gone (a healthy step-boundary collective takes milliseconds).
-        Abort it so the training thread goes to the rendezvous now rather than after the
-        collective timeout (NCCL only: see ``RoundComm.abort``)."""
-        comm = self._comm
-        if comm is not None and comm.stalled_for() >= STALL_ABORT_S and comm.abort():
-            log.warning("worker %d: aborted a collective stalled for %.1fs: the round re-forms",
-                        self.worker_id, comm.stalled_for())
-
-    def _flush_reports(self) -> None:
-        if self.client is not None:
-            self._send_report()
+    def start_reporter(self, heartbeat_interval_s: float | None = None) -> None:
+        """Report to the master from a background thread (``heartbeat_interval_s``: the master's)."""
+        if self._reporter is not None:
+            self._reporter.start(heartbeat_interval_s)
 
     def _check_gone(self) -> None:
         """Raise ``WorkerGoneError`` in the training thread once the reporter learned that the
         master declared this worker failed (see ``ensure_round``)."""
-        gone = self._gone
+        gone = self._reporter.gone if self._reporter is not None else None
         if gone:
             log.warning("worker %d: %s", self.worker_id, gone)
             self.close()
@@ -491,8 +381,7 @@ def init(backend: str | None = None, *, logical_workers: int | None = None,
         job = Job(client, worker_id, os.environ.get("TIDAL_JOB_ID", "job"), backend, logical=logical)
         info = client.post("/v1/workers/join", JoinRequest(worker_id=worker_id, pid=os.getpid()), JoinResponse)
         job.collective_timeout_s = info.collective_timeout_s
-        job.heartbeat_interval_s = info.heartbeat_interval_s
-        job.start_reporter()
+        job.start_reporter(info.heartbeat_interval_s)
     job.checkpoint_dir = checkpoints
     return job
 
