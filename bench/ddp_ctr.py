@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import StampWriter, split_args
 from examples.ctr.data import ClickDataset
 from examples.ctr.model import DLRM
-from examples.ctr.train import MODEL_SIZES, pick_device
+from examples.ctr.train import MODEL_SIZES, emulated_device_seconds, pick_device
 from examples.ctr.train import parse_args as example_args
 
 
@@ -102,8 +102,11 @@ def main(argv: list[str] | None = None) -> None:
                 with sync:
                     loss = loss_fn(ddp(batch["dense"], batch["sparse"]), batch["label"])
                     (loss * ((e - s) / samples) if len(ranges) > 1 else loss).backward()
-            if args.step_sleep:
-                time.sleep(args.step_sleep)
+                # the emulated accelerator time of each batch, as the example sleeps it under tidal
+                # (per logical worker's batch there); --step-sleep is folded into it at parse time
+                pause = emulated_device_seconds(args, e - s)
+                if pause > 0:
+                    time.sleep(pause)
             optimizer.step()
             step += 1
             stamps.stamp(world, samples, step)

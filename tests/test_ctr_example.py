@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 import itertools
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from examples.ctr import train
 from examples.ctr.data import ClickDataset, roc_auc
 from examples.ctr.model import DLRM
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -149,3 +160,88 @@ def test_quick_training_gets_close_to_the_oracle_auc() -> None:
     finally:
         torch.set_num_threads(threads)
     assert oracle - 0.05 < auc < oracle
+
+
+# ---------------------------------------------------------------------------- emulated accelerator time
+def _small_run(*extra: str) -> list[str]:
+    return ["--samples", "2000", "--epochs", "1", "--batch-size", "256", "--eval-samples", "500",
+            "--log-every", "0", *extra]
+
+
+@pytest.mark.parametrize(("flag", "value"), [
+    ("--device-ms-per-step", "-1"), ("--device-ms-per-step", "inf"), ("--device-us-per-sample", "nan"),
+    ("--device-us-per-sample", "ten"), ("--step-sleep", "-0.5"),
+])
+def test_device_time_flags_reject_bad_values(flag: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        train.parse_args([flag, value])
+    assert exc.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and f"argument {flag}: expected a" in errors[0] and repr(value) in errors[0]
+
+
+def test_device_time_flags_parse_and_help_says_emulation(capsys: pytest.CaptureFixture[str]) -> None:
+    args = train.parse_args(["--device-ms-per-step", "2.5", "--device-us-per-sample", "0"])
+    assert (args.device_ms_per_step, args.device_us_per_sample) == (2.5, 0.0)
+    assert train.emulated_device_seconds(args, 1000) == pytest.approx(0.0025)
+    args = train.parse_args(["--device-us-per-sample", "40", "--step-sleep", "0.01"])  # the alias
+    assert args.device_ms_per_step == pytest.approx(10.0) and args.step_sleep == 0.01
+    assert train.emulated_device_seconds(args, 500) == pytest.approx(0.01 + 0.02)
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "EMULATED accelerator time" in text and "small machines" in text and "must say so" in text
+
+
+@pytest.mark.parametrize(("extra", "per_step", "per_sample", "factor"), [
+    ((), 0.0, 0.0, 1.0),
+    (("--device-ms-per-step", "50", "--device-us-per-sample", "100"), 0.05, 100e-6, 1.0),
+    (("--step-sleep", "0.02"), 0.02, 0.0, 1.0),
+    # the straggler's device is slower too
+    (("--device-ms-per-step", "10", "--slow-worker", "0", "--slowdown", "3"), 0.01, 0.0, 3.0),
+])
+def test_every_step_sleeps_its_emulated_device_time(
+        extra: tuple[str, ...], per_step: float, per_sample: float, factor: float,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """In-process, plain (no master) run with the script's clock replaced: what it sleeps, exactly."""
+    slept: list[float] = []
+    monkeypatch.setattr(train, "time", types.SimpleNamespace(monotonic=time.monotonic, sleep=slept.append))
+    monkeypatch.delenv("TIDAL_MASTER_URL", raising=False)
+    threads = torch.get_num_threads()
+    try:
+        train.main(_small_run(*extra))
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    steps = math.ceil(2000 / 256)
+    if per_step == per_sample == 0.0:
+        assert slept == [] and "EMULATED" not in out
+        return
+    assert len(slept) == steps  # one sleep per step
+    device = steps * per_step + 2000 * per_sample  # the last batch is smaller: per-sample time follows it
+    if factor == 1.0:
+        assert sum(slept) == pytest.approx(device)
+    else:  # the straggler also sleeps (factor - 1) x its measured compute
+        assert sum(slept) >= factor * device - 1e-9
+    assert "EMULATED accelerator time" in out
+
+
+def _plain_training_seconds(*extra: str) -> float:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("TIDAL_MASTER_URL", None)
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "ctr" / "train.py"), *_small_run(*extra)],
+                         capture_output=True, text=True, timeout=120, check=True, env=env, cwd=ROOT).stdout
+    match = re.search(r"final AUC .* ([0-9.]+) s of training", out)
+    assert match, out
+    return float(match.group(1))
+
+
+def test_plain_python_run_takes_the_emulated_time() -> None:
+    """``python examples/ctr/train.py`` (no master) waits the emulated time for real: 8 steps of
+    0.2 s take at least 1.6 s more than without (less a quarter for the noise of the compute
+    between two runs; the run's own sleep alone guarantees the first bound)."""
+    steps, per_step = math.ceil(2000 / 256), 0.2
+    plain = _plain_training_seconds()
+    emulated = _plain_training_seconds("--device-ms-per-step", str(per_step * 1000))
+    assert emulated >= steps * per_step
+    assert emulated - plain >= 0.75 * steps * per_step

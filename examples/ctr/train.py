@@ -6,11 +6,27 @@
 The data come from a known logistic model (examples/ctr/data.py), so the AUC has a known
 ceiling: the script prints both. ``--slow-worker W --slowdown F`` makes worker W F times slower
 per sample (a straggler, for tests and demos).
+
+Emulated accelerator time (``--device-ms-per-step M --device-us-per-sample U``): after each
+batch's backward, before ``job.step()``, the worker sleeps ``M/1000 + U*samples/1e6`` seconds,
+its CPU idle, as a process waiting on a GPU kernel would be. On a machine with few cores, extra
+worker processes add no compute, so throughput cannot grow with workers and a planner has nothing
+real to discover; with emulated device time it grows with the workers up to a knee set by the
+CPU work that remains. It is an emulation for experiments on small machines: results that use it
+must say so (the script prints the setting, and passes it to ``job.finish`` with the metrics).
+Plain ``python`` runs sleep the same way, so tidal-vs-plain comparisons stay fair.
+
+``--step-sleep S`` is an alias in seconds: it adds ``1000*S`` to ``--device-ms-per-step``
+(``--step-sleep 0.05`` is ``--device-ms-per-step 50``). It stays because tests and benches pace
+their jobs with it, and bench/ddp_ctr.py, which parses these same arguments, sleeps it too.
+There is one sleep per batch: the straggler's extra compute plus the emulated device time, the
+latter also ``--slowdown`` times longer on the slow worker (its "device" is slower too).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import threading
 import time
@@ -25,6 +41,17 @@ from examples.ctr.data import ClickDataset, roc_auc
 from examples.ctr.model import DLRM
 
 
+def non_negative_float(text: str) -> float:
+    """An argparse type: a finite float >= 0 (the error names the option, on one line)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--samples", type=int, default=200_000, help="training samples per epoch")
@@ -37,7 +64,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=100, help="print progress every N steps (rank 0)")
     p.add_argument("--slow-worker", type=int, default=-1, help="worker id to slow down (straggler)")
     p.add_argument("--slowdown", type=float, default=1.0, help="how many times slower the slow worker is")
-    p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (tests)")
+    p.add_argument("--step-sleep", type=non_negative_float, default=0.0,
+                   help="extra seconds per step (tests): an alias, adds 1000x this to --device-ms-per-step")
+    p.add_argument("--device-ms-per-step", type=non_negative_float, default=0.0, metavar="MS",
+                   help="EMULATED accelerator time: sleep MS milliseconds per step (CPU idle), as if a GPU "
+                        "ran the step; for experiments on small machines, results using it must say so")
+    p.add_argument("--device-us-per-sample", type=non_negative_float, default=0.0, metavar="US",
+                   help="EMULATED accelerator time: also sleep US microseconds per sample of the step's "
+                        "batch (see --device-ms-per-step)")
     p.add_argument("--hang-worker", type=int, default=-1,
                    help="worker id whose main thread hangs at --hang-at-step (tests; heartbeats go on)")
     p.add_argument("--hang-at-step", type=int, default=10)
@@ -50,7 +84,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="small",
                    help="small: the CPU-sized DLRM; large: wider MLPs and embeddings, so that a GPU step "
                         "is not bound by kernel launches")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.device_ms_per_step += args.step_sleep * 1e3  # the alias; args.step_sleep stays for its readers
+    return args
 
 
 # DLRM widths per --model-size: embedding dimension, bottom MLP, top MLP
@@ -58,6 +94,11 @@ MODEL_SIZES: dict[str, dict[str, object]] = {
     "small": {"emb_dim": 16, "bottom": (32,), "top": (64, 32)},
     "large": {"emb_dim": 128, "bottom": (512, 256), "top": (2048, 2048, 1024)},
 }
+
+
+def emulated_device_seconds(args: argparse.Namespace, samples: int) -> float:
+    """Seconds one step of ``samples`` samples waits on the emulated accelerator (0 when not set)."""
+    return args.device_ms_per_step / 1e3 + args.device_us_per_sample * samples / 1e6
 
 
 def pick_device(name: str) -> torch.device:
@@ -89,6 +130,10 @@ def main(argv: list[str] | None = None) -> None:
     state = job.state(model, optimizer)
     loss_fn = torch.nn.BCEWithLogitsLoss()
     slow = args.slowdown if job.worker_id == args.slow_worker else 1.0
+    emulated = args.device_ms_per_step > 0 or args.device_us_per_sample > 0
+    if emulated and job.rank == 0:
+        print(f"EMULATED accelerator time: {args.device_ms_per_step:g} ms/step + {args.device_us_per_sample:g} "
+              "us/sample of sleep per step (not real compute)", flush=True)
 
     t0, seen, logged = time.monotonic(), 0, -1
     for batch in job.loader(train, batch_size=args.batch_size, epochs=args.epochs, seed=args.seed):
@@ -97,10 +142,10 @@ def main(argv: list[str] | None = None) -> None:
         optimizer.zero_grad(set_to_none=True)
         loss = loss_fn(model(batch["dense"], batch["sparse"]), batch["label"])
         loss.backward()
-        if slow > 1.0:
-            time.sleep((slow - 1.0) * (time.monotonic() - started))
-        if args.step_sleep:
-            time.sleep(args.step_sleep)
+        # one sleep: the straggler's extra compute, then the (emulated) device time of the batch
+        pause = (slow - 1.0) * (time.monotonic() - started) + slow * emulated_device_seconds(args, len(batch["label"]))
+        if pause > 0:
+            time.sleep(pause)
         if job.worker_id == args.hang_worker and job.applied_step + 1 >= args.hang_at_step:
             threading.Event().wait()  # a deadlock in the script: only its main thread stops
         if job.step():
@@ -117,9 +162,12 @@ def main(argv: list[str] | None = None) -> None:
         held_out = ClickDataset(args.eval_samples, seed=args.seed, offset=args.samples)
         auc = evaluate(model, held_out, device)
         ceiling = held_out.oracle_auc()
-        print(f"final AUC {auc:.4f} (ceiling of the known model {ceiling:.4f}) after step {job.applied_step}",
-              flush=True)
-        job.finish(auc=auc, oracle_auc=ceiling, steps=job.applied_step + 1, train_seconds=train_seconds)
+        print(f"final AUC {auc:.4f} (ceiling of the known model {ceiling:.4f}) after step {job.applied_step}, "
+              f"{train_seconds:.2f} s of training", flush=True)
+        emulation = ({"device_ms_per_step": args.device_ms_per_step,
+                      "device_us_per_sample": args.device_us_per_sample} if emulated else {})
+        job.finish(auc=auc, oracle_auc=ceiling, steps=job.applied_step + 1, train_seconds=train_seconds,
+                   **emulation)
     job.close()
 
 
