@@ -160,10 +160,15 @@ def test_a_step_alone_applies_the_gradient_of_its_batch_and_commits() -> None:
     assert worker.host.events == ["applied 0"]
 
 
-def test_two_workers_apply_the_mean_gradient_over_both_batches() -> None:
+def pair(id_a: int = 0, id_b: int = 1) -> tuple[Worker, Worker]:
+    """Two workers of one simulated round (ranks 0 and 1), with the same initial model."""
     group = FakeGroup(2)
-    a = Worker(linear(), FakeComm(group, 0), worker_id=3, rank=0, world_size=2)
-    b = Worker(linear(), FakeComm(group, 1), worker_id=5, rank=1, world_size=2)
+    return (Worker(linear(), FakeComm(group, 0), worker_id=id_a, rank=0, world_size=2),
+            Worker(linear(), FakeComm(group, 1), worker_id=id_b, rank=1, world_size=2))
+
+
+def test_two_workers_apply_the_mean_gradient_over_both_batches() -> None:
+    a, b = pair(3, 5)
     x, y = data(4)
     want_w, want_b = sgd_by_hand(a.model, x, y)
     a.steps.begin(0, 0, 3)
@@ -182,9 +187,7 @@ def test_two_workers_apply_the_mean_gradient_over_both_batches() -> None:
 
 
 def test_a_worker_without_data_takes_part_and_the_epoch_ends_when_nobody_has_any() -> None:
-    group = FakeGroup(2)
-    a = Worker(linear(), FakeComm(group, 0), worker_id=0, rank=0, world_size=2)
-    b = Worker(linear(), FakeComm(group, 1), worker_id=1, rank=1, world_size=2)
+    a, b = pair()
     x, y = data(2)
     want_w, _ = sgd_by_hand(a.model, x, y)
     a.steps.begin(0, 8, 10)
@@ -220,9 +223,7 @@ def test_a_broken_collective_applies_and_commits_nothing() -> None:
 
 
 def test_a_reform_asked_of_one_worker_makes_every_worker_leave_after_the_step() -> None:
-    group = FakeGroup(2)
-    a = Worker(linear(), FakeComm(group, 0), worker_id=0, rank=0, world_size=2)
-    b = Worker(linear(), FakeComm(group, 1), worker_id=1, rank=1, world_size=2)
+    a, b = pair()
     b.host.reform_notice = True
     x, y = data(4)
     a.steps.begin(0, 0, 2)

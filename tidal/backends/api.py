@@ -19,6 +19,7 @@ contract suite in ``tests/backends/test_contract.py``.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -118,6 +119,24 @@ class Backend(Protocol):
     def close(self) -> None:
         """Stop watching (nodes keep running: a restarted master adopts them)."""
         ...
+
+
+class RequestIds:
+    """The request ids a backend has served, per call: what makes ``launch``, ``terminate`` and
+    ``adopt`` idempotent. Thread-safe (a backend's watcher threads run beside the master's)."""
+
+    def __init__(self) -> None:
+        self._seen: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+
+    def first(self, call: str, request_id: str) -> bool:
+        """Record ``request_id`` for ``call``; False if it was seen before (a retried call)."""
+        key = (call, request_id)
+        with self._lock:
+            if key in self._seen:
+                return False
+            self._seen.add(key)
+            return True
 
 
 def node_id(role: Role, index: int) -> str:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tidal.backends.api import BackendState, NodeError, NodeExit, NodeHandle, NodeSpec
+from tidal.backends.api import BackendState, NodeError, NodeExit, NodeHandle, NodeSpec, RequestIds
 
 FIRST_PID = 10_000
 CREATE_TIME = 1.0
@@ -80,7 +80,7 @@ class FakeBackend:
         self._gone: set[str] = set()  # node ids whose end was reported (or queued): never twice
         self._ended: list[NodeExit] = []
         self._errors: list[NodeError] = []
-        self._requests: set[tuple[str, str]] = set()
+        self._requests = RequestIds()
 
     def restarted(self) -> FakeBackend:
         """The backend a restarted master gets: the same machine (the nodes keep running), none of
@@ -88,7 +88,7 @@ class FakeBackend:
         return FakeBackend(self._clock, _machine=self._machine)
 
     def launch(self, specs: list[NodeSpec], request_id: str) -> None:
-        if not self._first("launch", request_id):
+        if not self._requests.first("launch", request_id):
             return
         for spec in specs:
             if spec.node_id in self._watched:
@@ -105,7 +105,7 @@ class FakeBackend:
                 self.launched.append(spec)
 
     def terminate(self, node_ids: list[str], request_id: str) -> None:
-        if not self._first("terminate", request_id):
+        if not self._requests.first("terminate", request_id):
             return
         for node_id in node_ids:
             proc = self._watched.get(node_id)
@@ -114,7 +114,7 @@ class FakeBackend:
                 self._machine.end(proc, -9)
 
     def adopt(self, handles: list[NodeHandle], request_id: str) -> None:
-        if not self._first("adopt", request_id):
+        if not self._requests.first("adopt", request_id):
             return
         for handle in handles:
             if handle.node_id in self._gone or handle.node_id in self._watched:
@@ -160,10 +160,3 @@ class FakeBackend:
                 del self._watched[node_id]
                 self._gone.add(node_id)
                 self._ended.append(NodeExit(node_id, code, self._clock()))
-
-    def _first(self, call: str, request_id: str) -> bool:
-        key = (call, request_id)
-        if key in self._requests:
-            return False
-        self._requests.add(key)
-        return True

@@ -36,6 +36,7 @@ from tidal.backends.api import (
     NodeExit,
     NodeHandle,
     NodeSpec,
+    RequestIds,
     Resources,
 )
 
@@ -85,7 +86,7 @@ class LocalBackend:
         # launch and adopt run one at a time: a node id is checked and then started or watched,
         # and another call in between must not start or watch it a second time
         self._start_lock = threading.Lock()
-        self._requests: set[tuple[str, str]] = set()  # (call, request id) already seen
+        self._requests = RequestIds()
         self._closed = threading.Event()
         self._watchers: list[threading.Thread] = []
 
@@ -94,7 +95,7 @@ class LocalBackend:
         """Start the nodes. A node id already running starts nothing (it runs, as asked); one that
         ran and ended is reported as a ``NodeError`` (a node id names one process, once)."""
         with self._start_lock:
-            if not self._first("launch", request_id):
+            if not self._requests.first("launch", request_id):
                 return
             for spec in specs:
                 with self._lock:
@@ -139,7 +140,7 @@ class LocalBackend:
         """SIGKILL the nodes. Our child is reported with its status (-9); an adopted node, not our
         child, with None. Unknown and ended ids are ignored."""
         with self._lock:
-            if not self._first_locked("terminate", request_id):
+            if not self._requests.first("terminate", request_id):
                 return
             procs = [(n, self._nodes[n].proc) for n in node_ids if n in self._nodes]
         for node_id, proc in procs:
@@ -157,7 +158,7 @@ class LocalBackend:
         """Watch processes an earlier master started. Idempotent: a master that reloads its
         journal adopts the same nodes again, and a second watcher would report an end twice."""
         with self._start_lock:
-            if not self._first("adopt", request_id):
+            if not self._requests.first("adopt", request_id):
                 return
             for handle in handles:
                 self._adopt_one(handle)
@@ -232,17 +233,6 @@ class LocalBackend:
             watcher.join()
 
     # ------------------------------------------------------------------------------ helpers
-    def _first(self, call: str, request_id: str) -> bool:
-        with self._lock:
-            return self._first_locked(call, request_id)
-
-    def _first_locked(self, call: str, request_id: str) -> bool:
-        """Record ``request_id`` for ``call``; False if it was seen before (a retried call)."""
-        key = (call, request_id)
-        if key in self._requests:
-            return False
-        self._requests.add(key)
-        return True
 
 
 def _spawn(spec: NodeSpec) -> subprocess.Popen[bytes]:
