@@ -178,6 +178,11 @@ class ReportRequest(_Wire):
     records: list[StepRecord] = Field(default_factory=list, max_length=MAX_RECORDS_PER_REQUEST)
     compute_s_per_sample: float = Field(default=0.0, ge=0, le=1e6)
     samples_per_s: float = Field(default=0.0, ge=0, le=1e12)
+    # where a step's time goes, seconds per step (running means; 0: not measured): between the
+    # previous step's end and this one's begin (data), up to its collectives, the collectives
+    data_s: float = Field(default=0.0, ge=0, le=1e6)
+    compute_s: float = Field(default=0.0, ge=0, le=1e6)
+    comm_s: float = Field(default=0.0, ge=0, le=1e6)
     pauses: list[PauseReport] = Field(default_factory=list, max_length=MAX_PAUSES_PER_REPORT)
     incarnation: str = Field(default="", max_length=64)  # the master these records are complete for
 

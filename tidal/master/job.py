@@ -134,6 +134,8 @@ class JobMaster:
         self.paused: str | None = None  # why the job stands still (the journal cannot be written)
         self.paused_since = 0.0
         self._next_journal_probe = 0.0
+        # target changes the planner made in this process (a metric: kept across a reload)
+        self.planner_decisions = 0
         self._init_runtime()
 
     def _init_runtime(self) -> None:
@@ -371,6 +373,8 @@ class JobMaster:
         rec.samples_per_s = req.samples_per_s
         if req.compute_s_per_sample > 0:
             rec.compute_s_per_sample = req.compute_s_per_sample
+        if req.compute_s or req.comm_s:  # a worker that measured its split (an older one sends none)
+            rec.data_s, rec.compute_s, rec.comm_s = req.data_s, req.compute_s, req.comm_s
         if req.round == self.round and self.is_member(req.worker_id) and rec.state in (W.ACTIVE, W.WAITING):
             rec.progressed(req.applied_step, now)
             for r in req.records:
@@ -578,6 +582,7 @@ class JobMaster:
             self.log.add("scale", f"planner {self.planner.name}: {self.target} -> {target} workers ({plan.reason})")
             self.target = target
             self._persist()
+            self.planner_decisions += 1  # counted once journaled (a failed write pauses the job)
 
     def _launch_missing(self, now: float) -> None:
         # journal first: a process the journal does not know would be an orphan after a reload

@@ -47,6 +47,11 @@ class WorkerRecord:
     slot: int = 0  # the place it fills: a replacement takes over a failed worker's slot
     progressed_at: float = 0.0  # when its applied step last grew (liveness by progress)
     step_s: float = 0.0  # seconds per step it has shown (a running mean; 0: not measured yet)
+    # where its steps' time goes, as it reports (running means, seconds per step; 0: not measured):
+    # waiting for data between steps, computing, the collectives (tidal.worker.reporter)
+    data_s: float = 0.0
+    compute_s: float = 0.0
+    comm_s: float = 0.0
     # the latest transitions (a worker moves ACTIVE <-> WAITING every round: bounded)
     history: deque[tuple[float, str]] = field(default_factory=lambda: deque(maxlen=HISTORY))
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from tidal.api import (
@@ -58,6 +58,7 @@ from tidal.api import (
 )
 from tidal.master.api import MasterError
 from tidal.master.job import JobMaster
+from tidal.master.metrics import CONTENT_TYPE, job_registry, render
 from tidal.master.shards import ShardConflictError
 from tidal.master.store import RoundStore, StoreValueError, StoreValueTooLargeError
 
@@ -263,9 +264,16 @@ def _worker_router(master: JobMaster, notifier: ChangeNotifier) -> APIRouter:
     return router
 
 
+class PrometheusResponse(PlainTextResponse):
+    """The Prometheus text format (its media type names the format's version)."""
+
+    media_type = CONTENT_TYPE
+
+
 def _user_router(master: JobMaster) -> APIRouter:
-    """What a user or a tool calls: scale, status, health."""
+    """What a user or a tool calls: scale, status, health, metrics."""
     router = APIRouter(tags=["job"])
+    metrics_registry = job_registry(master)
 
     @router.post("/v1/scale", responses={400: {}})
     async def scale(req: ScaleRequest) -> dict[str, int]:
@@ -279,6 +287,12 @@ def _user_router(master: JobMaster) -> APIRouter:
     @router.get("/v1/healthz")
     async def healthz() -> dict[str, str]:
         return {"state": master.state.value}
+
+    # async: the scrape reads the master's state on its event loop, between two handlers
+    @router.get("/metrics", response_class=PrometheusResponse)
+    async def metrics() -> PrometheusResponse:
+        """The job's metrics in the Prometheus text format (see tidal.master.metrics)."""
+        return PrometheusResponse(render(metrics_registry))
 
     return router
 

@@ -142,8 +142,10 @@ class ElasticDataLoader:
                 if steps.empty(epoch) is StepOutcome.EPOCH_END:
                     steps.end_epoch()  # nobody had data left: every worker moves on at this step
                 continue
+            batch = self._fetch(start, end)
+            # the step begins once its batch is here: the fetch counts as data wait, not compute
             pending = steps.begin(epoch, start, end)
-            yield self._fetch(start, end)
+            yield batch
             if steps.pending is pending:
                 raise UsageError("call job.step() once for every batch of the elastic loader")
 

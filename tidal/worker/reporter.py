@@ -56,6 +56,7 @@ T = TypeVar("T", bound=BaseModel)
 REPORT_INTERVAL_S = 0.25  # at most one request per interval while records or pauses wait
 STALL_ABORT_S = 1.0  # a collective waiting this long when the master re-forms waits for a dead peer
 REPORT_PATIENCE_S = 0.5  # a report is not retried longer: the next one carries the same records
+MAX_STEP_PART_S = 1e6  # ReportRequest's bound on data_s, compute_s, comm_s
 
 
 class ReportClient(Protocol):
@@ -131,6 +132,14 @@ class Reporter:
         self._compute_per_sample = 0.0
         self._pause_from: float | None = None
         self._last_step_end = clock()
+        # where a step's time goes, seconds per step (running means; None: not measured yet):
+        # data, from the previous step's end in this round to this step's begin (the loader's
+        # lease; it reads the batch after the begin); compute, from the begin to the
+        # collectives, the optimizer step included; comm, the collectives (``AppliedStep.comm_s``)
+        self._prev_end: float | None = None  # the previous step's end in this round
+        self._data_s: float | None = None
+        self._compute_s: float | None = None
+        self._comm_s: float | None = None
         # what the master said, for the training thread
         self._reform_notice = False
         self._gone: str | None = None
@@ -171,7 +180,8 @@ class Reporter:
 
     # ------------------------------------------------------------------ what the job tells
     def record_step(self, applied: AppliedStep) -> None:
-        """Keep an applied step's records for the master, and this worker's throughput.
+        """Keep an applied step's records for the master, and this worker's throughput and
+        step-time split.
 
         Called under ``lock``, with the step count already moved to ``applied.step`` (the step
         runner's publish): the reporter never sees the step without its records."""
@@ -182,13 +192,18 @@ class Reporter:
             a = 0.2 if self._samples_per_s else 1.0
             self._samples_per_s = (1 - a) * self._samples_per_s + a * rate
             self._compute_per_sample = (1 - a) * self._compute_per_sample + a * compute
+            comm = min(applied.comm_s, wall)
+            self._compute_s = _smooth(self._compute_s, wall - comm)
+            self._comm_s = _smooth(self._comm_s, comm)
+            if self._prev_end is not None:
+                self._data_s = _smooth(self._data_s, max(applied.started - self._prev_end, 0.0))
         if applied.records:
             self._records[applied.step] = applied.records
         self._unsent.extend(r for r in applied.records if r.worker == self._worker_id)
         if self._pause_from is not None:
             self._pauses.append(PauseReport(round=max(self._round, 0), seconds=applied.finished - self._pause_from))
             self._pause_from = None
-        self._last_step_end = applied.finished
+        self._last_step_end = self._prev_end = applied.finished
 
     def new_round(self, round_: int, acked_step: int) -> None:
         """The rendezvous put this worker in ``round_`` (before its group forms): closing the
@@ -212,6 +227,7 @@ class Reporter:
         step is a pause the master is told of (it counts from the last applied step)."""
         with self._lock:
             self._comm = None
+            self._prev_end = None  # the wait for the next round is a pause, not a data wait
             if pause and self._pause_from is None:
                 self._pause_from = self._last_step_end
 
@@ -246,6 +262,7 @@ class Reporter:
             worker_id=self._worker_id, round=round_, applied_step=applied,
             records=unsent, compute_s_per_sample=self._compute_per_sample,
             samples_per_s=self._samples_per_s, pauses=pauses, incarnation=self._incarnation,
+            data_s=_bounded(self._data_s), compute_s=_bounded(self._compute_s), comm_s=_bounded(self._comm_s),
         )
         try:
             resp = self._client.post("/v1/report", req, ReportResponse, patience_s=REPORT_PATIENCE_S)
@@ -295,3 +312,15 @@ class Reporter:
         if comm.stalled_for() >= STALL_ABORT_S and comm.abort():
             log.warning("worker %d: aborted a collective stalled for %.1fs: the round re-forms",
                         self._worker_id, comm.stalled_for())
+
+
+def _smooth(mean: float | None, value: float) -> float:
+    """The running mean kept of each step time: the first value, then a fifth of each new one
+    (the smoothing of the throughput above)."""
+    return value if mean is None else 0.8 * mean + 0.2 * value
+
+
+def _bounded(seconds: float | None) -> float:
+    """A step time as the report carries it: 0 when not measured, at most the wire's bound (a
+    script that stood still for weeks between two steps must not make the report invalid)."""
+    return min(seconds or 0.0, MAX_STEP_PART_S)

@@ -115,6 +115,7 @@ class AppliedStep:
     started: float  # clock when this worker began the step
     finished: float  # clock when it was applied
     collective_s: float  # from the reduction to the optimizer step included
+    comm_s: float = 0.0  # the collectives alone (the reduction; logical workers: and the buffers' broadcast)
 
 
 class StepHost(Protocol):
@@ -312,6 +313,7 @@ class StepRunner:
         except CollectiveError as exc:
             self._host.collective_broke(exc)
             return StepOutcome.BROKEN
+        comm_s = self._clock() - t0
         rows = headers.tolist()
         total = sum(r[N] for r in rows)
         if total == 0:
@@ -321,7 +323,7 @@ class StepRunner:
             state.optimizer.step()
         records = [StepRecord(step=pending.step, worker=h[WORKER], epoch=h[EPOCH], start=h[START], end=h[END])
                    for h in rows if h[N] > 0] if self._ledger else []
-        self._publish(pending, total, records, t0)
+        self._publish(pending, total, records, t0, comm_s)
         if any(r[REFORM] for r in rows):
             self._host.leave_for_rendezvous("re-form requested by the master")
         return StepOutcome.APPLIED
@@ -420,6 +422,7 @@ class StepRunner:
         except CollectiveError as exc:
             self._host.collective_broke(exc)
             return StepOutcome.BROKEN
+        comm_s = self._clock() - t0
         for p, g in zip(params, grads, strict=True):
             p.grad = g
         if state.optimizer is not None:
@@ -439,7 +442,7 @@ class StepRunner:
             records = [StepRecord.model_construct(step=pending.step, worker=holders[r], epoch=pending.epoch,
                                                   start=s, end=e)
                        for r, (s, e) in enumerate(lstep.batches) if e > s]
-        self._publish(pending, lstep.total, records, t0)
+        self._publish(pending, lstep.total, records, t0, comm_s)
         if any(r[REFORM] for r in rows):
             self._host.leave_for_rendezvous("re-form requested by the master")
         return StepOutcome.APPLIED
@@ -456,10 +459,12 @@ class StepRunner:
             raise RuntimeError("a step outside a round (the host calls enter_round first)")
         return self._comm
 
-    def _publish(self, pending: PendingStep, total: int, records: list[StepRecord], t0: float) -> None:
+    def _publish(self, pending: PendingStep, total: int, records: list[StepRecord], t0: float,
+                 comm_s: float) -> None:
         finished = self._clock()
         applied = AppliedStep(step=pending.step, mine=pending.mine, total=total, records=records,
-                              started=pending.started, finished=finished, collective_s=finished - t0)
+                              started=pending.started, finished=finished, collective_s=finished - t0,
+                              comm_s=comm_s)
         with self._lock:  # the step count and its records move together
             self.state.applied_step = pending.step
             self._host.step_applied(applied)

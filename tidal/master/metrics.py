@@ -1,0 +1,159 @@
+"""The master's metrics in the Prometheus text format (``GET /metrics``, tidal.master.service).
+
+``MasterCollector`` reads the master's state when it is scraped: there is no second copy of the
+state to keep in sync, and nothing to update on the hot paths. Each job has its own
+``CollectorRegistry`` (``job_registry``); nothing is registered in prometheus_client's global one
+(STYLE.md 11). The scrape runs on the master's event loop, like every handler, so it sees one
+consistent state.
+
+The metrics and where each comes from:
+
+* ``tidal_samples_per_second``: the job's throughput, the samples/s its ACTIVE members report,
+  summed (``JobMaster.snapshot().samples_per_s``: the number the planner sees);
+* ``tidal_workers{state}``: the worker records in each ``WorkerState``, every state listed;
+* ``tidal_target_workers``: the number of workers the job aims at (``JobMaster.target``);
+* ``tidal_step_seconds{part}``: seconds per step spent on ``data`` (from the end of the
+  worker's previous step to the begin of this one: the loader's lease and batch read, and the
+  script's own work between steps; the loader begins a step once its batch is read),
+  ``compute`` (from the step's begin to its collectives, the optimizer step included) and ``comm`` (the collectives), each the mean over the ACTIVE members that reported
+  their split (``WorkerRecord.data_s``, ``compute_s``, ``comm_s``; tidal.worker.reporter);
+* ``tidal_pause_seconds{cause}``: a histogram of the pauses of training, one per round, the
+  longest any worker saw (``EventLog.pause_events``), by kind of cause (``cause_kind``);
+* ``tidal_planner_decisions_total{planner}``: the target changes the planner made
+  (``JobMaster.planner_decisions``);
+* ``tidal_committed_samples_total``: the samples of every committed range, over every epoch:
+  the committed prefixes of the shard table (``ShardManager.counts()``'s ``samples_done``).
+  A commit moves a shard's prefix by exactly its range and a repeated commit moves nothing, so
+  this is the ledger's sum; a restarted master rebuilds the prefixes from the journal's ledger
+  (``ShardManager.restore``), so the count survives a restart too.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Iterator
+
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from tidal.api import Event, WorkerState
+from tidal.master.job import JobMaster
+from tidal.master.membership import WorkerRecord
+
+# The text format this module writes: 0.0.4, which every Prometheus reads (the library's
+# CONTENT_TYPE_LATEST is 1.0.0; tidal's metric names are valid in both).
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
+
+# Pauses range from a re-form that takes tens of milliseconds to a replacement worker that
+# starts a large model for a minute.
+PAUSE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# The kinds of causes a round forms for (its pause's ``cause`` label; a bounded set, whereas the
+# causes themselves name workers and sizes).
+PAUSE_CAUSES = ("start", "failure", "left", "scale-in", "scale-out", "re-form")
+STEP_PARTS = ("data", "compute", "comm")
+
+
+def cause_kind(cause: str | None) -> str:
+    """The kind of a round's cause, as the master words it (``JobMaster._form_round``):
+    ``start``; ``worker N failed``; ``worker N left the collective``; ``scale-in to N``;
+    ``scale-out to N``; anything else is a ``re-form``."""
+    text = cause or ""
+    if text == "start":
+        return "start"
+    if text.startswith("scale-in"):
+        return "scale-in"
+    if text.startswith("scale-out"):
+        return "scale-out"
+    if text.startswith("worker ") and text.endswith(" failed"):
+        return "failure"
+    if text.startswith("worker ") and text.endswith(" left the collective"):
+        return "left"
+    return "re-form"
+
+
+class MasterCollector(Collector):
+    """Every tidal metric of one job master, read from its state at each scrape."""
+
+    def __init__(self, master: JobMaster) -> None:
+        self.master = master
+
+    def collect(self) -> Iterator[Metric]:
+        master = self.master
+        active = [master.workers[m] for m in master.members
+                  if m in master.workers and master.workers[m].state is WorkerState.ACTIVE]
+
+        throughput = GaugeMetricFamily("tidal_samples_per_second",
+                                       "Samples per second the job trains: the sum over its active workers.")
+        throughput.add_metric([], master.snapshot().samples_per_s)
+        yield throughput
+
+        workers = GaugeMetricFamily("tidal_workers", "Worker processes by state.", labels=["state"])
+        by_state = Counter(r.state for r in master.workers.values())
+        for state in WorkerState:
+            workers.add_metric([state.value], by_state[state])
+        yield workers
+
+        target = GaugeMetricFamily("tidal_target_workers", "The number of workers the job aims at.")
+        target.add_metric([], master.target)
+        yield target
+
+        yield _step_seconds(active)
+        yield _pause_histogram(master.pause_events.values())
+
+        decisions = CounterMetricFamily("tidal_planner_decisions",
+                                        "Changes of the target number of workers made by the planner.",
+                                        labels=["planner"])
+        decisions.add_metric([master.planner.name], master.planner_decisions)
+        yield decisions
+
+        committed = CounterMetricFamily("tidal_committed_samples",
+                                        "Samples in committed ranges (trained by committed steps), over every epoch.")
+        committed.add_metric([], sum(samples_done for _, _, _, _, samples_done, _ in master.shards.counts()))
+        yield committed
+
+
+def _step_seconds(active: list[WorkerRecord]) -> GaugeMetricFamily:
+    """The mean split of a step over the active workers that measured theirs."""
+    family = GaugeMetricFamily("tidal_step_seconds",
+                               "Seconds per step spent waiting for data, computing and communicating "
+                               "(the mean over the active workers).", labels=["part"])
+    measured = [r for r in active if r.compute_s or r.comm_s]
+    parts = {
+        "data": [r.data_s for r in measured],
+        "compute": [r.compute_s for r in measured],
+        "comm": [r.comm_s for r in measured],
+    }
+    for part in STEP_PARTS:
+        values = parts[part]
+        family.add_metric([part], sum(values) / len(values) if values else 0.0)
+    return family
+
+
+def _pause_histogram(pauses: Iterable[Event]) -> HistogramMetricFamily:
+    """The pauses the master keeps (the latest ``tidal.master.events.MAX_PAUSES``), by kind of cause."""
+    family = HistogramMetricFamily("tidal_pause_seconds",
+                                   "Seconds training stood still before a round's first step, by kind of cause.",
+                                   labels=["cause"])
+    seconds: dict[str, list[float]] = {kind: [] for kind in PAUSE_CAUSES}
+    for ev in pauses:
+        if ev.seconds is not None:
+            seconds[cause_kind(ev.cause)].append(ev.seconds)
+    for kind in PAUSE_CAUSES:
+        values = seconds[kind]
+        buckets = [(str(b), float(sum(v <= b for v in values))) for b in PAUSE_BUCKETS]
+        buckets.append(("+Inf", float(len(values))))
+        family.add_metric([kind], buckets, sum_value=sum(values))
+    return family
+
+
+def job_registry(master: JobMaster) -> CollectorRegistry:
+    """A registry of its own for one job master's metrics (never the library's global one)."""
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(MasterCollector(master))
+    return reg
+
+
+def render(reg: CollectorRegistry) -> bytes:
+    """The registry's metrics in the text format ``CONTENT_TYPE`` names."""
+    return generate_latest(reg)
