@@ -196,6 +196,11 @@ def test_scale_of_a_job_whose_master_is_gone(tidal, tmp_path: Path) -> None:
     assert_one_line_error(r, "dead", "not answering")
 
 
+@pytest.mark.parametrize("args", [(), ("2", "--auto")])
+def test_scale_needs_a_number_or_auto_but_not_both(tidal, args: tuple[str, ...]) -> None:
+    assert_one_line_error(tidal("scale", *args), "either a number of workers or --auto")
+
+
 @pytest.mark.parametrize(
     ("option", "value", "needles"),
     [
@@ -221,6 +226,9 @@ def test_scale_of_a_job_whose_master_is_gone(tidal, tmp_path: Path) -> None:
         ("--max-restarts", "-1", ("--max-restarts", "-1", "must be between")),
         ("--max-restarts", "1000000000", ("--max-restarts", "1000000000", "must be between")),
         ("--logical-workers", "100000000", ("--logical-workers", "1024", "must be between")),
+        ("--planner-interval", "0", ("--planner-interval", "3600", "must be between")),
+        ("--planner-interval", "nan", ("--planner-interval", "nan", "must be between")),
+        ("--planner", "nope", ("--planner", "unknown planner 'nope'", "max")),
     ],
 )
 def test_bad_numeric_option(tidal, script: Path, tmp_path: Path, option: str, value: str,

@@ -261,8 +261,10 @@ def test_body_of_exactly_the_limit_is_parsed(master: Master, chunked: bool) -> N
                               "shuffle": "sometimes"}, "shuffle"),
         ("/v1/finish", {"worker_id": 0, "metrics": {"auc": "high"}}, "auc"),
         ("/v1/scale", {"workers": 1.5}, "workers"),
-        ("/v1/scale", {"workers": None}, "workers"),
-        ("/v1/scale", {}, "workers"),
+        ("/v1/scale", {"workers": None}, "body"),  # neither a number nor auto
+        ("/v1/scale", {}, "body"),
+        ("/v1/scale", {"workers": 2, "auto": True}, "body"),  # both
+        ("/v1/scale", {"auto": "maybe"}, "auto"),
         ("/v1/scale", [1], "body"),
     ],
 )
@@ -341,6 +343,14 @@ def test_scale_outside_min_max_is_400(master: Master, workers: int) -> None:
 def test_scale_inside_min_max(master: Master) -> None:
     with master.client() as c:
         assert c.post("/v1/scale", json={"workers": 2}).json() == {"target_workers": 2}
+
+
+def test_scale_auto_hands_the_target_back_to_the_planner(master: Master) -> None:
+    with master.client() as c:
+        assert c.post("/v1/scale", json={"workers": 1}).json() == {"target_workers": 1}
+        assert c.post("/v1/scale", json={"auto": True}).json() == {"target_workers": 2}  # max: MAX
+        events = [e["message"] for e in c.get("/v1/status").json()["events"]]
+        assert any("target back to planner max" in m for m in events)
 
 
 def test_join_then_stale_rounds_are_409(master: Master) -> None:

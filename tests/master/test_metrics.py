@@ -32,7 +32,7 @@ from tidal.api import (
     StepRecord,
     WorkerState,
 )
-from tidal.master.job import PLAN_S, JobMaster
+from tidal.master.job import JobMaster
 from tidal.master.metrics import CONTENT_TYPE, PAUSE_BUCKETS, PAUSE_CAUSES, cause_kind, job_registry
 from tidal.worker.reporter import Reporter
 from tidal.worker.step import AppliedStep
@@ -146,9 +146,9 @@ def test_a_scrape_shows_the_masters_state(tmp_path: Path) -> None:
 
     # the planner lowers the target: one decision, counted under its name
     master.planner = FixedPlanner(1)
-    clock.now += PLAN_S
+    clock.now += master.spec.planner_interval_s
     master.tick()
-    clock.now += PLAN_S
+    clock.now += master.spec.planner_interval_s
     master.tick()  # the same target again is no decision
     s = scrape(master)
     assert value(s, "tidal_target_workers") == master.target == 1

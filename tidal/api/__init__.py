@@ -11,7 +11,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tidal.api.errors import (
     ConfigError,
@@ -236,7 +236,17 @@ class FinishRequest(_Wire):
 
 
 class ScaleRequest(_Wire):
-    workers: int = Field(ge=0, le=100_000)
+    """A user's target: ``workers`` (the planner stops deciding until ``auto``), or ``auto``
+    (the planner decides again). Exactly one of them."""
+
+    workers: int | None = Field(default=None, ge=0, le=100_000)
+    auto: bool = False
+
+    @model_validator(mode="after")
+    def _one_of(self) -> ScaleRequest:
+        if (self.workers is None) == (not self.auto):
+            raise ValueError("give either workers or auto=true")
+        return self
 
 
 class WorkerInfo(_Wire):

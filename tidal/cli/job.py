@@ -35,6 +35,7 @@ HEARTBEAT_TIMEOUT_S = (1.0, 3600.0)
 COLLECTIVE_TIMEOUT_S = (1.0, 3600.0)
 ROUND_TIMEOUT_S = (1.0, 3600.0)
 PROGRESS_TIMEOUT_S = (1.0, 86400.0)  # a day: one step of a large model may take many minutes
+PLANNER_INTERVAL_S = (0.1, 3600.0)
 
 
 def backends_help() -> str:
@@ -145,6 +146,13 @@ def run(
              "(gloo on CPU; nccl on GPUs when each worker has its own, one GPU per worker from "
              "CUDA_VISIBLE_DEVICES or the machine's; gloo over CUDA where they must share)."),
     backend: str = typer.Option("local", "--backend", metavar="NAME", help=backends_help()),
+    planner: str = typer.Option(
+        "max", "--planner", metavar="NAME",
+        help="The policy that sets the number of workers while the job runs (tidal.brain.planners; "
+             "`tidal scale N` overrides it until `tidal scale --auto`). Default max: MAX workers."),
+    planner_interval: float = typer.Option(
+        1.0, "--planner-interval", metavar="SECONDS",
+        help=f"How often the planner is asked for a target ({span(PLANNER_INTERVAL_S)})."),
 ) -> None:
     """Run SCRIPT [ARGS...] as an elastic job of local worker processes.
 
@@ -166,6 +174,8 @@ def run(
     check_range("--round-timeout", round_timeout, ROUND_TIMEOUT_S, " seconds")
     check_range("--progress-timeout", progress_timeout, PROGRESS_TIMEOUT_S, " seconds")
     check_range("--max-restarts", max_restarts, (0, MAX_RESTARTS))
+    check_range("--planner-interval", planner_interval, PLANNER_INTERVAL_S, " seconds")
+    check_planner(planner)
     if backend not in backends.names():
         raise fail(f"unknown --backend {backend!r}; known: {', '.join(backends.names())}")
     if not script.is_file():
@@ -192,7 +202,8 @@ def run(
         ledger_path=str(ledger.resolve()) if ledger else None, initial_workers=initial,
         heartbeat_timeout_s=heartbeat_timeout, collective_timeout_s=collective_timeout,
         round_timeout_s=round_timeout, progress_timeout_s=progress_timeout, max_restarts=max_restarts,
-        cwd=os.getcwd(), env=env, gpus=gpus, backend=backend,
+        cwd=os.getcwd(), env=env, gpus=gpus, backend=backend, planner=planner,
+        planner_interval_s=planner_interval,
     )
     _point_current(directory)
     typer.echo(f"tidal: job {job_id} on http://127.0.0.1:{spec.port} (job dir {directory})", err=True)
@@ -334,12 +345,26 @@ def status(
 
 @app.command()
 def scale(
-    workers: int = typer.Argument(..., help="The new number of workers (within the job's MIN:MAX)."),
+    workers: int | None = typer.Argument(None, help="The new number of workers (within the job's MIN:MAX)."),
+    auto: bool = typer.Option(False, "--auto", help="Hand the number of workers back to the job's planner."),
     job_dir: Path | None = typer.Option(None, "--job-dir", help="The job's directory (default: the latest job)."),
 ) -> None:
-    """Change a running job's number of workers."""
-    data = _request(job_dir, "POST", "/v1/scale", {"workers": workers})
-    typer.echo(f"target: {data['target_workers']} workers")
+    """Change a running job's number of workers (the planner stops deciding until --auto)."""
+    if (workers is None) == (not auto):
+        raise fail("give either a number of workers or --auto")
+    body: dict[str, Any] = {"auto": True} if auto else {"workers": workers}
+    data = _request(job_dir, "POST", "/v1/scale", body)
+    typer.echo(f"target: {data['target_workers']} workers" + (" (planner)" if auto else ""))
+
+
+def check_planner(name: str) -> None:
+    """A planner the registry knows, or a one-line error that lists them."""
+    from tidal.brain import planners
+
+    try:
+        planners.get(name)
+    except ConfigError as exc:
+        raise fail(f"--planner: {exc}") from None
 
 
 def _render_status(st: StatusResponse) -> None:

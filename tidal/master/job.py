@@ -89,7 +89,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 JOURNAL_PROBE_S = 0.5  # how often a paused master tries its journal again
 CHECK_S = 0.5  # how often progress and stragglers are judged
-PLAN_S = 1.0  # how often the planner is asked for a target
 LIVENESS_S = 0.1  # heartbeat leases are seconds long: a scan of every worker per 20 ms tick is waste
 
 
@@ -136,6 +135,7 @@ class JobMaster:
         self._next_journal_probe = 0.0
         # target changes the planner made in this process (a metric: kept across a reload)
         self.planner_decisions = 0
+        self._planner_problem: str | None = None  # the last error of the planner, logged once
         self._init_runtime()
 
     def _init_runtime(self) -> None:
@@ -453,8 +453,12 @@ class JobMaster:
 
     @journaled
     def scale(self, workers: int) -> int:
-        if self.state is not JobState.RUNNING:
-            raise BadRequestError(f"job is {self.state.value}; cannot scale")
+        """The user's target: the planner stops deciding until ``scale_auto``.
+
+        Raises:
+            BadRequestError: the job is not running, or ``workers`` is outside MIN:MAX.
+        """
+        self._check_scalable()
         if not self.spec.min_workers <= workers <= self.spec.max_workers:
             raise BadRequestError(
                 f"{workers} workers is outside this job's range {self.spec.min_workers}:{self.spec.max_workers}"
@@ -466,6 +470,23 @@ class JobMaster:
         self.fleet.next_launch_check = 0.0
         self.tick()
         return workers
+
+    @journaled
+    def scale_auto(self) -> int:
+        """Hand the target back to the planner (``tidal scale --auto``); it decides at once."""
+        self._check_scalable()
+        self.target_override = None
+        self.log.add("scale", f"target back to planner {self.planner.name} (was {self.target} workers, set by hand)")
+        self._next_plan_at = 0.0
+        self._apply_plan()
+        self._persist()
+        self.fleet.next_launch_check = 0.0
+        self.tick()
+        return self.target
+
+    def _check_scalable(self) -> None:
+        if self.state is not JobState.RUNNING:
+            raise BadRequestError(f"job is {self.state.value}; cannot scale")
 
     # ================================================================== periodic work
     def tick(self) -> None:
@@ -500,7 +521,7 @@ class JobMaster:
                     self.rounds, self.workers, now, round_timeout_s=self.spec.round_timeout_s,
                     progress_timeout_s=self.spec.progress_timeout_s))
             if now >= self._next_plan_at:
-                self._next_plan_at = now + PLAN_S
+                self._next_plan_at = now + self.spec.planner_interval_s
                 self._apply_plan()
             self._launch_missing(now)
             cause = rounds.reform_cause(self.rounds, self.workers, self.target)
@@ -574,12 +595,27 @@ class JobMaster:
         return None if audit.ok else f"the journal's ledger is not exactly once: {audit.summary()}"
 
     def _apply_plan(self) -> None:
+        """Ask the planner for a target. The job never stops because its planner failed: a plan
+        that raises keeps the current target (logged once per distinct error), one outside
+        MIN:MAX is clamped (and said so)."""
         if self.target_override is not None:
             return
-        plan = self.planner.plan(self.snapshot())
-        target = min(max(plan.workers, self.spec.min_workers), self.spec.max_workers)
+        try:
+            plan = self.planner.plan(self.snapshot())
+            wanted = int(plan.workers)
+        except Exception as exc:  # a policy's bug must not stop the job
+            problem = f"planner {self.planner.name} failed: {type(exc).__name__}: {exc}"
+            if problem != self._planner_problem:
+                self._planner_problem = problem
+                self.log.add("error", f"{problem}; keeping {self.target} workers")
+                log.exception("job %s: %s", self.spec.job_id, problem)
+            return
+        self._planner_problem = None
+        target = min(max(wanted, self.spec.min_workers), self.spec.max_workers)
         if target != self.target:
-            self.log.add("scale", f"planner {self.planner.name}: {self.target} -> {target} workers ({plan.reason})")
+            clamped = f", clamped from {wanted} to MIN:MAX" if target != wanted else ""
+            self.log.add("scale", f"planner {self.planner.name}: {self.target} -> {target} workers "
+                                  f"({plan.reason}{clamped})")
             self.target = target
             self._persist()
             self.planner_decisions += 1  # counted once journaled (a failed write pauses the job)

@@ -277,7 +277,11 @@ def _user_router(master: JobMaster) -> APIRouter:
 
     @router.post("/v1/scale", responses={400: {}})
     async def scale(req: ScaleRequest) -> dict[str, int]:
-        """Set the target number of workers (within the job's MIN:MAX)."""
+        """Set the target number of workers (within the job's MIN:MAX), or hand it back to the
+        planner with ``auto``."""
+        if req.auto:
+            return {"target_workers": master.scale_auto()}
+        assert req.workers is not None  # the model requires one of them
         return {"target_workers": master.scale(req.workers)}
 
     @router.get("/v1/status", response_model=StatusResponse)
