@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -20,7 +19,7 @@ from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
 
-from tests.test_control_plane import Master, start_master, stop_master
+from tests.test_control_plane import Master
 from tests.test_master import form_round, journaled_round, lease, make_master, report
 from tidal.api import (
     JobSnapshot,
@@ -238,13 +237,6 @@ def test_the_workers_step_split_reaches_the_metrics(tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- over HTTP
-@pytest.fixture(scope="module")
-def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Master]:
-    m = start_master(tmp_path_factory.mktemp("metrics"), "1:2")
-    yield m
-    stop_master(m)
-
-
 def test_metrics_over_http_need_the_token(master: Master) -> None:
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": master.token}):
         r = httpx.get(master.url + "/metrics", headers=headers, timeout=10)

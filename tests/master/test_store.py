@@ -12,7 +12,6 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -171,13 +170,6 @@ def test_memory_stays_flat_over_thousands_of_rounds() -> None:
 
 
 # ----------------------------------------------------------------------------- a real master
-@pytest.fixture(scope="module")
-def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Master]:
-    m = start_master(tmp_path_factory.mktemp("store-master"), "1:2")
-    yield m
-    stop_master(m)
-
-
 def job_id(m: Master) -> str:
     return str(json.loads((m.job_dir / "job.json").read_text())["job_id"])
 
