@@ -56,6 +56,7 @@ class Fleet:
         self.next_launch_check = 0.0
         self._exits: deque[tuple[int, NodeExit]] = deque()
         self._errors: deque[tuple[int, NodeError]] = deque()
+        self._awaiting_pid: set[int] = set()  # launched, pid not yet seen in Backend.poll()
 
     # ------------------------------------------------------------------ journal
     def to_meta(self) -> dict[str, Any]:
@@ -87,13 +88,19 @@ class Fleet:
     # ------------------------------------------------------------------ backend
     def poll(self) -> None:
         """Take what the backend saw: pids of started processes, exits and launch errors (queued
-        until ``take_exits``/``take_errors``)."""
+        until ``pending_exits``/``pending_errors`` handle them).
+
+        Runs every tick: only the workers launched without a known pid are looked up among the
+        running nodes, not every running node (thousands, 50 times a second)."""
         state = self.backend.poll()
-        for handle in state.running.values():
-            worker_id = _worker_of(handle.node_id)
-            rec = self.workers.get(worker_id) if worker_id is not None else None
-            if rec is not None and not rec.pid:
+        for launched in list(self._awaiting_pid):
+            rec = self.workers.get(launched)
+            handle = state.running.get(node_id("worker", launched))
+            if rec is None or rec.pid or not rec.alive:
+                self._awaiting_pid.discard(launched)  # its join told the pid, or it is gone
+            elif handle is not None:
                 rec.pid, rec.create_time = handle.pid, handle.create_time
+                self._awaiting_pid.discard(launched)
         for ev in state.ended:
             worker_id = _worker_of(ev.node_id)
             if worker_id is not None:
@@ -141,6 +148,7 @@ class Fleet:
             rec.history.append((now, W.LAUNCHING.value))
             self.workers[worker_id] = rec
             new.append(rec)
+            self._awaiting_pid.add(worker_id)
         journal_first()
         self.launch_seq += 1
         self.backend.launch([self.node_spec(r) for r in new], f"{self.spec.job_id}-launch-{self.launch_seq}")
