@@ -130,7 +130,8 @@ def decide_round(rs: RoundState, workers: Mapping[int, WorkerRecord], *, now: fl
         source, resume_step = chosen[0], finalized_step
     sync = (rs.round < 0 or any(not rs.is_member(w) for w in chosen)
             or len({reqs[w].applied_step for w in chosen}) > 1)
-    return FormRound(members=chosen, leaving=[w for w in candidates if w not in chosen], source=source,
+    staying = set(chosen)  # thousands of candidates: no list scan per candidate
+    return FormRound(members=chosen, leaving=[w for w in candidates if w not in staying], source=source,
                      resume_step=resume_step, has_state=bool(with_state), sync_state=sync,
                      failed_rounds=failed_rounds, round_failure=round_failure)
 
