@@ -90,7 +90,7 @@ def start_master(tmp: Path, workers: str, watch_parent: bool = True) -> Master:
     out, err = tmp / "stdout.txt", tmp / "stderr.txt"
     with open(out, "wb") as o, open(err, "wb") as e:
         proc = subprocess.Popen(
-            [TIDAL, "run", "--workers", workers, "--job-dir", str(job_dir), "--port", "0", "-q",
+            [TIDAL, "run", "--workers", workers, "--planner", "max", "--job-dir", str(job_dir), "--port", "0", "-q",
              "--heartbeat-timeout", "600", str(script), str(pid_dir), *([] if watch_parent else ["nowatch"])],
             stdout=o, stderr=e, stdin=subprocess.DEVNULL, start_new_session=True, cwd=tmp,
             env={**os.environ, "TIDAL_HOME": str(tmp / "home")},

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+from tidal.api import JobObservation, StreamObservation
 from tidal.brain import planners
-from tidal.brain.api import StreamSnapshot
 from tidal.brain.baselines import AutopilotPlanner, HPAPlanner, MaduPlanner
 
 
-def snap(now: float, workers: int, util: float = 0.5, backlog: float = 0.0, **kw) -> StreamSnapshot:
-    return StreamSnapshot(job_id="j", min_workers=1, max_workers=40, current_workers=workers, now_s=now,
-                          utilization=util, backlog=backlog, **kw)
+def snap(now: float, workers: int, util: float = 0.5, backlog: float = 0.0, **stream) -> JobObservation:
+    return JobObservation(job_id="j", min_workers=1, max_workers=40, current_workers=workers, now_s=now,
+                          stream=StreamObservation(utilization=util, backlog=backlog, **stream))
 
 
 def test_hpa_tolerance_and_ratio():
@@ -62,6 +62,8 @@ def test_madu_fixed_rate_and_adequate():
     plan = madu.plan(snap(60, 4, measured=[(4.0, 400.0)], arrivals=[60_000.0]))
     assert plan.workers == 10  # 1000 / (400 / 4) per worker, no throughput model
     assert planners.get("adequate").plan(snap(0, 3)).workers == 40
+    no_stream = JobObservation(job_id="j", min_workers=1, max_workers=40, current_workers=3)
+    assert planners.get("adequate").plan(no_stream).workers == 40  # reads nothing of the stream
 
 
 def test_madu_rate_is_the_lowest_measured_per_worker_rate():

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tidal.brain.dlrover import PSConfig, PSJobObservation
+from tidal.api import ConfigError, JobObservation, PSObservation
+from tidal.brain.dlrover import PSConfig
 from tidal.brain.dlrover_rm import (
     PAPER_PARAMS,
     Candidate,
@@ -17,6 +18,15 @@ from tidal.brain.dlrover_rm import (
     weighted_greedy_weight,
 )
 from tidal.brain.history import InMemoryHistory, JobRecord
+
+
+def ps_obs(c: PSConfig, thp: float, steps_done: float, total_steps: float, ps_mem_used_gb: float) -> JobObservation:
+    """A PS job running ``c`` at ``thp`` steps/s (one "sample" is one step), quota 200 cores."""
+    return JobObservation(
+        job_id="j", min_workers=1, max_workers=200, current_workers=c.workers, target_workers=c.workers,
+        samples_per_s=thp, steps_done=steps_done, total_steps=total_steps,
+        ps=PSObservation(ps=c.ps, worker_cpu=c.worker_cpu, ps_cpu=c.ps_cpu, worker_mem_gb=c.worker_mem_gb,
+                         ps_mem_gb=c.ps_mem_gb, hot_ps_cpu=c.hot_ps_cpu, cpu_quota=200, ps_mem_used_gb=ps_mem_used_gb))
 
 
 def test_warm_start_top_k_and_smoothing():
@@ -74,11 +84,21 @@ def test_planner_warm_start_refit_and_oom():
     pl = DLRoverRMPlanner("j", {"model": "wd"}, 200, h)
     assert pl.warm_started and (pl.initial_config.workers, pl.initial_config.ps) == (8, 2)
     c = pl.initial_config
-    o = PSJobObservation("j", 0.0, c, 200, throughput=5.0, steps_done=1000, total_steps=10_000, ps_mem_used_gb=5.0)
+    o = ps_obs(c, 5.0, steps_done=1000, total_steps=10_000, ps_mem_used_gb=5.0)
     pl.observe(o)
     assert pl.predict(c) == pytest.approx(5.0)  # prior rescaled to the measurement
-    assert pl.candidates(o) and all(x.gain > 0 for x in pl.candidates(o))
-    o2 = PSJobObservation("j", 0.0, c, 200, throughput=5.0, steps_done=3000, total_steps=10_000, ps_mem_used_gb=7.0)
+    assert pl.candidates(o) and all(x.gain > 0 and x.current == c for x in pl.candidates(o))
+    assert PSConfig.from_plan(pl.plan(o), c) == c  # nothing to fix yet: the plan is the configuration now
+    o2 = ps_obs(c, 5.0, steps_done=3000, total_steps=10_000, ps_mem_used_gb=7.0)
     pl.observe(o2)
     # 4 GB + 1 MB/step -> 14 GB at the end > 10 GB: more memory before the OOM
-    assert pl.plan(o2).ps_mem_gb == pytest.approx(17.0)
+    plan = pl.plan(o2)
+    assert plan.ps_mem_gb == pytest.approx(17.0) and "OOM predicted" in plan.reason
+
+
+def test_planner_needs_a_ps_observation():
+    pl = DLRoverRMPlanner("j", {"model": "wd"}, 200, InMemoryHistory())
+    plain = JobObservation(job_id="j", min_workers=1, max_workers=8, current_workers=2, samples_per_s=5.0)
+    for call in (pl.plan, pl.observe, pl.candidates):
+        with pytest.raises(ConfigError, match="planner dlrover-rm needs a parameter-server observation"):
+            call(plain)

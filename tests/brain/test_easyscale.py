@@ -8,14 +8,25 @@ from tidal.api import ConfigError
 from tidal.brain.easyscale import (
     ElasticJob,
     GangJob,
+    GpuGrant,
     InterJobAllocator,
     IntraJobPlanner,
     estimated_throughput,
     map_ests,
     waste,
 )
+from tidal.brain.yarn import Machine
 
 CAP = {"V100": 4.0, "T4": 2.0}
+
+
+def free(**gpus: int) -> list[Machine]:
+    """One pooled machine per GPU type with this many free GPUs (the allocator pools by type)."""
+    return [Machine(t, t, n) for t, n in gpus.items()]
+
+
+def by_job(grants: list[GpuGrant]) -> dict[str, dict[str, int]]:
+    return {g.job_id: g.gpus for g in grants}
 
 
 def test_waste_by_hand():
@@ -66,22 +77,24 @@ def test_allocator_speedup_per_gpu_and_ties():
     # a: 1 V100 of maxP 2 -> +1 doubles (1.0 per GPU); b: 2 V100 of maxP 8 -> +2 doubles (0.5 per GPU)
     a = ElasticJob("a", 0, 2, CAP, {"V100": 1})
     b = ElasticJob("b", 1, 8, CAP, {"V100": 2})
-    out = alloc.allocate([a, b], {"V100": 1})
-    assert out == {"a": {"V100": 2}}
+    out = alloc.allocate([a, b], free(V100=1))
+    assert out == [GpuGrant("a", {"V100": 2})]
     # tie: c +1 GPU -> speedup 2 ((2-1)/1 = 1.0 per GPU); d (maxP 3) +2 -> speedup 3 ((3-1)/2 = 1.0)
     c = ElasticJob("c", 0, 2, CAP, {"V100": 1})
     d = ElasticJob("d", 1, 3, CAP, {"V100": 1})
-    assert alloc.allocate([c, d], {"V100": 2}) == {"d": {"V100": 3}}  # more GPUs wins
+    assert alloc.allocate([c, d], free(V100=2)) == [GpuGrant("d", {"V100": 3})]  # more GPUs wins
+    # free GPUs are pooled per type: two servers with one V100 each are one pool of two
+    assert alloc.allocate([c, d], [Machine("s0", "V100", 1), Machine("s1", "V100", 1)]) == [GpuGrant("d", {"V100": 3})]
 
 
 def test_allocator_queued_jobs_start_and_gangs_have_priority():
     alloc = InterJobAllocator(IntraJobPlanner())
     big = ElasticJob("big", 0, 8, CAP, {"V100": 4})
     new = ElasticJob("new", 1, 1, CAP)
-    out = alloc.allocate([big, new], {"V100": 0, "T4": 0})
+    out = by_job(alloc.allocate([big, new], free(V100=0, T4=0)))
     assert out["new"] == {"V100": 1} and out["big"] == {"V100": 3}  # reclaimed one GPU
     gang = GangJob("g", 2, 4, ("V100",))
-    out = alloc.allocate([big, gang], {"V100": 1})
+    out = by_job(alloc.allocate([big, gang], free(V100=1)))
     assert out["g"] == {"V100": 4} and out["big"] == {"V100": 1}
 
 

@@ -14,7 +14,7 @@ from tidal.brain.goldminer import (
     trainer_cpus,
     use_data_workers,
 )
-from tidal.brain.yarn import GangRequest, Machine, YarnCapacityFifo
+from tidal.brain.yarn import GangGrant, GangRequest, Machine, YarnCapacityFifo
 
 
 def test_job_level_tuning():
@@ -65,8 +65,8 @@ def test_yarn_fifo_gang_blocks_and_packs():
     machines = [Machine("a", "V100", 2, 16), Machine("b", "V100", 8, 64)]
     q = [GangRequest("big", 0, 8), GangRequest("one", 1, 1)]
     out = yarn.allocate(q, machines)
-    assert out == {"big": {"b": (8, 0.0)}, "one": {"a": (1, 0.0)}}
+    assert out == [GangGrant("big", {"b": (8, 0.0)}), GangGrant("one", {"a": (1, 0.0)})]
     q = [GangRequest("huge", 0, 12), GangRequest("one", 1, 1)]
-    assert yarn.allocate(q, machines) == {}  # head of line blocks (strict FIFO)
+    assert yarn.allocate(q, machines) == []  # head of line blocks (strict FIFO)
     # CPUs per worker must be local: 2 workers x 12 CPUs do not fit on a (16 CPUs)
     assert yarn.place(GangRequest("c", 0, 2, 1, 12), [Machine("a", "V100", 2, 16)]) is None

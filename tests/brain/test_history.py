@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tidal.brain.history import HistoryStore, InMemoryHistory, JobRecord, similarity, top_k
-from tidal.sim.cluster.history_sqlite import SQLiteHistory
+from tidal.history import SQLiteHistory
 
 
 def rec(i: int, model: str, t: float, workers: float, size: float = 10.0) -> JobRecord:

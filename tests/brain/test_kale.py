@@ -1,13 +1,13 @@
-"""Kale's planner pieces: Eq. 10, Algorithm 1, the fallback, the planner on snapshots."""
+"""Kale's planner pieces: Eq. 10, Algorithm 1, the fallback, the planner on stream observations."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from tidal.api import ConfigError, JobSnapshot
+from tidal.api import ConfigError, JobObservation, StreamObservation
 from tidal.brain import models
-from tidal.brain.api import StreamSnapshot
+from tidal.brain.baselines import AutopilotPlanner, HPAPlanner, MaduPlanner
 from tidal.brain.kale import KalePlanner, ThresholdFallback, minimal_workers, stabilize
 
 THETA = [0.00035, 2.5726, 0.9824, 0.02786]
@@ -62,9 +62,12 @@ def test_fallback_triggers_only_when_falling_behind():
     assert fb.drain_rate(1000.0, 500.0, lag_s=10, utilization=0.5, lead_s=600) is None  # under bounds
 
 
-def _snap(now: float, arrivals: list[float], workers: int, measured, **kw) -> StreamSnapshot:
-    return StreamSnapshot(job_id="j", min_workers=1, max_workers=32, current_workers=workers, now_s=now,
-                          interval_s=60.0, arrivals=arrivals, measured=measured, **kw)
+def _snap(now: float, arrivals: list[float], workers: int, measured, *, scaling: bool = False,
+          **stream) -> JobObservation:
+    """An online job's observation; ``scaling`` is ``not ready``, ``stream`` the stream's fields."""
+    return JobObservation(job_id="j", min_workers=1, max_workers=32, current_workers=workers, now_s=now,
+                          ready=not scaling,
+                          stream=StreamObservation(interval_s=60.0, arrivals=arrivals, measured=measured, **stream))
 
 
 def test_planner_scales_ahead_of_a_daily_peak():
@@ -96,9 +99,12 @@ def test_planner_scales_ahead_of_a_daily_peak():
     assert decided_arr[int(0.75 * 1440)] < decided_arr[int(0.25 * 1440)]
 
 
-def test_planner_needs_stream_snapshot():
-    plain = JobSnapshot(job_id="j", min_workers=1, max_workers=4, current_workers=3)
-    assert KalePlanner().plan(plain).workers == 3
+@pytest.mark.parametrize("planner", [KalePlanner(), HPAPlanner(), AutopilotPlanner(), MaduPlanner()],
+                         ids=lambda p: p.name)
+def test_stream_planners_need_a_stream_observation(planner):
+    plain = JobObservation(job_id="j", min_workers=1, max_workers=4, current_workers=3)  # no stream
+    with pytest.raises(ConfigError, match=rf"^planner {planner.name} needs a stream observation \(an online-training job\)$"):
+        planner.plan(plain)
 
 
 def test_fallback_releases_once_lag_is_drained():

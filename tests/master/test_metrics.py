@@ -22,7 +22,7 @@ from pydantic import BaseModel
 from tests.test_control_plane import Master
 from tests.test_master import form_round, journaled_round, lease, make_master, report
 from tidal.api import (
-    JobSnapshot,
+    JobObservation,
     JoinRequest,
     PauseReport,
     RendezvousRequest,
@@ -77,7 +77,7 @@ class FixedPlanner:
     def __init__(self, workers: int) -> None:
         self.workers = workers
 
-    def plan(self, snapshot: JobSnapshot) -> ResourcePlan:
+    def plan(self, obs: JobObservation) -> ResourcePlan:
         return ResourcePlan(workers=self.workers, reason="fixed by the test")
 
 
@@ -144,7 +144,7 @@ def test_a_scrape_shows_the_masters_state(tmp_path: Path) -> None:
     assert value(s, "tidal_committed_samples_total") == ledger_samples(master) == 40
 
     # the planner lowers the target: one decision, counted under its name
-    master.planner = FixedPlanner(1)
+    master.planning.planner = FixedPlanner(1)
     clock.now += master.spec.planner_interval_s
     master.tick()
     clock.now += master.spec.planner_interval_s

@@ -1,12 +1,14 @@
 """The master asks its planner for a target: a planner that fails or overshoots never stops the
-job, a user's target overrides the planner until ``scale_auto``. Driven with a fake clock."""
+job, a user's target overrides the planner until ``scale_auto``, each decision is journaled with
+its reason and survives a master's failover. Driven with a fake clock."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from tests.test_master import make_master
-from tidal.api import JobSnapshot, JobState, ResourcePlan
+from tests.test_master import form_round, journaled_round, lease, make_master, report
+from tidal.api import JobObservation, JobState, ResourcePlan, StepRecord
+from tidal.master.planning import Planning
 
 
 class ScriptedPlanner:
@@ -18,9 +20,11 @@ class ScriptedPlanner:
         self.workers = 2
         self.error: Exception | None = None
         self.calls = 0
+        self.seen: JobObservation | None = None
 
-    def plan(self, snapshot: JobSnapshot) -> ResourcePlan:
+    def plan(self, obs: JobObservation) -> ResourcePlan:
         self.calls += 1
+        self.seen = obs
         if self.error is not None:
             raise self.error
         return ResourcePlan(workers=self.workers, reason="scripted")
@@ -28,7 +32,7 @@ class ScriptedPlanner:
 
 def test_a_planner_that_raises_keeps_the_target_and_is_logged_once(tmp_path: Path) -> None:
     master, clock, _ = make_master(tmp_path, "1:4")
-    planner = master.planner = ScriptedPlanner()
+    planner = master.planning.planner = ScriptedPlanner()
     master.target_override = None
     master.tick()
     assert master.target == 2
@@ -47,7 +51,7 @@ def test_a_planner_that_raises_keeps_the_target_and_is_logged_once(tmp_path: Pat
 
 def test_a_plan_outside_min_max_is_clamped_and_says_so(tmp_path: Path) -> None:
     master, clock, _ = make_master(tmp_path, "2:4")
-    planner = master.planner = ScriptedPlanner()
+    planner = master.planning.planner = ScriptedPlanner()
     master.target_override = None
     planner.workers = 1  # below MIN
     master.tick()
@@ -62,7 +66,7 @@ def test_a_plan_outside_min_max_is_clamped_and_says_so(tmp_path: Path) -> None:
 
 def test_the_planner_is_asked_at_its_interval(tmp_path: Path) -> None:
     master, clock, _ = make_master(tmp_path, "1:4", planner_interval_s=5.0)
-    planner = master.planner = ScriptedPlanner()
+    planner = master.planning.planner = ScriptedPlanner()
     master.target_override = None
     for _ in range(10):
         master.tick()
@@ -72,7 +76,7 @@ def test_the_planner_is_asked_at_its_interval(tmp_path: Path) -> None:
 
 def test_a_users_target_overrides_the_planner_until_auto(tmp_path: Path) -> None:
     master, clock, _ = make_master(tmp_path, "1:4")
-    planner = master.planner = ScriptedPlanner()
+    planner = master.planning.planner = ScriptedPlanner()
     master.target_override = None
     master.tick()
     assert master.scale(4) == 4
@@ -83,3 +87,69 @@ def test_a_users_target_overrides_the_planner_until_auto(tmp_path: Path) -> None
     assert master.scale_auto() == 2  # it decides at once
     assert master.target_override is None
     assert any("back to planner scripted" in e.message for e in master.events)
+
+
+def test_decisions_are_journaled_shown_and_survive_failover(tmp_path: Path) -> None:
+    first, successor, clock, _, _, _ = journaled_round(tmp_path, 1)
+    planner = first.planning.planner = ScriptedPlanner()
+    first.target_override = None
+    planner.workers = 1
+    clock.now += 1.0
+    first.tick()
+    assert first.target == 1
+    st = first.status().planner
+    assert st is not None and st.name == "scripted" and st.decisions == 1
+    assert st.last is not None and (st.last.from_workers, st.last.to_workers, st.last.reason) == (2, 1, "scripted")
+    assert st.last.inputs["workers"] == 2  # what it saw when it decided
+    # a master taking over from the journal knows the decision (and counts on from it)
+    second = successor(2)
+    second.resume()
+    restored = second.status().planner
+    assert restored is not None and restored.decisions == 1
+    assert restored.last is not None and restored.last.reason == "scripted" and restored.last.to_workers == 1
+    assert second.planner_decisions == 1
+    assert second.timeline().decisions[-1].to_workers == 1
+
+
+def test_the_observation_carries_throughput_per_count_and_the_workers_split(tmp_path: Path) -> None:
+    master, clock, _ = make_master(tmp_path, "2:2", planner_interval_s=1.0)
+    planner = master.planning.planner = ScriptedPlanner()
+    master.target_override = None
+    master.tick()
+    form_round(master, [0, 1])
+    shards = {w: lease(master, w) for w in (0, 1)}
+    pos = {w: shards[w][0] for w in (0, 1)}
+    for step in range(4):  # one step a second, 10 samples per worker and step
+        clock.now += 1.0
+        for w in (0, 1):
+            if pos[w] >= shards[w][1]:
+                shards[w] = lease(master, w)
+                pos[w] = shards[w][0]
+            report(master, w, step, [StepRecord(step=step, worker=w, epoch=0, start=pos[w], end=pos[w] + 10)])
+            pos[w] += 10
+        master.tick()
+    obs = planner.seen
+    assert obs is not None and obs.current_workers == 2 and obs.batch_size == 10
+    assert obs.committed_samples > 0
+    points = {p.workers: p for p in obs.throughput}
+    # 20 samples a second; the first interval after the round is left out
+    assert 2 in points and points[2].samples_per_s == 20.0
+    assert [w.worker_id for w in obs.workers] == [0, 1]
+
+
+def test_throughput_is_measured_only_while_the_count_holds() -> None:
+    p = Planning(ScriptedPlanner(), started_at=0.0)
+    p.measure(0.0, 1, 0, ready=True)
+    p.measure(1.0, 1, 100, ready=True)  # the first interval at a count: left out
+    p.measure(2.0, 1, 300, ready=True)
+    p.measure(3.0, 1, 500, ready=True)
+    assert p.points == {1: [400.0, 2.0]}
+    p.measure(4.0, 2, 600, ready=False)  # scaling: not measured
+    p.measure(5.0, 2, 700, ready=True)
+    p.measure(6.0, 2, 1000, ready=True)  # first interval at 2: left out
+    p.measure(7.0, 2, 1400, ready=True)
+    assert p.points[2] == [400.0, 1.0]
+    assert [(t.workers, t.samples_per_s) for t in p.throughput()] == [(1, 200.0), (2, 400.0)]
+    restored = Planning(ScriptedPlanner(), started_at=99.0)
+    restored.restore(p.to_meta())
+    assert restored.points == p.points and restored.started_at == 0.0

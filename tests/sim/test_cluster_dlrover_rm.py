@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tidal.api import ConfigError
+from tidal.brain.dlrover import PSConfig
 from tidal.sim.cluster import dlrover_rm as scen
 from tidal.sim.cluster import scenario
 
@@ -66,3 +67,17 @@ def test_load_sizes_the_cluster() -> None:
     assert busy <= roomy
     with pytest.raises(ConfigError):
         scen.make_jobs(TRACE, 60, 1, load=-1.0)
+
+
+def test_observation_carries_the_configuration() -> None:
+    jobs, nodes = scen.make_jobs(TRACE, 30, 3)
+    sim = scen.Sim("dlrover", jobs, nodes * scen.NODE_CORES, nodes * scen.NODE_MEM_GB, 3)
+    j = jobs[0]
+    sim.t = j.submit
+    assert sim.start(j)
+    obs = sim.observe(j)
+    assert obs.ps is not None and obs.ps.cpu_quota == j.quota
+    assert PSConfig.from_observation(obs) == j.cfg  # the planners see the configuration the job holds
+    assert not obs.ready and obs.samples_per_s == 0.0  # its pods are still starting
+    assert obs.ps.free_cpus == pytest.approx(sim.cores - j.cfg.cpus())
+    assert j.planner is not None and PSConfig.from_plan(j.planner.plan(obs), j.cfg) == j.cfg  # waits

@@ -31,18 +31,23 @@ __all__ = [
     "MAX_STORE_VALUE_CHARS",
     "MAX_STORE_WAIT_S",
     "ConfigError",
+    "DataWorkerObservation",
     "DatasetRequest",
     "Event",
     "FinishRequest",
     "FrameError",
-    "JobSnapshot",
+    "JobObservation",
     "JobState",
     "JoinRequest",
     "JoinResponse",
     "LeaseRequest",
     "LeaseResponse",
+    "PSObservation",
+    "PauseObservation",
     "PauseReport",
     "PermanentError",
+    "PlannerDecision",
+    "PlannerStatus",
     "RendezvousRequest",
     "RendezvousResponse",
     "ReportRequest",
@@ -68,8 +73,13 @@ __all__ = [
     "StoreSetRequest",
     "StoreSetResponse",
     "StoreValueResponse",
+    "StreamObservation",
+    "ThroughputPoint",
     "TidalError",
+    "TimelinePoint",
+    "TimelineResponse",
     "WorkerInfo",
+    "WorkerObservation",
     "WorkerState",
 ]
 
@@ -185,6 +195,10 @@ class ReportRequest(_Wire):
     comm_s: float = Field(default=0.0, ge=0, le=1e6)
     pauses: list[PauseReport] = Field(default_factory=list, max_length=MAX_PAUSES_PER_REPORT)
     incarnation: str = Field(default="", max_length=64)  # the master these records are complete for
+    # what the process uses (psutil; 0: not measured): percent of one core since its previous
+    # measurement, resident memory
+    cpu_percent: float = Field(default=0.0, ge=0, le=1e5)
+    rss_bytes: int = Field(default=0, ge=0, le=_I64)
 
 
 class ReportResponse(_Wire):
@@ -294,27 +308,241 @@ class StatusResponse(_Wire):
     metrics: dict[str, float]
     error: str | None = None
     paused: str | None = None  # why the job stands still (e.g. the journal cannot be written)
+    planner: PlannerStatus | None = None
+
+
+class PlannerDecision(_Wire):
+    """One decision of the job's planner, as journaled: when, what it saw and why.
+
+    ``inputs`` is the part of the observation the decision rested on (workers, samples/s,
+    the throughput points); ``params`` and ``error_pct`` the throughput model fitted then
+    (empty and ``None`` while the planner has no model).
+    """
+
+    at_s: float
+    planner: str
+    from_workers: int
+    to_workers: int
+    reason: str
+    inputs: dict[str, float | int | str | list[list[float]]] = Field(default_factory=dict)
+    params: dict[str, float] = Field(default_factory=dict)
+    model: str = ""
+    error_pct: float | None = None
+
+
+class TimelinePoint(_Wire):
+    """The job at one moment (``t_s``: seconds since the master started the job)."""
+
+    t_s: float
+    samples_per_s: float
+    workers: int
+    target: int
+
+
+class TimelineResponse(_Wire):
+    """``GET /v1/timeline``: what the dashboard draws. Bounded: the newest points, pauses and
+    decisions (one point per second for the last hour at most)."""
+
+    job_id: str
+    state: JobState
+    planner: str
+    points: list[TimelinePoint]
+    pauses: list[PauseObservation]
+    decisions: list[PlannerDecision]
+    workers: list[WorkerObservation]
+
+
+class PlannerStatus(_Wire):
+    """What ``tidal status`` shows of the planner: its name, whether the user overrides it,
+    the last decision and the model fitted now."""
+
+    name: str
+    overridden_by_user: bool = False
+    decisions: int = 0
+    last: PlannerDecision | None = None
+    model: str = ""
+    params: dict[str, float] = Field(default_factory=dict)
+    error_pct: float | None = None
+    warm_start: str = ""
 
 
 class ResourcePlan(_Wire):
-    """What a planner decides for one job. Only ``workers`` is acted on by the runtime so far."""
+    """What a planner decides for one job.
+
+    ``workers`` is what the runtime acts on today; ``ps`` and ``data_workers`` are acted on
+    once those roles run live. The per-pod sizes are for parameter-server jobs (the cluster
+    simulator places them); ``None`` keeps the size the job has.
+    """
 
     workers: int = Field(ge=0)
     ps: int = Field(default=0, ge=0)
     data_workers: int = Field(default=0, ge=0)
+    worker_cpu: int | None = Field(default=None, ge=1)
+    ps_cpu: int | None = Field(default=None, ge=1)
+    worker_mem_gb: float | None = Field(default=None, gt=0)
+    ps_mem_gb: float | None = Field(default=None, gt=0)
+    hot_ps_cpu: int | None = Field(default=None, ge=0)
     reason: str = ""
+    # the throughput model the decision rested on (empty while the planner has none)
+    model: str = ""
+    params: dict[str, float] = Field(default_factory=dict)
+    error_pct: float | None = None
 
 
-class JobSnapshot(_Wire):
-    """What a planner may look at: the master builds it from its state, the simulator from its model."""
+# ---------------------------------------------------------------------------- observations
+# One type for every planner (tidal.brain.api.Planner): the master builds it from what it
+# measures, the simulators from their models. Optional parts belong to one kind of job.
+
+
+class ThroughputPoint(_Wire):
+    """The throughput the job showed while it ran with ``workers`` workers (and ``ps`` servers).
+
+    ``seconds`` of training were measured there (pauses excluded); ``samples_per_s`` is their
+    mean. The master keeps one point per configuration, the newest measurement winning.
+    """
+
+    workers: int = Field(ge=1)
+    ps: int = Field(default=0, ge=0)
+    samples_per_s: float = Field(ge=0)
+    seconds: float = Field(default=0.0, ge=0)
+
+
+class WorkerObservation(_Wire):
+    """One process of the job: where its step time goes and what it uses.
+
+    ``data_s``/``compute_s``/``comm_s`` are seconds per step (running means): waiting for the
+    batch, computing, in collectives. ``cpu_percent`` is of one core (200 = two cores busy);
+    ``rss_bytes`` its resident memory. 0 means not measured yet.
+    """
+
+    worker_id: int
+    role: str = "worker"
+    step_s: float = 0.0
+    data_s: float = 0.0
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    samples_per_s: float = 0.0
+    cpu_percent: float = 0.0
+    rss_bytes: int = 0
+    straggler: bool = False
+
+
+class PauseObservation(_Wire):
+    """One pause of training: when it ended (``at_s``, the job's clock), how long, and why."""
+
+    at_s: float
+    seconds: float
+    cause: str
+
+
+class StreamObservation(_Wire):
+    """An online-training job's stream (Kale), observations since the previous decision.
+
+    Attributes:
+        interval_s: length of one arrivals interval.
+        arrivals: samples that arrived in each interval since the previous call, oldest first.
+        measured: ``(workers, samples/s)`` pairs measured since the previous call while
+            training ran: the rate the workers reach when busy, not the rate of arrivals.
+        backlog: samples waiting in the stream, not yet trained on.
+        lag_s: age of the oldest waiting sample (Kale section 2.2), 0 when none waits.
+        utilization: share of the time the workers were busy over the last interval (0..1).
+    """
+
+    interval_s: float = Field(default=60.0, gt=0)
+    arrivals: list[float] = Field(default_factory=list)
+    measured: list[tuple[float, float]] = Field(default_factory=list)
+    backlog: float = 0.0
+    lag_s: float = 0.0
+    utilization: float = 0.0
+
+
+class PSObservation(_Wire):
+    """A parameter-server job's side (DLRover, DLRover-RM): sizes now and what the pods use.
+
+    Attributes:
+        ps: parameter servers now (pods still starting included).
+        worker_cpu, ps_cpu: cores of each worker / PS (DLRover-RM's lambda_w, lambda_p).
+        worker_mem_gb, ps_mem_gb: memory of each worker / PS.
+        hot_ps_cpu: cores of the PS that replaced a hot one; 0 when none was replaced.
+        cpu_quota: the most cores the job may hold (DLRover's C_total).
+        worker_cpu_used: cores a worker used on average (DLRover's w_hat).
+        ps_cpu_used: cores each PS used, one entry per PS.
+        ps_mem_used_gb: memory the largest PS uses now.
+        oom_worker, oom_ps: an OOM killed a worker / a PS since the previous decision.
+        free_cpus, free_mem_gb: what the cluster has unallocated now.
+        history: ``(plan, steps/s)`` of the configurations the job ran with, oldest first.
+    """
+
+    ps: int = 0
+    worker_cpu: int = 1
+    ps_cpu: int = 1
+    worker_mem_gb: float = 4.0
+    ps_mem_gb: float = 8.0
+    hot_ps_cpu: int = 0
+    cpu_quota: int = 1 << 30
+    worker_cpu_used: float = 0.0
+    ps_cpu_used: list[float] = Field(default_factory=list)
+    ps_mem_used_gb: float = 0.0
+    oom_worker: bool = False
+    oom_ps: bool = False
+    free_cpus: float | None = None  # None: no limit known
+    free_mem_gb: float | None = None
+    history: list[tuple[ResourcePlan, float]] = Field(default_factory=list)
+
+
+class DataWorkerObservation(_Wire):
+    """Data workers feeding the trainers (GoldMiner): filled by the data-worker issue."""
+
+    count: int = 0
+    batches_per_s: float = 0.0
+    trainer_wait_s: float = 0.0
+
+
+class JobObservation(_Wire):
+    """What every planner sees at one decision point.
+
+    The master builds it from its state and the workers' reports, the simulators from their
+    models: the same planner runs on both. Planners never read a clock; time comes in ``now_s``.
+
+    Attributes:
+        now_s: seconds since the job started (the caller's clock).
+        current_workers: workers training now; ``target_workers`` what was last asked for.
+        ready: every process of the current target runs (no scaling in progress).
+        samples_per_s: the job's throughput now (all workers together).
+        throughput: one point per configuration the job ran with so far (the data a
+            throughput model is fitted on).
+        batch_size: samples one worker trains per step (0: not known yet).
+        committed_samples, total_samples: progress (``total_samples`` 0 when unbounded).
+        workers: one entry per live process, with its step-time split, CPU and memory.
+        pauses: pauses since the previous decision, oldest first.
+        stream, ps, data: the parts of online, parameter-server and data-worker jobs.
+        features: the job's signature for the warm start (model, dataset, sizes ...).
+        cpus_available: cores the job's workers may use (the machine's, on the local backend).
+    """
 
     job_id: str
     min_workers: int
     max_workers: int
     current_workers: int
+    target_workers: int = 0
+    now_s: float = 0.0
+    ready: bool = True
     samples_per_s: float = 0.0
     applied_step: int = -1
     stragglers: int = 0
+    throughput: list[ThroughputPoint] = Field(default_factory=list)
+    batch_size: int = 0
+    committed_samples: int = 0
+    total_samples: int = 0
+    steps_done: float = 0.0
+    total_steps: float = 0.0
+    workers: list[WorkerObservation] = Field(default_factory=list)
+    pauses: list[PauseObservation] = Field(default_factory=list)
+    stream: StreamObservation | None = None
+    ps: PSObservation | None = None
+    data: DataWorkerObservation | None = None
+    features: dict[str, str | float] = Field(default_factory=dict)
+    cpus_available: float = 0.0  # cores the job's workers may use (0: not known)
 
 
 # --------------------------------------------------------------------------- rendezvous store

@@ -1,16 +1,21 @@
 """Interfaces of the brain.
 
-A planner is a pure function of a snapshot: the job master calls it with what it observed and
-acts on the returned plan; the simulator calls the very same planner with simulated
-observations. Planners never read a clock or do I/O.
+A planner decides one job's resources from a ``JobObservation`` (``tidal.api``): the job master
+builds the observation from what it measured and acts on the returned ``ResourcePlan``; the
+simulators build it from their models and call the very same planner. A planner is an object
+with state (its samples, its stage) but never reads a clock or does I/O.
 
-Besides the ``Planner`` protocol this module holds the other brain interfaces and their data:
+A ``ClusterAllocator`` shares a cluster among jobs (YARN's capacity scheduler, EasyScale's
+inter-job scheduler, GoldMiner's data-worker allocator, DLRover-RM's weighted greedy): given
+the jobs' demands and the machines, it returns grants. What a demand, a machine and a grant
+hold depends on the resource the policy shares (GPU gangs, data-worker CPUs, PS pods), so the
+protocol is generic in those three types; every allocator is called the same way.
+
+Besides these two protocols this module holds the other brain interfaces and their data:
 
 * ``ThroughputModel``: resource -> samples/s models fitted by non-negative least squares
   (implementations in ``tidal.brain.models``, registered by name);
 * ``Forecaster``: traffic forecasting (``tidal.brain.forecast``);
-* ``StreamSnapshot``: what an online-training planner sees (arrivals, lag, measured
-  throughput), a ``JobSnapshot`` with the streaming observations added;
 * the brain's errors: ``FitError`` (bad or too little data: permanent) and ``NotFittedError``.
 """
 
@@ -18,20 +23,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import numpy as np
-from pydantic import Field
 
-from tidal.api import ConfigError, JobSnapshot, ResourcePlan, TidalError
+from tidal.api import ConfigError, JobObservation, ResourcePlan, TidalError
 
 __all__ = [
+    "ClusterAllocator",
     "FitError",
     "FitReport",
     "Forecaster",
     "NotFittedError",
     "Planner",
-    "StreamSnapshot",
     "ThroughputConfig",
     "ThroughputModel",
     "ThroughputSample",
@@ -39,12 +43,33 @@ __all__ = [
 
 
 class Planner(Protocol):
-    """Decides a job's resources from a snapshot of it."""
+    """Decides one job's resources from what was observed of it."""
 
     name: str
 
-    def plan(self, snapshot: JobSnapshot) -> ResourcePlan:
-        """Return the desired resources. Must not block, do I/O or read a clock."""
+    def plan(self, obs: JobObservation) -> ResourcePlan:
+        """Return the desired resources, with a reason. Must not block, do I/O or read a clock.
+
+        Called once per decision interval; it may keep state between calls (samples, stage).
+        """
+        ...
+
+
+JobT = TypeVar("JobT", contravariant=True)
+MachineT = TypeVar("MachineT", contravariant=True)
+GrantT = TypeVar("GrantT")
+
+
+class ClusterAllocator(Protocol[JobT, MachineT, GrantT]):
+    """Shares a cluster among jobs: one call per scheduling round."""
+
+    name: str
+
+    def allocate(self, jobs: Sequence[JobT], machines: Sequence[MachineT]) -> list[GrantT]:
+        """Grants for the jobs that get resources this round, in the order they were chosen.
+
+        Pure: the same jobs and machines give the same grants; a job without a grant waits.
+        """
         ...
 
 
@@ -164,38 +189,3 @@ class Forecaster(Protocol):
     def predict(self, horizon: int) -> np.ndarray:
         """Forecast the next ``horizon`` values (non-negative). Raises NotFittedError."""
         ...
-
-
-# --------------------------------------------------------------------------------------------
-# Online-training planners
-# --------------------------------------------------------------------------------------------
-
-
-class StreamSnapshot(JobSnapshot):
-    """What an online-training planner sees at one decision point.
-
-    The master (and the simulator) build one per decision interval. Observations are the ones
-    *since the previous call*, so a planner keeps its own history (it is an object with state
-    but no clock: time comes in ``now_s``). All rates are in samples/s.
-
-    Attributes:
-        now_s: seconds since the job started (the caller's clock, never read by the brain).
-        interval_s: length of one arrivals interval.
-        arrivals: samples that arrived in each interval since the previous call, oldest first.
-        measured: ``(workers, samples/s)`` pairs measured since the previous call while
-            training ran, as ``compute_s_per_sample`` gives them: the rate the workers reach
-            when busy, not the (possibly lower) rate of arrivals.
-        backlog: samples waiting in the stream, not yet trained on.
-        lag_s: age of the oldest waiting sample (Kale section 2.2), 0 when none waits.
-        utilization: share of the time the workers were busy over the last interval (0..1).
-        scaling: True while a previous scaling action is still being carried out.
-    """
-
-    now_s: float = 0.0
-    interval_s: float = Field(default=60.0, gt=0)
-    arrivals: list[float] = Field(default_factory=list)
-    measured: list[tuple[float, float]] = Field(default_factory=list)
-    backlog: float = 0.0
-    lag_s: float = 0.0
-    utilization: float = 0.0
-    scaling: bool = False

@@ -8,7 +8,8 @@
 * ``MaduPlanner``: a forecast-only proactive scaler with a fixed per-worker rate.
 * ``AdequatePlanner``: always the peak count (Kale's "adequate resources").
 
-All take a ``StreamSnapshot`` and keep their own history (time comes from ``now_s``).
+All take a ``JobObservation`` and keep their own history (time comes from ``now_s``). All but
+``AdequatePlanner`` read its ``stream`` part: an observation without one is a ``ConfigError``.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tidal.api import ConfigError, JobSnapshot, ResourcePlan
+from tidal.api import ConfigError, JobObservation, ResourcePlan, StreamObservation
 from tidal.brain import forecast as forecasting
-from tidal.brain.api import FitError, Forecaster, StreamSnapshot
+from tidal.brain.api import FitError, Forecaster
+from tidal.brain.kale import require_stream
 
 __all__ = [
     "AdequatePlanner",
@@ -106,10 +108,10 @@ class HPAPlanner:
         self._events: deque[tuple[float, int]] = deque()  # (time, +added / -removed)
         self._last: int | None = None
 
-    def _metric(self, s: StreamSnapshot) -> float:
+    def _metric(self, obs: JobObservation, stream: StreamObservation) -> float:
         if self.metric == "utilization":
-            return s.utilization
-        return s.backlog / max(1, s.current_workers)
+            return stream.utilization
+        return stream.backlog / max(1, obs.current_workers)
 
     def desired(self, current: int, metric_value: float) -> int:
         """Step 1, the replica calculator."""
@@ -142,16 +144,15 @@ class HPAPlanner:
             return max(limits) if rules.select_policy == "Max" else min(limits)
         return min(limits) if rules.select_policy == "Max" else max(limits)
 
-    def plan(self, snapshot: JobSnapshot) -> ResourcePlan:
-        if not isinstance(snapshot, StreamSnapshot):
-            return ResourcePlan(workers=snapshot.current_workers, reason="hpa needs a stream snapshot")
-        now, current = snapshot.now_s, snapshot.current_workers
+    def plan(self, obs: JobObservation) -> ResourcePlan:
+        stream = require_stream(obs, self.name)
+        now, current = obs.now_s, obs.current_workers
         if self._last is not None and current != self._last:  # a change we asked for took effect
             self._events.append((now, current - self._last))
         self._last = current
-        if snapshot.scaling:
+        if not obs.ready:
             return ResourcePlan(workers=current, reason="scaling in progress")
-        desired = self.desired(current, self._metric(snapshot))
+        desired = self.desired(current, self._metric(obs, stream))
         # 2. stabilization
         horizon = max(self.scale_up.stabilization_window_s, self.scale_down.stabilization_window_s)
         while self._recommendations and self._recommendations[0][0] <= now - horizon:
@@ -175,8 +176,8 @@ class HPAPlanner:
             rec = min(rec, max(current, self._limit(now, current, up=True)))
         elif rec < current:
             rec = max(rec, min(current, self._limit(now, current, up=False)))
-        rec = max(snapshot.min_workers, min(snapshot.max_workers, rec))
-        return ResourcePlan(workers=rec, reason=f"hpa {self.metric}={self._metric(snapshot):.2f}")
+        rec = max(obs.min_workers, min(obs.max_workers, rec))
+        return ResourcePlan(workers=rec, reason=f"hpa {self.metric}={self._metric(obs, stream):.2f}")
 
 
 class AutopilotPlanner:
@@ -220,13 +221,12 @@ class AutopilotPlanner:
             return float(values.max())
         return float(np.percentile(values, int(self.statistic[1:])))
 
-    def plan(self, snapshot: JobSnapshot) -> ResourcePlan:
-        if not isinstance(snapshot, StreamSnapshot):
-            return ResourcePlan(workers=snapshot.current_workers, reason="autopilot needs a stream snapshot")
-        now, current = snapshot.now_s, snapshot.current_workers
-        if snapshot.scaling:
+    def plan(self, obs: JobObservation) -> ResourcePlan:
+        stream = require_stream(obs, self.name)
+        now, current = obs.now_s, obs.current_workers
+        if not obs.ready:
             return ResourcePlan(workers=current, reason="scaling in progress")
-        self._usage.append((now, snapshot.utilization * current))
+        self._usage.append((now, stream.utilization * current))
         while self._usage and self._usage[0][0] <= now - self.window_s:
             self._usage.popleft()
         usage = self._stat(np.array([u for _, u in self._usage]))
@@ -235,7 +235,7 @@ class AutopilotPlanner:
         while self._recs and self._recs[0][0] <= now - self.defer_down_s:
             self._recs.popleft()
         rec = raw if raw >= current else max(raw, min(current, max(r for _, r in self._recs)))
-        rec = max(snapshot.min_workers, min(snapshot.max_workers, rec))
+        rec = max(obs.min_workers, min(obs.max_workers, rec))
         return ResourcePlan(workers=rec, reason=f"autopilot usage {usage:.2f} workers")
 
 
@@ -317,34 +317,36 @@ class MaduPlanner:
             return 0.0
         return min(float(np.median(v)) / w for w, v in self._measured.items())
 
-    def plan(self, snapshot: JobSnapshot) -> ResourcePlan:
-        if not isinstance(snapshot, StreamSnapshot):
-            return ResourcePlan(workers=snapshot.current_workers, reason="madu needs a stream snapshot")
-        self._add(list(snapshot.arrivals), snapshot.interval_s)
-        for w, thp in snapshot.measured:
+    def plan(self, obs: JobObservation) -> ResourcePlan:
+        stream = require_stream(obs, self.name)
+        self._add(list(stream.arrivals), stream.interval_s)
+        for w, thp in stream.measured:
             if w >= 1 and thp > 0 and math.isfinite(thp):
                 self._measured.setdefault(round(w), []).append(float(thp))
-        current = snapshot.current_workers
+        current = obs.current_workers
         if self._target is None:
             self._target = current
         rate = self.rate()
-        if snapshot.scaling or self._fc is None or rate <= 0:
+        if not obs.ready or self._fc is None or rate <= 0:
             return ResourcePlan(workers=self._target, reason="madu: waiting")
         every = max(1, round(self.decide_every_s / self.plan_interval_s))
         if self._last_bin >= 0 and len(self._bins) < self._last_bin + every:
             return ResourcePlan(workers=self._target, reason="madu: hold")
         self._last_bin = len(self._bins)
         steps = max(1, math.ceil(self.lead_s / self.plan_interval_s)) + 1
-        load = float(np.max(self._fc.predict(steps))) + snapshot.backlog / self.drain_s
+        load = float(np.max(self._fc.predict(steps))) + stream.backlog / self.drain_s
         w = math.ceil(load / rate)
-        self._target = max(max(1, snapshot.min_workers), min(snapshot.max_workers, w))
+        self._target = max(max(1, obs.min_workers), min(obs.max_workers, w))
         return ResourcePlan(workers=self._target, reason=f"madu: {load:.0f} samples/s at {rate:.0f}/worker")
 
 
 class AdequatePlanner:
-    """Kale's "adequate resources": always the peak count (``max_workers``), never scales."""
+    """Kale's "adequate resources": always the peak count (``max_workers``), never scales.
+
+    It reads nothing of the stream, so it takes any observation (``stream`` may be None).
+    """
 
     name = "adequate"
 
-    def plan(self, snapshot: JobSnapshot) -> ResourcePlan:
-        return ResourcePlan(workers=snapshot.max_workers, reason="adequate: peak count")
+    def plan(self, obs: JobObservation) -> ResourcePlan:
+        return ResourcePlan(workers=obs.max_workers, reason="adequate: peak count")

@@ -1,10 +1,16 @@
 """DLRover's Brain for parameter-server jobs: sample, optimize, adjust (DLRover section 4).
 
-Also the data every PS-job planner of this package shares: ``PSConfig`` (a job's resources:
-workers, PSes, cores and memory of each) and ``PSJobObservation`` (what the job master measured
-since the previous decision). The baselines (``tidal.brain.es``, ``tidal.brain.optimus_alloc``)
-and DLRover-RM (``tidal.brain.dlrover_rm``) use the same two types, so the simulator drives them
-all through one interface: ``planner.plan(observation) -> PSConfig``.
+Also what every PS-job planner of this package shares: ``PSConfig`` (a job's resources:
+workers, PSes, cores and memory of each), its conversions from a ``JobObservation`` and to a
+``ResourcePlan``, and ``require_ps`` (the observation's parameter-server part, or a
+``ConfigError``). The baselines (``tidal.brain.es``, ``tidal.brain.optimus_alloc``) and
+DLRover-RM (``tidal.brain.dlrover_rm``) are ``Planner``s (``tidal.brain.api``) like this one:
+``plan(JobObservation) -> ResourcePlan``, with every size of the plan set and a reason.
+
+Units: these planners compare throughputs of one job only, and take it from
+``obs.samples_per_s``. The cluster simulator (``tidal.sim.cluster.dlrover_rm``) puts steps/s
+there, i.e. one "sample" is one step of the job (as if its batch size were 1); a caller that
+gives samples/s gives the same decisions as long as the batch size stays fixed.
 
 DLRover's model (section 4.1, Eq. 1-6): a worker's step takes ``t_IO + W_compute / (r
 min(w_i, w_hat)) + W_update / (r min(s_total, s_hat))``; the job's rate is the sum over its
@@ -34,23 +40,32 @@ Pure: no clock, no I/O; time arrives in the observation.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
+
+from tidal.api import ConfigError, JobObservation, PSObservation, ResourcePlan
 
 __all__ = [
     "C_MAX",
     "PS_CORES",
     "DLRoverPlanner",
     "PSConfig",
-    "PSJobObservation",
     "adjust_idle_ps",
     "hot_ps_cores",
     "optimize_config",
+    "require_ps",
 ]
 
 #: cores one pod may have (DLRover section 6.1: "a maximum of 32 CPU cores")
 C_MAX = 32
 #: cores of one PS chosen by DLRover's optimize stage (section 4.1)
 PS_CORES = 16
+
+
+def require_ps(obs: JobObservation, planner: str) -> PSObservation:
+    """The parameter-server part of ``obs``; a ``ConfigError`` naming ``planner`` when it has none."""
+    if obs.ps is None:
+        raise ConfigError(f"planner {planner} needs a parameter-server observation (obs.ps is None)")
+    return obs.ps
 
 
 @dataclass(frozen=True)
@@ -73,6 +88,41 @@ class PSConfig:
     ps_mem_gb: float = 8.0
     hot_ps_cpu: int = 0
 
+    @classmethod
+    def from_observation(cls, obs: JobObservation) -> PSConfig:
+        """The configuration the job runs with now, pods still starting included.
+
+        Workers are ``obs.target_workers`` (what was last asked for: the pods that run plus
+        those still starting, as ``obs.ps.ps`` counts the PSes), not ``current_workers`` (the
+        workers training now, fewer while pods start); an observation that leaves
+        ``target_workers`` at 0 falls back to ``current_workers``.
+
+        Raises:
+            ConfigError: ``obs.ps`` is None (not a parameter-server job).
+        """
+        ps = obs.ps
+        if ps is None:
+            raise ConfigError(f"job {obs.job_id}: a PS configuration needs a parameter-server observation")
+        return cls(obs.target_workers or obs.current_workers, ps.ps, ps.worker_cpu, ps.ps_cpu,
+                   ps.worker_mem_gb, ps.ps_mem_gb, ps.hot_ps_cpu)
+
+    @classmethod
+    def from_plan(cls, plan: ResourcePlan, now: PSConfig) -> PSConfig:
+        """The configuration ``plan`` asks for (the inverse of ``to_plan``); sizes the plan
+        leaves ``None`` keep those of ``now``."""
+        return cls(plan.workers, plan.ps,
+                   now.worker_cpu if plan.worker_cpu is None else plan.worker_cpu,
+                   now.ps_cpu if plan.ps_cpu is None else plan.ps_cpu,
+                   now.worker_mem_gb if plan.worker_mem_gb is None else plan.worker_mem_gb,
+                   now.ps_mem_gb if plan.ps_mem_gb is None else plan.ps_mem_gb,
+                   now.hot_ps_cpu if plan.hot_ps_cpu is None else plan.hot_ps_cpu)
+
+    def to_plan(self, reason: str) -> ResourcePlan:
+        """This configuration as a plan, every size set (none left ``None``)."""
+        return ResourcePlan(workers=self.workers, ps=self.ps, worker_cpu=self.worker_cpu, ps_cpu=self.ps_cpu,
+                            worker_mem_gb=self.worker_mem_gb, ps_mem_gb=self.ps_mem_gb,
+                            hot_ps_cpu=self.hot_ps_cpu, reason=reason)
+
     def cpus(self) -> int:
         """Cores allocated to the whole job."""
         extra = max(0, self.hot_ps_cpu - self.ps_cpu) if self.hot_ps_cpu and self.ps else 0
@@ -85,46 +135,6 @@ class PSConfig:
         """True when the PS side (count, cores, memory, hot PS) is unchanged: only workers change."""
         return (self.ps, self.ps_cpu, self.ps_mem_gb, self.hot_ps_cpu) == (
             other.ps, other.ps_cpu, other.ps_mem_gb, other.hot_ps_cpu)
-
-
-@dataclass
-class PSJobObservation:
-    """What a PS-job planner sees at one decision point (built by the master or the simulator).
-
-    Attributes:
-        job_id: the job.
-        now_s: seconds since the job was submitted (the caller's clock).
-        config: the resources the job runs with now (pods still starting included).
-        cpu_quota: the most cores the job may hold (DLRover's C_total).
-        throughput: steps/s measured since the previous decision (0 while nothing ran).
-        worker_cpu_used: cores a worker used on average (DLRover's w_hat when one worker runs).
-        ps_cpu_used: cores each PS used, one entry per PS.
-        ps_mem_used_gb: memory each PS uses now (the largest one matters for OOM).
-        steps_done, total_steps: progress of the job.
-        oom_worker, oom_ps: an OOM killed a worker / a PS since the previous decision.
-        ready: all pods of ``config`` are running (no scaling in progress).
-        free_cpus, free_mem_gb: what the cluster has unallocated now (a scale-up beyond it waits).
-        stragglers: workers whose progress lags their peers (dynamic sharding feeds them less).
-        history: throughput samples ``(config, steps/s)`` of this job so far, oldest first.
-    """
-
-    job_id: str
-    now_s: float
-    config: PSConfig
-    cpu_quota: int
-    throughput: float = 0.0
-    worker_cpu_used: float = 0.0
-    ps_cpu_used: list[float] = field(default_factory=list)
-    ps_mem_used_gb: float = 0.0
-    steps_done: float = 0.0
-    total_steps: float = 0.0
-    oom_worker: bool = False
-    oom_ps: bool = False
-    ready: bool = True
-    free_cpus: float = math.inf
-    free_mem_gb: float = math.inf
-    stragglers: int = 0
-    history: list[tuple[PSConfig, float]] = field(default_factory=list)
 
 
 def optimize_config(w_hat: float, s_hat: float, c_total: int, ps_cores: int = PS_CORES) -> tuple[int, int, int]:
@@ -199,43 +209,70 @@ class DLRoverPlanner:
         return PSConfig(1, self.sample_ps, min(C_MAX, self.cpu_quota - self.sample_ps * self.sample_ps_cpu),
                         self.sample_ps_cpu, self.worker_mem_gb, self.ps_mem_gb)
 
-    def plan(self, obs: PSJobObservation) -> PSConfig:
-        c = obs.config
+    def plan(self, obs: JobObservation) -> ResourcePlan:
+        """The next configuration of the job's current stage (see the module docstring).
+
+        Raises:
+            ConfigError: ``obs.ps`` is None (not a parameter-server job).
+        """
+        ps_obs = require_ps(obs, self.name)
+        c = PSConfig.from_observation(obs)
         # OOM during sampling (or later): double the worker's memory, or the number of PSes so
         # that the PSes have more memory in total (DLRover 4.2, "Sampling").
-        if obs.oom_worker:
+        fixes = []
+        if ps_obs.oom_worker:
             c = replace(c, worker_mem_gb=c.worker_mem_gb * 2)
-        if obs.oom_ps:
-            c = replace(c, ps=c.ps * 2) if self.stage == "sample" else replace(c, ps_mem_gb=c.ps_mem_gb * 2)
-        if obs.oom_worker or obs.oom_ps or not obs.ready or obs.throughput <= 0:
-            return c
-        ps_used = sum(obs.ps_cpu_used)
+            fixes.append(f"worker OOM: worker memory doubled to {c.worker_mem_gb:g} GB")
+        if ps_obs.oom_ps:
+            if self.stage == "sample":
+                c = replace(c, ps=c.ps * 2)
+                fixes.append(f"PS OOM while sampling: PSes doubled to {c.ps}")
+            else:
+                c = replace(c, ps_mem_gb=c.ps_mem_gb * 2)
+                fixes.append(f"PS OOM: PS memory doubled to {c.ps_mem_gb:g} GB")
+        if fixes:
+            return c.to_plan("; ".join(fixes))
+        if not obs.ready:
+            return c.to_plan(f"{self.stage} stage: waiting for pods to start")
+        if obs.samples_per_s <= 0:
+            return c.to_plan(f"{self.stage} stage: no throughput measured yet")
+        ps_used = sum(ps_obs.ps_cpu_used)
         if self.stage == "sample":
-            if obs.ps_cpu_used and ps_used >= 0.9 * c.ps * c.ps_cpu and c.ps_cpu < C_MAX:
-                return replace(c, ps_cpu=min(C_MAX, c.ps_cpu * 2))  # PS saturated: s_hat unknown yet
-            w_hat = max(obs.worker_cpu_used, 0.1)
+            if ps_obs.ps_cpu_used and ps_used >= 0.9 * c.ps * c.ps_cpu and c.ps_cpu < C_MAX:
+                c = replace(c, ps_cpu=min(C_MAX, c.ps_cpu * 2))  # PS saturated: s_hat unknown yet
+                return c.to_plan(f"sample stage: PSes saturated ({ps_used:.1f} cores used): {c.ps_cpu} cores per PS")
+            w_hat = max(ps_obs.worker_cpu_used, 0.1)
             self.s_hat = ps_used / max(c.workers, 1)
             n_w, w_cpu, n_ps = optimize_config(w_hat, self.s_hat, self.cpu_quota)
             self.stage = "optimize"
-            return PSConfig(n_w, n_ps, w_cpu, PS_CORES, c.worker_mem_gb, c.ps_mem_gb)
+            return PSConfig(n_w, n_ps, w_cpu, PS_CORES, c.worker_mem_gb, c.ps_mem_gb).to_plan(
+                f"optimize (Eq. 10/11, w_hat {w_hat:.1f}, s_hat {self.s_hat:.1f}): {n_w} workers x {w_cpu} cores, "
+                f"{n_ps} PS x {PS_CORES} cores")
         if self.stage == "optimize":
             self.stage = "adjust"
             # re-estimate w_hat and fill the PS capacity: N_w = s_total / s_hat
             s_total = c.ps * c.ps_cpu
             max_w = max(c.workers, (self.cpu_quota - s_total) // max(c.worker_cpu, 1))
-            n_w = adjust_idle_ps(c.workers, ps_used, s_total, max_w) if ps_used < self.idle_ps_util * s_total else c.workers
-            return replace(c, workers=n_w)
+            if ps_used < self.idle_ps_util * s_total:
+                n_w = adjust_idle_ps(c.workers, ps_used, s_total, max_w)
+                reason = f"adjust: PSes use {ps_used:.1f} of {s_total} cores: {n_w} workers"
+            else:
+                n_w = c.workers
+                reason = f"adjust: PSes busy ({ps_used:.1f} of {s_total} cores): keep {n_w} workers"
+            return replace(c, workers=n_w).to_plan(reason)
         # adjust: hot PS first, then idle PS CPU
-        if obs.ps_cpu_used and c.hot_ps_cpu == 0 and len(obs.ps_cpu_used) > 1:
-            mean = ps_used / len(obs.ps_cpu_used)
-            s_hot = max(obs.ps_cpu_used)
+        if ps_obs.ps_cpu_used and c.hot_ps_cpu == 0 and len(ps_obs.ps_cpu_used) > 1:
+            mean = ps_used / len(ps_obs.ps_cpu_used)
+            s_hot = max(ps_obs.ps_cpu_used)
             if mean > 0 and s_hot > self.ps_hot_ratio * mean and s_hot >= 0.85 * c.ps_cpu:
                 cores = hot_ps_cores(s_hot, ps_used, self.s_hat or ps_used / c.workers, c.workers)
                 if cores > c.ps_cpu and c.cpus() + cores - c.ps_cpu <= self.cpu_quota:
-                    return replace(c, hot_ps_cpu=cores)
+                    return replace(c, hot_ps_cpu=cores).to_plan(
+                        f"hot PS ({s_hot:.1f} cores used, {s_hot / mean:.1f}x the mean): replaced by one of {cores} cores")
         if not self.adjusted_idle and ps_used < self.idle_ps_util * c.ps * c.ps_cpu:
             self.adjusted_idle = True
             s_total = c.ps * c.ps_cpu
             max_w = max(c.workers, (self.cpu_quota - c.cpus() + c.workers * c.worker_cpu) // max(c.worker_cpu, 1))
-            return replace(c, workers=adjust_idle_ps(c.workers, ps_used, s_total, max_w))
-        return c
+            n_w = adjust_idle_ps(c.workers, ps_used, s_total, max_w)
+            return replace(c, workers=n_w).to_plan(f"idle PS CPU ({ps_used:.1f} of {s_total} cores used): {n_w} workers")
+        return c.to_plan("adjust stage: no change")

@@ -29,7 +29,12 @@ Stage 2, auto-scaling, every decision interval:
   of the *additional* resources, the cost of the gain), weight ``WG(A^j) = 1 / (Phi_sp^j /
   Psi^{A^j} + eps)^rho`` (Eq. 14: ``Phi_sp`` the remaining samples, so ``Phi / Psi`` the remaining
   time; rho = 2.5 favours short jobs), and candidates taken in decreasing ``RE * WG`` (Eq. 12)
-  while they fit in the free resources (Eq. 13), one per job.
+  while they fit in the free resources (Eq. 13), one per job: ``weighted_greedy``, and the
+  same as a ``ClusterAllocator`` (``tidal.brain.api``), ``WeightedGreedy``.
+
+The per-job ``DLRoverRMPlanner`` is a ``Planner``: ``plan(JobObservation) -> ResourcePlan``
+gives stage 3's fixes; ``observe`` and ``candidates`` take the same observation (its ``ps``
+part is required; its throughput ``samples_per_s`` is steps/s in the cluster simulator).
 
 Stage 3 and section 5.3: OOM prediction (``tidal.brain.oom``) gives PSes more memory before
 they run out; a hot or slow PS is replaced (as DLRover's adjust stage does).
@@ -43,8 +48,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from tidal.api import ConfigError, JobObservation, ResourcePlan
 from tidal.brain.api import FitError, ThroughputConfig, ThroughputSample
-from tidal.brain.dlrover import C_MAX, PSConfig, PSJobObservation, hot_ps_cores
+from tidal.brain.dlrover import C_MAX, PSConfig, hot_ps_cores, require_ps
 from tidal.brain.history import Feature, HistoryStore, top_k
 from tidal.brain.models import DLRoverRMModel
 from tidal.brain.oom import predict_oom
@@ -55,6 +61,8 @@ __all__ = [
     "Candidate",
     "CostModel",
     "DLRoverRMPlanner",
+    "FreeCapacity",
+    "WeightedGreedy",
     "config_from_mapping",
     "nsga_candidates",
     "resource_cost",
@@ -159,6 +167,7 @@ class Candidate:
     extra_cost: float  # RC of the additional resources relative to now
     gain: float  # TG
     remaining: float  # Phi_sp: steps left
+    current: PSConfig | None = None  # the job's configuration now (extra resources count from it)
 
 
 def weighted_greedy_weight(remaining: float, throughput: float, rho: float = RHO) -> float:
@@ -191,6 +200,45 @@ def weighted_greedy(candidates: Sequence[Candidate], current: Mapping[str, PSCon
             free_cpus -= max(d_cpu, 0)
             free_mem_gb -= max(d_mem, 0.0)
     return chosen
+
+
+@dataclass(frozen=True)
+class FreeCapacity:
+    """Unallocated resources of the cluster, or of one machine of it (S in Eq. 13)."""
+
+    cpus: float
+    mem_gb: float
+
+
+class WeightedGreedy:
+    """Eq. 11-13 as a ``ClusterAllocator``: ``allocate(candidates, free) -> chosen candidates``.
+
+    ``jobs`` are the job-level candidates of every job (``DLRoverRMPlanner.candidates``), each
+    carrying the job's ``current`` configuration; ``machines`` the free capacity. DLRover-RM
+    pools the cluster (pods are assumed to fit), so the free capacities are summed: one entry
+    for the whole cluster or one per machine give the same grants. The grants are the chosen
+    candidates, at most one per job, in the order they were taken (``weighted_greedy``).
+    """
+
+    name = "dlrover-rm-greedy"
+
+    def __init__(self, rho: float = RHO) -> None:
+        self.rho = rho
+
+    def allocate(self, jobs: Sequence[Candidate], machines: Sequence[FreeCapacity]) -> list[Candidate]:
+        """The chosen candidates, best ``RE * WG`` first, at most one per job.
+
+        Raises:
+            ConfigError: a candidate without its job's ``current`` configuration.
+        """
+        current: dict[str, PSConfig] = {}
+        for cand in jobs:
+            if cand.current is None:
+                raise ConfigError(f"candidate of job {cand.job_id} has no current configuration")
+            current.setdefault(cand.job_id, cand.current)
+        free_cpus = sum(m.cpus for m in machines)
+        free_mem_gb = sum(m.mem_gb for m in machines)
+        return list(weighted_greedy(jobs, current, free_cpus, free_mem_gb, self.rho).values())
 
 
 def predict_many(params: Mapping[str, float], w: np.ndarray, p: np.ndarray, wc: np.ndarray,
@@ -263,7 +311,7 @@ def nsga_candidates(params: Mapping[str, float], now: PSConfig, psi_now: float, 
         seen.add(key)
         conf = PSConfig(key[0], key[1], key[2], key[3], now.worker_mem_gb, now.ps_mem_gb)
         out.append(Candidate(job_id, conf, float(psi[i]), float(rc[i]), float(rc[i]) - now_rc, float(tg[i]),
-                             remaining_steps))
+                             remaining_steps, now))
     return out
 
 
@@ -273,7 +321,7 @@ def nsga_candidates(params: Mapping[str, float], now: PSConfig, psi_now: float, 
 
 
 class DLRoverRMPlanner:
-    """Per-job DLRover-RM: warm start, refit, candidates; the cluster picks with ``weighted_greedy``.
+    """Per-job DLRover-RM: warm start, refit, candidates; the cluster picks with ``WeightedGreedy``.
 
     Args:
         job_id, features: the job and its metadata (the warm start's similarity features).
@@ -306,30 +354,38 @@ class DLRoverRMPlanner:
 
     # -- model ---------------------------------------------------------------------------------
 
-    def observe(self, obs: PSJobObservation) -> None:
-        """Record the observation's throughput and PS memory, and refit the model."""
-        if obs.ready and obs.throughput > 0:
-            base = replace(obs.config, worker_mem_gb=0.0, ps_mem_gb=0.0, hot_ps_cpu=0)
-            self.samples[base] = obs.throughput
-        if obs.ps_mem_used_gb > 0:
-            self.mem_samples.append((obs.steps_done, obs.ps_mem_used_gb))
-        self._refit(obs)
+    def observe(self, obs: JobObservation) -> None:
+        """Record the observation's throughput and PS memory, and refit the model.
 
-    def _refit(self, obs: PSJobObservation) -> None:
+        The throughput is ``obs.samples_per_s``; the model (and so every candidate's predicted
+        throughput) is in that unit: steps/s in the cluster simulator.
+
+        Raises:
+            ConfigError: ``obs.ps`` is None (not a parameter-server job).
+        """
+        ps = require_ps(obs, self.name)
+        c = PSConfig.from_observation(obs)
+        if obs.ready and obs.samples_per_s > 0:
+            base = replace(c, worker_mem_gb=0.0, ps_mem_gb=0.0, hot_ps_cpu=0)
+            self.samples[base] = obs.samples_per_s
+        if ps.ps_mem_used_gb > 0:
+            self.mem_samples.append((obs.steps_done, ps.ps_mem_used_gb))
+        self._refit(obs, c)
+
+    def _refit(self, obs: JobObservation, c: PSConfig) -> None:
         model = DLRoverRMModel()
         if len(self.samples) >= len(model.terms()):
-            data = [ThroughputSample(ThroughputConfig(c.workers, c.ps, c.worker_cpu, c.ps_cpu, batch_size=c.workers), r)
-                    for c, r in self.samples.items()]
+            data = [ThroughputSample(ThroughputConfig(k.workers, k.ps, k.worker_cpu, k.ps_cpu, batch_size=k.workers), r)
+                    for k, r in self.samples.items()]
             try:
                 self.params = dict(model.fit(data).params)
                 return
             except FitError:
                 pass
-        if obs.ready and obs.throughput > 0:
-            c = obs.config
+        if obs.ready and obs.samples_per_s > 0:
             pred = float(predict_many(self.prior, np.array([c.workers]), np.array([c.ps]), np.array([c.worker_cpu]),
                                       np.array([c.ps_cpu]))[0])
-            scale = pred / obs.throughput  # thp = w / (x . theta): scaling theta by s divides thp by s
+            scale = pred / obs.samples_per_s  # thp = w / (x . theta): scaling theta by s divides thp by s
             self.params = {key: v * scale for key, v in self.prior.items()}
 
     def predict(self, c: PSConfig) -> float:
@@ -338,13 +394,18 @@ class DLRoverRMPlanner:
 
     # -- decisions -------------------------------------------------------------------------------
 
-    def candidates(self, obs: PSJobObservation) -> list[Candidate]:
-        """Stage 2's job-level candidates for the cluster's weighted greedy.
+    def candidates(self, obs: JobObservation) -> list[Candidate]:
+        """Stage 2's job-level candidates for the cluster's weighted greedy (``WeightedGreedy``).
 
         NSGA-II runs again only when the model or the configuration changed (its Pareto set is
         cached; TG and RC are re-evaluated with the throughput and remaining steps of now).
+
+        Raises:
+            ConfigError: ``obs.ps`` is None (not a parameter-server job).
         """
-        if not obs.ready or obs.throughput <= 0:
+        require_ps(obs, self.name)
+        now = PSConfig.from_observation(obs)
+        if not obs.ready or obs.samples_per_s <= 0:
             return []
         remaining = max(obs.total_steps - obs.steps_done, 0.0)
         # Scaling every coefficient by s scales every prediction by 1/s: the Pareto set of
@@ -352,12 +413,11 @@ class DLRoverRMPlanner:
         # proportions (shared by jobs of one kind), score TG for this job below.
         total = sum(self.params.values()) or 1.0
         shape = tuple(float(f"{v / total:.2g}") for v in self.params.values())
-        c = obs.config
-        key = (shape, self.cpu_quota, c.worker_mem_gb, c.ps_mem_gb)
+        key = (shape, self.cpu_quota, now.worker_mem_gb, now.ps_mem_gb)
         front = _FRONTS.get(key)
         if front is None:
             params = dict(zip(self.params, shape, strict=True))
-            base = PSConfig(1, 1, 1, 1, c.worker_mem_gb, c.ps_mem_gb)
+            base = PSConfig(1, 1, 1, 1, now.worker_mem_gb, now.ps_mem_gb)
             # no overhead in the search (horizon -> inf): Eq. 8's overhead is added when scoring
             front = nsga_candidates(params, base, 0.0, math.inf, self.cpu_quota, self.job_id, self.cost,
                                     pop_size=32, generations=15, seed=0)  # fixed: the memo stays pure
@@ -365,42 +425,52 @@ class DLRoverRMPlanner:
                 _FRONTS.clear()
             _FRONTS[key] = front
         self._cache = (key, front)
-        now_rc = resource_cost(obs.config, self.cost)
-        horizon = remaining / max(obs.throughput, _EPS)
+        now_rc = resource_cost(now, self.cost)
+        horizon = remaining / max(obs.samples_per_s, _EPS)
         out = []
         for cand in self._cache[1]:
-            conf = replace(cand.config, hot_ps_cpu=obs.config.hot_ps_cpu if cand.config.ps == obs.config.ps else 0)
+            conf = replace(cand.config, hot_ps_cpu=now.hot_ps_cpu if cand.config.ps == now.ps else 0)
             psi = self.predict(conf)
-            new_pods = conf.workers > obs.config.workers or conf.ps > obs.config.ps or \
-                conf.worker_cpu != obs.config.worker_cpu or conf.ps_cpu != obs.config.ps_cpu
-            ps_changed = conf.ps != obs.config.ps or conf.ps_cpu != obs.config.ps_cpu
-            psi_now = self.predict(obs.config)  # compare model to model: the gain is not measurement noise
+            new_pods = conf.workers > now.workers or conf.ps > now.ps or \
+                conf.worker_cpu != now.worker_cpu or conf.ps_cpu != now.ps_cpu
+            ps_changed = conf.ps != now.ps or conf.ps_cpu != now.ps_cpu
+            psi_now = self.predict(now)  # compare model to model: the gain is not measurement noise
             tg = throughput_gain(psi, psi_now, new_pods, ps_changed, horizon, self.cost)
             rc = resource_cost(conf, self.cost)
             if tg > 0:
-                out.append(Candidate(self.job_id, conf, psi, rc, rc - now_rc, tg, remaining))
+                out.append(Candidate(self.job_id, conf, psi, rc, rc - now_rc, tg, remaining, now))
         return out
 
-    def plan(self, obs: PSJobObservation) -> PSConfig:
+    def plan(self, obs: JobObservation) -> ResourcePlan:
         """Per-job fixes that need no cluster arbitration: OOM prevention and hot PSes (stage 3).
 
-        Scaling for throughput goes through ``candidates`` and the cluster's weighted greedy.
+        Scaling for throughput goes through ``candidates`` and the cluster's ``WeightedGreedy``;
+        without a fix the plan is the configuration the job has.
+
+        Raises:
+            ConfigError: ``obs.ps`` is None (not a parameter-server job).
         """
-        c = obs.config
-        if obs.oom_ps:  # not predicted in time (e.g. no samples yet): double, as DLRover does
-            return replace(c, ps_mem_gb=c.ps_mem_gb * 2)
-        if obs.oom_worker:
-            return replace(c, worker_mem_gb=c.worker_mem_gb * 2)
+        ps = require_ps(obs, self.name)
+        c = PSConfig.from_observation(obs)
+        if ps.oom_ps:  # not predicted in time (e.g. no samples yet): double, as DLRover does
+            c = replace(c, ps_mem_gb=c.ps_mem_gb * 2)
+            return c.to_plan(f"PS OOM: PS memory doubled to {c.ps_mem_gb:g} GB")
+        if ps.oom_worker:
+            c = replace(c, worker_mem_gb=c.worker_mem_gb * 2)
+            return c.to_plan(f"worker OOM: worker memory doubled to {c.worker_mem_gb:g} GB")
         if len(self.mem_samples) >= 2 and obs.total_steps > 0:
             f = predict_oom(self.mem_samples[-20:], obs.total_steps, c.ps_mem_gb)
             if f.will_oom:
-                return replace(c, ps_mem_gb=math.ceil(f.recommended_gb))
-        if obs.ready and len(obs.ps_cpu_used) > 1 and c.hot_ps_cpu == 0:
-            used = sum(obs.ps_cpu_used)
-            mean = used / len(obs.ps_cpu_used)
-            hot = max(obs.ps_cpu_used)
+                new = replace(c, ps_mem_gb=math.ceil(f.recommended_gb))
+                return new.to_plan(f"PS OOM predicted at step {f.oom_at_step:.0f} ({f.predicted_gb:.1f} GB at the end): "
+                                   f"PS memory {c.ps_mem_gb:g} -> {new.ps_mem_gb:g} GB")
+        if obs.ready and len(ps.ps_cpu_used) > 1 and c.hot_ps_cpu == 0:
+            used = sum(ps.ps_cpu_used)
+            mean = used / len(ps.ps_cpu_used)
+            hot = max(ps.ps_cpu_used)
             if mean > 0 and hot > 1.5 * mean and hot >= 0.85 * c.ps_cpu:
                 cores = hot_ps_cores(hot, used, used / max(c.workers, 1), c.workers)
                 if cores > c.ps_cpu and c.cpus() + cores - c.ps_cpu <= self.cpu_quota:
-                    return replace(c, hot_ps_cpu=cores)
-        return c
+                    return replace(c, hot_ps_cpu=cores).to_plan(
+                        f"hot PS ({hot:.1f} cores used, {hot / mean:.1f}x the mean): replaced by one of {cores} cores")
+        return c.to_plan("no per-job fix needed (scaling goes through the cluster's weighted greedy)")

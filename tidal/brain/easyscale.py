@@ -12,7 +12,10 @@ trains exactly those ``max_p`` ESTs, several per GPU where it has fewer GPUs. Tw
   and may reclaim GPUs from elastic jobs), then queued elastic jobs in submission order with one
   GPU each (``min GPUs = 0`` in the paper, so a job needs no gang; we give it the smallest
   start, reclaiming one GPU from the elastic job that loses least if none is free), then the
-  free GPUs go to the proposals with the highest speedup per GPU (ties: more GPUs).
+  free GPUs go to the proposals with the highest speedup per GPU (ties: more GPUs). It is a
+  ``ClusterAllocator`` (``tidal.brain.api``): ``allocate(jobs, machines) -> [GpuGrant]``; it
+  shares GPUs by type (placement is not its concern), so the machines' free GPUs are pooled
+  per type.
 
 Decisions here are pure: the snapshot (``ElasticJob``) carries what the job master would
 observe, including the measured throughputs the fallback compares.
@@ -25,11 +28,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tidal.api import ConfigError
+from tidal.brain.yarn import Machine
 
 __all__ = [
     "ElasticJob",
     "EstPlan",
     "GangJob",
+    "GpuGrant",
     "InterJobAllocator",
     "IntraJobPlanner",
     "Proposal",
@@ -297,10 +302,22 @@ class GangJob:
     allocation: Mapping[str, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class GpuGrant:
+    """The new GPUs of a job whose allocation changes, by type (empty: all reclaimed)."""
+
+    job_id: str
+    gpus: dict[str, int]
+
+
 class InterJobAllocator:
     """EasyScale's cluster scheduler: greedy acceptance by speedup per GPU.
 
-    ``allocate`` returns the new allocation of every job whose GPUs change. Steps:
+    ``allocate(jobs, machines)`` returns a ``GpuGrant`` with the new allocation of every job
+    whose GPUs change, in the order of ``jobs``; a job without a grant keeps its GPUs. The
+    machines' free GPUs are pooled by type: the scheduler counts GPUs of each type, so one
+    ``Machine`` per server or one per type (named as the caller likes) give the same grants.
+    Steps:
 
     1. Non-elastic jobs (priority) in submission order: a queued one starts on the first of its
        types with enough GPUs free or reclaimable from elastic jobs (newest elastic jobs give up
@@ -318,9 +335,10 @@ class InterJobAllocator:
     def __init__(self, planner: IntraJobPlanner) -> None:
         self.planner = planner
 
-    def allocate(self, jobs: Sequence[ElasticJob | GangJob],
-                 free: Mapping[str, int]) -> dict[str, dict[str, int]]:
-        avail = {t: n for t, n in free.items()}
+    def allocate(self, jobs: Sequence[ElasticJob | GangJob], machines: Sequence[Machine]) -> list[GpuGrant]:
+        avail: dict[str, int] = {}
+        for m in machines:
+            avail[m.gpu_type] = avail.get(m.gpu_type, 0) + m.gpus
         alloc: dict[str, dict[str, int]] = {j.job_id: dict(_used(j.allocation)) for j in jobs}
         elastic = sorted((j for j in jobs if isinstance(j, ElasticJob)), key=lambda j: j.order)
         gangs = sorted((j for j in jobs if isinstance(j, GangJob)), key=lambda j: j.order)
@@ -392,11 +410,11 @@ class InterJobAllocator:
             if not accepted:
                 break
 
-        changed: dict[str, dict[str, int]] = {}
+        changed: list[GpuGrant] = []
         for j in jobs:
             new = _used(alloc[j.job_id])
             if new != _used(j.allocation):
-                changed[j.job_id] = new
+                changed.append(GpuGrant(j.job_id, new))
         return changed
 
     def _reclaim_one(self, elastic: Sequence[ElasticJob], alloc: dict[str, dict[str, int]],

@@ -14,9 +14,11 @@ Pure: a per-job object that remembers its previous step.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
-from tidal.brain.dlrover import PSConfig, PSJobObservation
+from tidal.api import JobObservation, ResourcePlan
+from tidal.brain.dlrover import PSConfig, require_ps
 
 __all__ = ["ESPlanner", "scaling_efficiency"]
 
@@ -29,7 +31,11 @@ def scaling_efficiency(r_old: float, w_old: int, r_new: float, w_new: int) -> fl
 
 
 class ESPlanner:
-    """Per-job ES: add ``step`` workers while the scaling efficiency stays above ``threshold``."""
+    """Per-job ES: add ``step`` workers while the scaling efficiency stays above ``threshold``.
+
+    Throughputs are ``obs.samples_per_s`` (steps/s in the cluster simulator); the efficiency
+    is a ratio of two of them, so their unit does not matter.
+    """
 
     name = "es"
 
@@ -38,22 +44,39 @@ class ESPlanner:
         self.before: tuple[int, float] | None = None  # (workers, throughput) before the last step
         self.done = False
 
-    def plan(self, obs: PSJobObservation) -> PSConfig:
-        c = obs.config
-        if not obs.ready or obs.throughput <= 0 or self.done:
-            return c
+    def plan(self, obs: JobObservation) -> ResourcePlan:
+        """The next step of workers, a step back, or the workers the job has.
+
+        Raises:
+            ConfigError: ``obs.ps`` is None (not a parameter-server job).
+        """
+        ps = require_ps(obs, self.name)
+        c = PSConfig.from_observation(obs)
+        thp = obs.samples_per_s
+        if self.done:
+            return c.to_plan(f"done: {c.workers} workers")
+        if not obs.ready:
+            return c.to_plan("waiting for pods to start")
+        if thp <= 0:
+            return c.to_plan("no throughput measured yet")
+        why = "first step"
         if self.before is not None:
             w_old, r_old = self.before
             self.before = None
-            if scaling_efficiency(r_old, w_old, obs.throughput, c.workers) < self.threshold:
+            eff = scaling_efficiency(r_old, w_old, thp, c.workers)
+            if eff < self.threshold:
                 self.done = True
-                return replace(c, workers=max(1, w_old))
+                back = max(1, w_old)
+                return replace(c, workers=back).to_plan(
+                    f"scaling efficiency {eff:.2f} < {self.threshold:g}: back to {back} workers, stop")
+            why = f"scaling efficiency {eff:.2f} >= {self.threshold:g}"
         k = self.step
         room = (self.cpu_quota - c.cpus()) // max(c.worker_cpu, 1)
         k = min(k, room)
-        if obs.free_cpus < k * c.worker_cpu:
-            k = int(obs.free_cpus // max(c.worker_cpu, 1))
+        free_cpus = math.inf if ps.free_cpus is None else ps.free_cpus
+        if free_cpus < k * c.worker_cpu:
+            k = int(free_cpus // max(c.worker_cpu, 1))
         if k <= 0:
-            return c
-        self.before = (c.workers, obs.throughput)
-        return replace(c, workers=c.workers + k)
+            return c.to_plan(f"no cores for another worker (quota {self.cpu_quota}, free {free_cpus:g})")
+        self.before = (c.workers, thp)
+        return replace(c, workers=c.workers + k).to_plan(f"{why}: +{k} workers, {c.workers + k} in all")

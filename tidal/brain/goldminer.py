@@ -159,7 +159,13 @@ def metric(policy: str, job: DataJob, dc: float, dt: float) -> float:
 
 
 class DataWorkerAllocator:
-    """Cluster-level data-worker allocation: ``allocate(jobs, machines) -> grants``."""
+    """Cluster-level data-worker allocation: ``allocate(jobs, machines) -> grants``.
+
+    A ``ClusterAllocator`` (``tidal.brain.api``) of ``DataJob``, ``MachineCpus`` and
+    ``DataWorkerGrant``: one grant per data worker, in the order they were given.
+    """
+
+    name: str
 
     def __init__(self, policy: str) -> None:
         if policy not in POLICIES:

@@ -4,7 +4,7 @@ A ``JobRecord`` keeps a finished job's metadata (the features similarity is comp
 kind, user, dataset, sizes) and the configuration it ended with, plus its fitted
 resource-performance coefficients. ``HistoryStore`` is the interface; ``InMemoryHistory`` is the
 implementation the brain and tests use; the SQLite one lives outside the brain
-(``tidal.sim.cluster.history_sqlite``) because the brain does no I/O. Both pass the same
+(``tidal.history``) because the brain does no I/O. Both pass the same
 contract suite (``tests/brain/test_history.py``).
 
 Similarity (Algorithm 1, line 2: "calculates the similarity in each type of feature"): per

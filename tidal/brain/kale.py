@@ -4,9 +4,11 @@
 * ``stabilize``: Algorithm 1, calibrating short-lived changes of a planned worker series.
 * ``ThresholdFallback``: section 3.4.3, reactive scaling when lag or utilization passes a
   bound (the forecast was wrong, or the throughput model was).
-* ``KalePlanner``: the three together over a ``StreamSnapshot`` (online training), fitting
-  its throughput model from the throughput it measures and its forecaster from the arrivals
-  it sees, with no other knowledge of the job.
+* ``KalePlanner``: the three together over a ``JobObservation`` with its ``stream`` part
+  (online training), fitting its throughput model from the throughput it measures and its
+  forecaster from the arrivals it sees, with no other knowledge of the job.
+* ``require_stream``: the ``stream`` part of an observation, or a ``ConfigError`` naming the
+  planner (every online-training planner needs it).
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tidal.api import ConfigError, JobSnapshot, ResourcePlan
+from tidal.api import ConfigError, JobObservation, ResourcePlan, StreamObservation
 from tidal.brain import forecast as forecasting
-from tidal.brain.api import FitError, Forecaster, StreamSnapshot, ThroughputConfig, ThroughputSample
+from tidal.brain.api import FitError, Forecaster, ThroughputConfig, ThroughputSample
 from tidal.brain.models import KaleSyncModel, LinearisedModel
 
 __all__ = [
@@ -27,8 +29,16 @@ __all__ = [
     "ThresholdFallback",
     "WorkerChoice",
     "minimal_workers",
+    "require_stream",
     "stabilize",
 ]
+
+
+def require_stream(obs: JobObservation, planner: str) -> StreamObservation:
+    """The online-training part of ``obs``; a ``ConfigError`` when the job has none."""
+    if obs.stream is None:
+        raise ConfigError(f"planner {planner} needs a stream observation (an online-training job)")
+    return obs.stream
 
 
 @dataclass(frozen=True)
@@ -183,8 +193,9 @@ class ThresholdFallback:
 class KalePlanner:
     """Kale for one online-training job: forecast, Eq. 10, Algorithm 1, fallback.
 
-    Called with a ``StreamSnapshot`` every arrivals interval (the master does so after each
-    metrics report, the simulator every simulated minute). It keeps:
+    Called with a ``JobObservation`` carrying a ``stream`` every arrivals interval (the master
+    does so after each metrics report, the simulator every simulated minute); an observation
+    without one is a ``ConfigError``. It keeps:
 
     * the arrival history, averaged into planning bins of ``plan_interval_s`` (Kale's case
       study plans every 10 minutes), on which a forecaster (``forecaster``, any name of
@@ -239,7 +250,7 @@ class KalePlanner:
     plans on the point forecast; the option exists to measure what a margin costs.
 
     A change is only requested when it differs from the current count by at least ``rho``.
-    While a scaling action is under way (``snapshot.scaling``) the planner keeps the target.
+    While a scaling action is under way (``not obs.ready``) the planner keeps the target.
     """
 
     name = "kale"
@@ -302,7 +313,7 @@ class KalePlanner:
 
     def observe_history(self, arrivals: Sequence[float], interval_s: float) -> None:
         """Feed past arrivals (per ``interval_s``) seen before the planner started, e.g. the
-        stream's retained history; the same as receiving them in snapshots."""
+        stream's retained history; the same as receiving them in observations."""
         self._add_arrivals(arrivals, interval_s)
 
     def _add_arrivals(self, arrivals: Sequence[float], interval_s: float) -> list[float]:
@@ -425,21 +436,21 @@ class KalePlanner:
             worst = max(worst, backlog / max(load, 1e-9))
         return worst
 
-    def plan(self, snapshot: JobSnapshot) -> ResourcePlan:
-        if not isinstance(snapshot, StreamSnapshot):
-            return ResourcePlan(workers=snapshot.current_workers, reason="kale needs a stream snapshot")
-        self._add_arrivals(snapshot.arrivals, snapshot.interval_s)
-        self._add_measured(snapshot.measured)
+    def plan(self, obs: JobObservation) -> ResourcePlan:
+        stream = require_stream(obs, self.name)
+        scaling = not obs.ready
+        self._add_arrivals(stream.arrivals, stream.interval_s)
+        self._add_measured(stream.measured)
         self._maybe_refit_forecaster()
-        self.fallback.observe(snapshot.backlog, snapshot.scaling, snapshot.lag_s)
-        lo, hi = max(1, snapshot.min_workers), snapshot.max_workers
-        current = snapshot.current_workers
+        self.fallback.observe(stream.backlog, scaling, stream.lag_s)
+        lo, hi = max(1, obs.min_workers), obs.max_workers
+        current = obs.current_workers
         if self._target is None:
             self._target = current
-        if snapshot.scaling:
+        if scaling:
             return ResourcePlan(workers=self._target, reason="scaling in progress")
-        recent = snapshot.arrivals[-5:] if snapshot.arrivals else []
-        rate = (sum(recent) / (len(recent) * snapshot.interval_s)) if recent else (self._bins[-1] if self._bins else 0.0)
+        recent = stream.arrivals[-5:] if stream.arrivals else []
+        rate = (sum(recent) / (len(recent) * stream.interval_s)) if recent else (self._bins[-1] if self._bins else 0.0)
         reason = "hold"
         bin_index = len(self._bins)
         if self._forecaster is not None and bin_index != self._last_plan_bin and self._measured:
@@ -451,11 +462,11 @@ class KalePlanner:
             hold = max(window, lead_bins + math.ceil(self.tau_s / self.plan_interval_s))
             # after an action: it stops training for up to lead_s, and what arrives meanwhile
             # must be drained too; a change is sized for that
-            moved = self._stabilized_plan(fc, snapshot.backlog + float(fc[0]) * self.lead_s, current, lo, hi)
+            moved = self._stabilized_plan(fc, stream.backlog + float(fc[0]) * self.lead_s, current, lo, hi)
             self.last_plan = moved
             # the workers must be there when the traffic is: act when, as things are, the lag
             # would pass planned_lag_s and keep growing within the lead window
-            growing = self.projected_lag(current, fc[:window], snapshot.backlog) > max(self.planned_lag_s, snapshot.lag_s)
+            growing = self.projected_lag(current, fc[:window], stream.backlog) > max(self.planned_lag_s, stream.lag_s)
             if growing:
                 self._planned = max(max(moved[:window]), current)
             elif max(moved[:hold]) < current:  # fewer workers suffice, after the pause and for tau
@@ -464,18 +475,18 @@ class KalePlanner:
                 self._planned = current
             reason = f"plan: forecast {max(fc[:window]):.0f} samples/s"
         target = self._planned if self._planned is not None else self._target
-        drain = self.fallback.drain_rate(rate, snapshot.backlog, snapshot.lag_s, snapshot.utilization, self.lead_s)
+        drain = self.fallback.drain_rate(rate, stream.backlog, stream.lag_s, stream.utilization, self.lead_s)
         if self.fallback.active:
             target = max(target, current)  # never scale in while behind: it would stop training again
             if drain is not None and self.throughput(current) < drain:
                 w_fb = minimal_workers(self.throughput, drain, hi, min_workers=lo).workers
                 if w_fb > target:
-                    target, reason = w_fb, f"fallback: lag {snapshot.lag_s:.0f} s, need {drain:.0f} samples/s"
-        if target < current and snapshot.now_s - self._last_change_s < self.tau_s:
+                    target, reason = w_fb, f"fallback: lag {stream.lag_s:.0f} s, need {drain:.0f} samples/s"
+        if target < current and obs.now_s - self._last_change_s < self.tau_s:
             target = current  # Algorithm 1 across re-plans: an allocation lasts at least tau
         if abs(target - current) < self.rho:
             target = current
         self._target = max(lo, min(hi, target))
         if self._target != current:
-            self._last_change_s = snapshot.now_s
+            self._last_change_s = obs.now_s
         return ResourcePlan(workers=self._target, reason=reason)

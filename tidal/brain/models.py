@@ -22,6 +22,8 @@ Models:
 * ``dlrover-rm``: DLRover-RM Eq. 1-6 with CPU cores per worker and per PS.
 * ``optimus``: Optimus (Peng et al., EuroSys'18) Eq. 2, the synchronous PS step time.
 * ``ernest``: Ernest (Venkataraman et al., NSDI'16) Eq. 1 applied to one step.
+* ``data-parallel``: Optimus Eq. 2 for an all-reduce job with a fixed per-worker batch, the
+  per-worker term starting at a knee (what the live master fits as a job explores counts).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from tidal.brain.api import (
 
 __all__ = [
     "DLRoverRMModel",
+    "DataParallelModel",
     "ErnestModel",
     "KaleAsyncModel",
     "KaleSyncModel",
@@ -398,6 +401,62 @@ class ErnestModel(LinearisedModel):
         return _global_batch(c)
 
 
+class DataParallelModel(LinearisedModel):
+    """Step time of a data-parallel (all-reduce) job with a fixed per-worker batch ``b``.
+
+    Optimus Eq. 2 without parameter servers, ``theta0 M/w + theta1 + theta3 w``, has with
+    ``M = w b`` a constant first term; what grows with the workers (``theta3 w``: the
+    collectives, and the workers sharing the machine's cores or links) only starts where they
+    saturate it. So the step takes
+
+        step(w) = theta0 + theta1 max(0, w - knee)
+
+    seconds: ``theta0`` the step of a worker alone, ``theta1`` what each worker beyond the
+    ``knee`` adds. Throughput is ``w b / step(w)``: linear up to the knee, then flat or falling.
+    ``theta0, theta1`` are fitted by NNLS (as every model here) for each candidate knee (0: no
+    knee, and every whole count up to the largest measured), keeping the knee with the least
+    squared error and, among knees the data cannot tell apart, the middle one (refitted). ``knee`` is a parameter beside the thetas.
+    """
+
+    name = "data-parallel"
+
+    def terms(self) -> tuple[str, ...]:
+        return ("theta0", "theta1", "knee")
+
+    def features(self, c: ThroughputConfig) -> np.ndarray:
+        knee = self.params.get("knee", 0.0)
+        return np.array([1.0, max(0.0, float(c.workers) - knee), 0.0])
+
+    def scale(self, c: ThroughputConfig) -> float:
+        return float(c.workers) * _per_worker_batch(c)
+
+    def fit(self, samples: Sequence[ThroughputSample]) -> DataParallelModel:
+        _check_samples(samples)
+        counts = sorted({float(s.config.workers) for s in samples})
+        if len(samples) < 2:
+            raise FitError(f"{self.name}: {len(samples)} rows, need at least 2")
+        y = np.array([self.scale(s.config) / s.throughput for s in samples], dtype=float)
+        w = np.array([float(s.config.workers) for s in samples])
+        fits = []
+        for knee in [0.0, *np.arange(1.0, counts[-1] + 1.0)]:
+            x = np.column_stack([np.ones_like(w), np.maximum(0.0, w - knee)])
+            theta, _ = nnls(x, y)
+            fits.append((float(np.sum((x @ theta - y) ** 2)), knee, float(theta[0]), float(theta[1])))
+        least = min(f[0] for f in fits)
+        # knees the data cannot tell apart (e.g. none measured between the last count that
+        # scaled and the first that did not): the middle one, refitted
+        tied = [f[1] for f in fits if f[0] <= least + 1e-12 * max(1.0, float(np.sum(y ** 2)))]
+        knee = float(np.median(tied))
+        x = np.column_stack([np.ones_like(w), np.maximum(0.0, w - knee)])
+        theta, _ = nnls(x, y)
+        self.params = {"theta0": float(theta[0]), "theta1": float(theta[1]), "knee": knee}
+        return self
+
+
+def _per_worker_batch(c: ThroughputConfig) -> float:
+    return 1.0 if c.batch_size is None else float(c.batch_size) / float(c.workers)
+
+
 # --------------------------------------------------------------------------------------------
 # registry, splitting and error reports
 # --------------------------------------------------------------------------------------------
@@ -408,6 +467,7 @@ _REGISTRY: dict[str, Callable[[], LinearisedModel]] = {
     "dlrover-rm": DLRoverRMModel,
     "optimus": OptimusModel,
     "ernest": ErnestModel,
+    "data-parallel": DataParallelModel,
 }
 
 

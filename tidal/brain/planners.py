@@ -1,46 +1,113 @@
-"""Registry of per-job planners by name (``planners.get("max")``)."""
+"""Registry of per-job planners by name: what ``tidal run --planner NAME`` and the simulators build.
+
+``get(name, context)`` returns a fresh ``tidal.brain.api.Planner``. The context carries what a
+planner may need beyond its observations, read once when the job starts: the job's signature
+and the history of finished jobs (the warm start), the cores its workers may use.
+
+Names and what they size:
+
+* ``max``: MAX workers, whatever is measured.
+* ``fixed``, ``es``, ``optimus``, ``dlrover``, ``dlrover-rm``: a data-parallel job's workers
+  (``tidal.brain.dataparallel``). The parameter-server forms of the last four
+  (``tidal.brain.es``, ``optimus_alloc``, ``dlrover``, ``dlrover_rm``) size workers, servers
+  and cores together; ``tidal sim cluster`` builds them with a job's CPU quota.
+* ``kale``, ``hpa``, ``autopilot``, ``madu``, ``adequate``: an online-training job's workers
+  from its stream (``tidal.brain.kale``, ``tidal.brain.baselines``).
+
+``DEFAULT`` is ``dlrover-rm``: it measures the job at the counts it tries, refits the throughput
+model as it goes, starts from similar finished jobs when the history has some, and settles on
+the fewest workers within 10% of the best throughput (see ``tidal.brain.dataparallel``).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
-from tidal.api import ConfigError, JobSnapshot, ResourcePlan
+from tidal.api import ConfigError, JobObservation, ResourcePlan
 from tidal.brain.api import Planner
+from tidal.brain.history import Feature, HistoryStore
+
+__all__ = ["DEFAULT", "MaxWorkersPlanner", "PlannerContext", "get", "names", "register"]
+
+DEFAULT = "dlrover-rm"
+
+
+@dataclass(frozen=True)
+class PlannerContext:
+    """What a planner is built with (all optional: a planner that needs none ignores it).
+
+    Attributes:
+        job_id: the job.
+        features: its signature, compared with finished jobs' for the warm start.
+        history: finished jobs (``tidal.brain.history``); None: no warm start.
+        cpus: cores the job's workers may use (0: not known).
+    """
+
+    job_id: str = ""
+    features: Mapping[str, Feature] = field(default_factory=dict)
+    history: HistoryStore | None = None
+    cpus: float = 0.0
 
 
 class MaxWorkersPlanner:
-    """As many workers as the job's MAX allows: the default until a throughput model is fitted."""
+    """As many workers as the job's MAX allows."""
 
     name = "max"
 
-    def plan(self, snapshot: JobSnapshot) -> ResourcePlan:
-        return ResourcePlan(workers=snapshot.max_workers, reason="max workers allowed")
+    def plan(self, obs: JobObservation) -> ResourcePlan:
+        return ResourcePlan(workers=obs.max_workers, reason="max workers allowed")
 
 
-def _builtin() -> dict[str, Callable[[], Planner]]:
-    # Imported here so that importing the registry stays cheap (statsmodels, torch load lazily).
+def _builtin() -> dict[str, Callable[[PlannerContext], Planner]]:
+    # Imported here so that importing the registry stays cheap (statsmodels, scipy load lazily).
     from tidal.brain.baselines import AdequatePlanner, AutopilotPlanner, HPAPlanner, MaduPlanner
+    from tidal.brain.dataparallel import (
+        DLRoverRMWorkers,
+        DLRoverWorkers,
+        ESWorkers,
+        FixedWorkers,
+        OptimusWorkers,
+    )
     from tidal.brain.kale import KalePlanner
 
     return {
-        "max": MaxWorkersPlanner,
-        "kale": KalePlanner,
-        "hpa": HPAPlanner,
-        "autopilot": AutopilotPlanner,
-        "madu": MaduPlanner,
-        "adequate": AdequatePlanner,
+        "max": lambda _: MaxWorkersPlanner(),
+        "fixed": lambda _: FixedWorkers(),
+        "es": lambda _: ESWorkers(),
+        "optimus": lambda _: OptimusWorkers(),
+        "dlrover": lambda ctx: DLRoverWorkers(cpus=ctx.cpus),
+        "dlrover-rm": lambda ctx: DLRoverRMWorkers(features=ctx.features, history=ctx.history),
+        "kale": lambda _: KalePlanner(),
+        "hpa": lambda _: HPAPlanner(),
+        "autopilot": lambda _: AutopilotPlanner(),
+        "madu": lambda _: MaduPlanner(),
+        "adequate": lambda _: AdequatePlanner(),
     }
 
 
-_REGISTRY: dict[str, Callable[[], Planner]] = _builtin()
+_REGISTRY: dict[str, Callable[[PlannerContext], Planner]] | None = None
 
 
-def register(name: str, factory: Callable[[], Planner]) -> None:
-    _REGISTRY[name] = factory
+def _registry() -> dict[str, Callable[[PlannerContext], Planner]]:
+    global _REGISTRY
+    if _REGISTRY is None:
+        _REGISTRY = _builtin()
+    return _REGISTRY
 
 
-def get(name: str) -> Planner:
+def register(name: str, factory: Callable[[PlannerContext], Planner]) -> None:
+    _registry()[name] = factory
+
+
+def names() -> list[str]:
+    return sorted(_registry())
+
+
+def get(name: str, context: PlannerContext | None = None) -> Planner:
+    """A fresh planner. Raises ConfigError (one line, the known names) for an unknown name."""
     try:
-        return _REGISTRY[name]()
+        factory = _registry()[name]
     except KeyError:
-        raise ConfigError(f"unknown planner {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
+        raise ConfigError(f"unknown planner {name!r}; known: {', '.join(names())}") from None
+    return factory(context or PlannerContext())

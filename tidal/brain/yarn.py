@@ -8,6 +8,9 @@ packs compactly (GoldMiner 5.6: "jobs are placed to machines with less free reso
 job goes whole to the fullest machine that holds it; otherwise each worker goes to the fitting
 machine with the fewest free GPUs, then the fewest free CPUs, so a job fills machines before it
 spreads and large holes stay open for large jobs.
+
+``YarnCapacityFifo`` is a ``ClusterAllocator`` (``tidal.brain.api``): ``allocate(queue,
+machines) -> [GangGrant]``, one grant per started job in the order they started.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from dataclasses import dataclass
 
 from tidal.api import ConfigError
 
-__all__ = ["GangRequest", "Machine", "Placement", "YarnCapacityFifo"]
+__all__ = ["GangGrant", "GangRequest", "Machine", "Placement", "YarnCapacityFifo"]
 
 #: machine name -> (GPUs, CPUs) a job gets there
 Placement = dict[str, tuple[int, float]]
@@ -55,8 +58,16 @@ class GangRequest:
     types: tuple[str, ...] | None = None
 
 
+@dataclass(frozen=True)
+class GangGrant:
+    """A started job and where its workers run (machine name -> GPUs, CPUs it gets there)."""
+
+    job_id: str
+    placement: Placement
+
+
 class YarnCapacityFifo:
-    """FIFO gang scheduler over machines (``allocate(queue, machines) -> placements``)."""
+    """FIFO gang scheduler over machines (``allocate(queue, machines) -> grants``)."""
 
     name = "yarn-cs"
 
@@ -91,16 +102,22 @@ class YarnCapacityFifo:
                 return placed
         return None
 
-    def allocate(self, queue: Sequence[GangRequest],
-                 machines: Sequence[Machine]) -> dict[str, Placement]:
-        """Start queued jobs in submission order until the first one that does not fit."""
+    def allocate(self, jobs: Sequence[GangRequest], machines: Sequence[Machine]) -> list[GangGrant]:
+        """Start queued jobs in submission order until the first one that does not fit.
+
+        ``jobs`` is the queue, ``machines`` their free resources; the grants come in the order
+        the jobs started (submission order).
+
+        Raises:
+            ConfigError: a request with no workers or negative resources.
+        """
         free = {m.name: m for m in machines}
-        out: dict[str, Placement] = {}
-        for req in sorted(queue, key=lambda r: r.order):
+        out: list[GangGrant] = []
+        for req in sorted(jobs, key=lambda r: r.order):
             placed = self.place(req, list(free.values()))
             if placed is None:
                 break
-            out[req.job_id] = placed
+            out.append(GangGrant(req.job_id, placed))
             for name, (g, c) in placed.items():
                 m = free[name]
                 free[name] = Machine(m.name, m.gpu_type, m.gpus - g, m.cpus - c)

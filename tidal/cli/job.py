@@ -17,7 +17,7 @@ import httpx
 import typer
 
 from tidal import backends
-from tidal.api import ConfigError, StatusResponse
+from tidal.api import ConfigError, PlannerStatus, StatusResponse
 from tidal.cli import app, fail
 
 HOME_ENV = "TIDAL_HOME"
@@ -147,9 +147,15 @@ def run(
              "CUDA_VISIBLE_DEVICES or the machine's; gloo over CUDA where they must share)."),
     backend: str = typer.Option("local", "--backend", metavar="NAME", help=backends_help()),
     planner: str = typer.Option(
-        "max", "--planner", metavar="NAME",
-        help="The policy that sets the number of workers while the job runs (tidal.brain.planners; "
-             "`tidal scale N` overrides it until `tidal scale --auto`). Default max: MAX workers."),
+        "dlrover-rm", "--planner", metavar="NAME",
+        help="The policy that sets the number of workers while the job runs: max, fixed, es, optimus, dlrover, "
+             "dlrover-rm (see tidal.brain.planners; `tidal scale N` overrides it until `tidal scale --auto`). "
+             "Default dlrover-rm: measures the job at the counts it tries, refits its throughput model and "
+             "settles on the fewest workers within 10% of the best throughput; warm-starts from --history."),
+    history: str | None = typer.Option(
+        None, "--history", metavar="PATH",
+        help="SQLite file of finished jobs: a planner warm-starts from similar ones, and this job is added "
+             "when it succeeds (default $TIDAL_HISTORY or ~/.tidal/history.sqlite; 'none': neither)."),
     planner_interval: float = typer.Option(
         1.0, "--planner-interval", metavar="SECONDS",
         help=f"How often the planner is asked for a target ({span(PLANNER_INTERVAL_S)})."),
@@ -203,10 +209,11 @@ def run(
         heartbeat_timeout_s=heartbeat_timeout, collective_timeout_s=collective_timeout,
         round_timeout_s=round_timeout, progress_timeout_s=progress_timeout, max_restarts=max_restarts,
         cwd=os.getcwd(), env=env, gpus=gpus, backend=backend, planner=planner,
-        planner_interval_s=planner_interval,
+        planner_interval_s=planner_interval, history_path=history_path(history),
     )
     _point_current(directory)
-    typer.echo(f"tidal: job {job_id} on http://127.0.0.1:{spec.port} (job dir {directory})", err=True)
+    typer.echo(f"tidal: job {job_id} on http://127.0.0.1:{spec.port} (job dir {directory}); "
+               f"dashboard: http://127.0.0.1:{spec.port}/dashboard?token={spec.token}", err=True)
     code, master = run_master(spec, directory / "journal.sqlite", sock=sock, follow_logs=not quiet)
     _print_summary(master)
     raise typer.Exit(code)
@@ -357,6 +364,20 @@ def scale(
     typer.echo(f"target: {data['target_workers']} workers" + (" (planner)" if auto else ""))
 
 
+def history_path(given: str | None) -> str | None:
+    """``--history``: a path, 'none', or the default (tidal.history.default_path)."""
+    from tidal.history import default_path
+
+    if given is None:
+        return str(default_path())
+    if given.lower() == "none":
+        return None
+    path = Path(given).expanduser()
+    if path.is_dir():
+        raise fail(f"--history {given} is a directory; give a file (created if missing)")
+    return str(path.resolve())
+
+
 def check_planner(name: str) -> None:
     """A planner the registry knows, or a one-line error that lists them."""
     from tidal.brain import planners
@@ -365,6 +386,20 @@ def check_planner(name: str) -> None:
         planners.get(name)
     except ConfigError as exc:
         raise fail(f"--planner: {exc}") from None
+
+
+def _planner_line(p: PlannerStatus) -> str:
+    """The planner in a few lines: name, the user's override, the last decision and its model."""
+    lines = [f"planner {p.name}" + (" (overridden by `tidal scale`; `tidal scale --auto` hands back)"
+                                    if p.overridden_by_user else "") + f", {p.decisions} decision(s)"
+             + (f", warm start {p.warm_start}" if p.warm_start else "")]
+    if p.last is not None:
+        lines.append(f"  last: at {p.last.at_s:.1f}s {p.last.from_workers} -> {p.last.to_workers} workers: {p.last.reason}")
+    if p.params:
+        fitted = ", ".join(f"{k}={v:.4g}" for k, v in p.params.items())
+        error = "" if p.error_pct is None else f", error {p.error_pct:.1f}% on the measured counts"
+        lines.append(f"  model {p.model}: {fitted}{error}")
+    return "\n".join(lines)
 
 
 def _render_status(st: StatusResponse) -> None:
@@ -379,6 +414,8 @@ def _render_status(st: StatusResponse) -> None:
         console.print(f"[red]error:[/] {st.error}")
     if st.paused:
         console.print(f"[yellow]paused:[/] {st.paused}")
+    if st.planner is not None:
+        console.print(_planner_line(st.planner), markup=False, highlight=False)
     table = Table("worker", "pid", "state", "rank", "step", "samples/s", "straggler", "exit")
     for w in st.workers:
         table.add_row(str(w.worker_id), str(w.pid), w.state.value, str(w.rank) if w.rank >= 0 else "-",

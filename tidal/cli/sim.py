@@ -1,4 +1,4 @@
-"""``tidal sim online``: scaling policies on a traffic trace (tidal.sim.online)."""
+"""``tidal sim online|cluster|job``: policies on a traffic trace, on a cluster trace, on one job."""
 
 from __future__ import annotations
 
@@ -209,3 +209,52 @@ def _plot_cluster(result: object, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+@sim_app.command("job")
+def job(
+    params: str = typer.Option(
+        ..., "--params",
+        help="the job's data-parallel throughput model, theta0=S,theta1=S,knee=N (what `tidal status` shows "
+             "a live run fitted): seconds per step alone, seconds each worker beyond the knee adds"),
+    samples: int = typer.Option(..., "--samples", help="samples the job trains (all epochs)"),
+    batch_size: int = typer.Option(512, "--batch-size", help="samples per worker per step"),
+    workers: str = typer.Option("1:6", "--workers", help="MIN:MAX"),
+    planner: str = typer.Option("dlrover-rm", "--planner", help="a planner of tidal.brain.planners"),
+    interval: float = typer.Option(1.0, "--planner-interval", help="seconds between decisions"),
+    start_s: float = typer.Option(4.0, "--start-s", help="seconds from asking for a worker to its first step"),
+    pause_s: float = typer.Option(0.1, "--pause-s", help="seconds training stands still at each re-form"),
+    tail_s: float = typer.Option(2.0, "--tail-s", help="seconds after the last step (evaluation, exit)"),
+    as_json: bool = typer.Option(False, "--json", help="print the result as JSON"),
+) -> None:
+    """Replay one data-parallel job under a live planner, its throughput from a fitted model."""
+    from tidal.brain import planners
+    from tidal.cli.job import parse_workers
+    from tidal.sim.job import simulate_job
+
+    try:
+        model = {k.strip(): float(v) for k, v in (p.split("=", 1) for p in params.split(",") if p.strip())}
+    except ValueError:
+        raise fail(f"--params must be name=number pairs, got {params!r}") from None
+    if set(model) != {"theta0", "theta1", "knee"} or any(v < 0 or not math.isfinite(v) for v in model.values()):
+        raise fail("--params needs theta0, theta1 and knee, each a finite number >= 0")
+    if model["theta0"] <= 0:
+        raise fail("--params theta0 (seconds per step alone) must be positive")
+    if samples <= 0 or batch_size <= 0:
+        raise fail("--samples and --batch-size must be positive")
+    low, high = parse_workers(workers)
+    try:
+        result = simulate_job(planners.get(planner), model, samples=samples, batch_size=batch_size,
+                              min_workers=low, max_workers=high, interval_s=interval, start_s=start_s,
+                              pause_s=pause_s, tail_s=tail_s)
+    except ConfigError as exc:
+        raise fail(str(exc)) from None
+    if as_json:
+        typer.echo(json.dumps({"planner": planner, "job_s": round(result.job_s, 2), "worker_s": round(result.worker_s, 2),
+                               "settled_workers": result.settled_workers, "settle_s": result.settle_s,
+                               "decisions": result.decisions}))
+        return
+    for at, old, new, reason in result.decisions:
+        typer.echo(f"{at:7.1f}s  {old} -> {new} workers  ({reason})")
+    typer.echo(f"planner {planner}: job {result.job_s:.1f} s, {result.worker_s:.1f} worker-s, "
+               f"settled at {result.settled_workers} workers after {result.settle_s:.1f} s")

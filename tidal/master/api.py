@@ -78,6 +78,8 @@ class JobSpec:
     initial_workers: int | None = None  # start below MAX (the demo starts with 1 of 1:2)
     planner: str = "max"
     planner_interval_s: float = 1.0  # how often the planner is asked for a target
+    # the finished jobs a planner warm-starts from, and where this one is recorded (None: neither)
+    history_path: str | None = None
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 5.0
     start_timeout_s: float = 180.0

@@ -45,18 +45,20 @@ from tidal.api import (
     DatasetRequest,
     Event,
     FinishRequest,
-    JobSnapshot,
+    JobObservation,
     JobState,
     JoinRequest,
     JoinResponse,
     LeaseRequest,
     LeaseResponse,
+    PauseObservation,
     RendezvousRequest,
     RendezvousResponse,
     ReportRequest,
     ReportResponse,
     ShardCounts,
     StatusResponse,
+    TimelineResponse,
     WorkerInfo,
     WorkerState,
 )
@@ -79,6 +81,7 @@ from tidal.master.events import EventLog
 from tidal.master.fleet import Fleet
 from tidal.master.journal import Journal
 from tidal.master.membership import WorkerRecord
+from tidal.master.planning import Planning, available_cpus, worker_observation
 from tidal.master.progress import MemberProgress
 from tidal.master.rounds import RoundState
 from tidal.master.shards import DatasetConfig, ShardManager
@@ -90,6 +93,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 JOURNAL_PROBE_S = 0.5  # how often a paused master tries its journal again
 CHECK_S = 0.5  # how often progress and stragglers are judged
 LIVENESS_S = 0.1  # heartbeat leases are seconds long: a scan of every worker per 20 ms tick is waste
+TIMELINE_S = 1.0  # one timeline point a second
+MAX_TIMELINE_PAUSES = 200  # the newest pauses the dashboard is sent
 
 
 def journaled(method: F) -> F:
@@ -124,7 +129,6 @@ class JobMaster:
         self.spec = spec
         self.journal = journal
         self.backend = backend
-        self.planner = planner
         self.clock = clock
         self.store_port = store_port
         self._on_change = on_change  # wakes long-polling rendezvous requests
@@ -133,9 +137,10 @@ class JobMaster:
         self.paused: str | None = None  # why the job stands still (the journal cannot be written)
         self.paused_since = 0.0
         self._next_journal_probe = 0.0
-        # target changes the planner made in this process (a metric: kept across a reload)
-        self.planner_decisions = 0
+        # the planner's measurements, decisions and timeline (journaled with each decision)
+        self.planning = Planning(planner, clock(), cpus=available_cpus())
         self._planner_problem: str | None = None  # the last error of the planner, logged once
+        self._next_timeline = 0.0
         self._init_runtime()
 
     def _init_runtime(self) -> None:
@@ -155,6 +160,15 @@ class JobMaster:
         self._next_check = 0.0
 
     # ------------------------------------------------------------------ views of the owners' state
+    @property
+    def planner(self) -> Planner:
+        return self.planning.planner
+
+    @property
+    def planner_decisions(self) -> int:
+        """Target changes the planner made (a metric; journaled, so it survives failover)."""
+        return self.planning.total
+
     @property
     def workers(self) -> dict[int, WorkerRecord]:
         return self.fleet.workers
@@ -240,6 +254,7 @@ class JobMaster:
                 if a.status == "ready":
                     a.store_port = self.store_port
         self.commits.open_ledger(rewrite=True)
+        self.planning.restore(j.get_meta("planner"))
         self.log.add("job", f"{why} at round {rs.round}, step {self.finalized_step}")
         self._persist()
 
@@ -375,6 +390,8 @@ class JobMaster:
             rec.compute_s_per_sample = req.compute_s_per_sample
         if req.compute_s or req.comm_s:  # a worker that measured its split (an older one sends none)
             rec.data_s, rec.compute_s, rec.comm_s = req.data_s, req.compute_s, req.comm_s
+        if req.rss_bytes:
+            rec.cpu_percent, rec.rss_bytes = req.cpu_percent, req.rss_bytes
         if req.round == self.round and self.is_member(req.worker_id) and rec.state in (W.ACTIVE, W.WAITING):
             rec.progressed(req.applied_step, now)
             for r in req.records:
@@ -478,7 +495,7 @@ class JobMaster:
         self.target_override = None
         self.log.add("scale", f"target back to planner {self.planner.name} (was {self.target} workers, set by hand)")
         self._next_plan_at = 0.0
-        self._apply_plan()
+        self._apply_plan(self.clock())
         self._persist()
         self.fleet.next_launch_check = 0.0
         self.tick()
@@ -522,7 +539,11 @@ class JobMaster:
                     progress_timeout_s=self.spec.progress_timeout_s))
             if now >= self._next_plan_at:
                 self._next_plan_at = now + self.spec.planner_interval_s
-                self._apply_plan()
+                self._apply_plan(now)
+            if now >= self._next_timeline:
+                self._next_timeline = now + TIMELINE_S
+                active = self._active()
+                self.planning.record(now, sum(r.samples_per_s for r in active), len(active), self.target)
             self._launch_missing(now)
             cause = rounds.reform_cause(self.rounds, self.workers, self.target)
             if cause is not None:
@@ -594,14 +615,16 @@ class JobMaster:
         audit = audit_ranges(((c.epoch, c.start, c.end) for c in self.journal.load_ledger()), cfg.size, cfg.epochs)
         return None if audit.ok else f"the journal's ledger is not exactly once: {audit.summary()}"
 
-    def _apply_plan(self) -> None:
-        """Ask the planner for a target. The job never stops because its planner failed: a plan
-        that raises keeps the current target (logged once per distinct error), one outside
-        MIN:MAX is clamped (and said so)."""
+    def _apply_plan(self, now: float) -> None:
+        """Measure, then ask the planner for a target (unless the user set one). The job never
+        stops because its planner failed: a plan that raises keeps the current target (logged
+        once per distinct error), one outside MIN:MAX is clamped (and said so). A change is
+        journaled with the observation it rested on and the planner's reason."""
+        obs = self.observation(now)
         if self.target_override is not None:
             return
         try:
-            plan = self.planner.plan(self.snapshot())
+            plan = self.planner.plan(obs)
             wanted = int(plan.workers)
         except Exception as exc:  # a policy's bug must not stop the job
             problem = f"planner {self.planner.name} failed: {type(exc).__name__}: {exc}"
@@ -611,14 +634,36 @@ class JobMaster:
                 log.exception("job %s: %s", self.spec.job_id, problem)
             return
         self._planner_problem = None
+        self.planning.last_plan = plan
         target = min(max(wanted, self.spec.min_workers), self.spec.max_workers)
         if target != self.target:
             clamped = f", clamped from {wanted} to MIN:MAX" if target != wanted else ""
-            self.log.add("scale", f"planner {self.planner.name}: {self.target} -> {target} workers "
-                                  f"({plan.reason}{clamped})")
+            reason = f"{plan.reason}{clamped}"
+            self.log.add("scale", f"planner {self.planner.name}: {self.target} -> {target} workers ({reason})")
+            self.planning.decided(obs, plan, target, reason)
             self.target = target
-            self._persist()
-            self.planner_decisions += 1  # counted once journaled (a failed write pauses the job)
+            with self.journal.transaction():
+                self._save_meta_and_workers()
+                self.journal.put_meta("planner", self.planning.to_meta())
+
+    def observation(self, now: float) -> JobObservation:
+        """What the planner sees now (measuring the interval since the previous call first)."""
+        active = self._active()
+        committed = self.committed_samples()
+        ready = (not self.reforming and len(active) == self.target
+                 and all(r.state in (W.ACTIVE, W.SUCCEEDED, W.FAILED) for r in self.workers.values()))
+        self.planning.measure(now, len(active), committed, ready)
+        cfg = self.shards.config
+        return self.planning.observe(
+            job_id=self.spec.job_id, now=now, min_workers=self.spec.min_workers, max_workers=self.spec.max_workers,
+            target=self.target, active=active, ready=ready, applied_step=self.finalized_step,
+            batch_size=0 if cfg is None else cfg.batch_size, committed=committed,
+            total=0 if cfg is None or cfg.epochs is None else cfg.size * cfg.epochs, pauses=self.log.pauses(),
+        )
+
+    def committed_samples(self) -> int:
+        """Samples in committed ranges, over every epoch."""
+        return sum(samples_done for _, _, _, _, samples_done, _ in self.shards.counts())
 
     def _launch_missing(self, now: float) -> None:
         # journal first: a process the journal does not know would be an orphan after a reload
@@ -768,12 +813,16 @@ class JobMaster:
     def _active(self) -> list[WorkerRecord]:
         return [self.workers[m] for m in self.members if self.workers[m].state is W.ACTIVE]
 
-    def snapshot(self) -> JobSnapshot:
-        active = self._active()
-        return JobSnapshot(
-            job_id=self.spec.job_id, min_workers=self.spec.min_workers, max_workers=self.spec.max_workers,
-            current_workers=len(active), samples_per_s=sum(r.samples_per_s for r in active),
-            applied_step=self.finalized_step, stragglers=sum(r.straggler for r in active),
+    def timeline(self) -> TimelineResponse:
+        """What the dashboard draws (``GET /v1/timeline``)."""
+        t0 = self.planning.started_at
+        return TimelineResponse(
+            job_id=self.spec.job_id, state=self.state, planner=self.planner.name,
+            points=list(self.planning.timeline),
+            pauses=[PauseObservation(at_s=round(p.time - t0, 3), seconds=p.seconds or 0.0, cause=p.cause or "")
+                    for p in self.log.pauses()[-MAX_TIMELINE_PAUSES:]],
+            decisions=list(self.planning.decisions),
+            workers=[worker_observation(r) for r in self._active()],
         )
 
     def status(self) -> StatusResponse:
@@ -795,6 +844,7 @@ class JobMaster:
             metrics=dict(self.metrics),
             error=self.error,
             paused=self.paused,
+            planner=self.planning.status(overridden=self.target_override is not None),
         )
 
     # ================================================================== helpers

@@ -52,6 +52,8 @@ class WorkerRecord:
     data_s: float = 0.0
     compute_s: float = 0.0
     comm_s: float = 0.0
+    cpu_percent: float = 0.0  # of one core, as it reports (psutil; 0: not measured)
+    rss_bytes: int = 0
     # the latest transitions (a worker moves ACTIVE <-> WAITING every round: bounded)
     history: deque[tuple[float, str]] = field(default_factory=lambda: deque(maxlen=HISTORY))
 

@@ -9,7 +9,7 @@ consistent state.
 The metrics and where each comes from:
 
 * ``tidal_samples_per_second``: the job's throughput, the samples/s its ACTIVE members report,
-  summed (``JobMaster.snapshot().samples_per_s``: the number the planner sees);
+  summed over the active workers (what the planner sees as ``samples_per_s``);
 * ``tidal_workers{state}``: the worker records in each ``WorkerState``, every state listed;
 * ``tidal_target_workers``: the number of workers the job aims at (``JobMaster.target``);
 * ``tidal_step_seconds{part}``: seconds per step spent on ``data`` (from the end of the
@@ -85,7 +85,7 @@ class MasterCollector(Collector):
 
         throughput = GaugeMetricFamily("tidal_samples_per_second",
                                        "Samples per second the job trains: the sum over its active workers.")
-        throughput.add_metric([], master.snapshot().samples_per_s)
+        throughput.add_metric([], sum(r.samples_per_s for r in active))
         yield throughput
 
         workers = GaugeMetricFamily("tidal_workers", "Worker processes by state.", labels=["state"])
@@ -109,7 +109,7 @@ class MasterCollector(Collector):
 
         committed = CounterMetricFamily("tidal_committed_samples",
                                         "Samples in committed ranges (trained by committed steps), over every epoch.")
-        committed.add_metric([], sum(samples_done for _, _, _, _, samples_done, _ in master.shards.counts()))
+        committed.add_metric([], master.committed_samples())
         yield committed
 
 

@@ -25,6 +25,10 @@ import uvicorn
 from tidal.api import ConfigError, JobState
 from tidal.backends import get as get_backend
 from tidal.brain import planners
+from tidal.brain.api import Planner
+from tidal.brain.history import InMemoryHistory, JobRecord
+from tidal.brain.planners import PlannerContext
+from tidal.history import HistoryError, SQLiteHistory
 from tidal.master.api import JobSpec, JournalUnavailableError
 from tidal.master.connections import (
     KEEP_ALIVE_S,
@@ -38,6 +42,7 @@ from tidal.master.connections import (
 from tidal.master.job import JobMaster
 from tidal.master.journal import SqliteJournal
 from tidal.master.logs import LogFollower
+from tidal.master.planning import available_cpus
 from tidal.master.service import ChangeNotifier, create_app
 
 log = logging.getLogger(__name__)
@@ -98,10 +103,12 @@ def run_master(
     # The workers' process groups rendezvous through the master's own control plane
     # (/v1/store, tidal.master.store): same socket, same token, no second listener.
     notifier_box: list[ChangeNotifier] = []
+    planner, warm = planner_for(spec)
     master = JobMaster(
-        spec, journal, backend, planners.get(spec.planner), time.time, spec.port,
+        spec, journal, backend, planner, time.time, spec.port,
         on_change=lambda: notifier_box[0].notify() if notifier_box else None,
     )
+    master.planning.warm_start = warm
     try:
         if resume:
             master.resume()
@@ -165,12 +172,63 @@ def run_master(
     try:
         with asyncio.Runner(loop_factory=loop_factory()) as runner, quiet_floods():
             code = runner.run(main())
+        if master.state is JobState.SUCCEEDED:
+            record_finished(master)
     finally:
         master.close()
         backend.close()
         journal.close()
         sock.close()
     return code, master
+
+
+def job_features(spec: JobSpec) -> dict[str, str | float]:
+    """The job's signature for the warm start: its script, its arguments and its range of workers
+    (similarity per feature: strings equal or not, numbers by their relative difference)."""
+    script = Path(spec.argv[1]).name if len(spec.argv) > 1 else ""
+    return {"script": script, "args": " ".join(spec.argv[2:]), "min_workers": float(spec.min_workers),
+            "max_workers": float(spec.max_workers)}
+
+
+def planner_for(spec: JobSpec) -> tuple[Planner, str]:
+    """The job's planner, built with its history when it has one; and where it warm-starts from.
+
+    A history that cannot be read is logged and left out: the job starts cold, never fails for it.
+    """
+    history: InMemoryHistory | None = None
+    note = ""
+    if spec.history_path:
+        try:
+            store = SQLiteHistory(spec.history_path)
+            try:
+                history = InMemoryHistory(store.records())
+            finally:
+                store.close()
+        except (HistoryError, OSError) as exc:
+            note = f"no warm start: {exc}"
+            log.warning("job %s: %s", spec.job_id, note)
+    planner = planners.get(spec.planner, PlannerContext(
+        job_id=spec.job_id, features=job_features(spec), history=history, cpus=available_cpus()))
+    warm = getattr(planner, "warm_from", "")
+    return planner, (f"from {warm}" if warm else note)
+
+
+def record_finished(master: JobMaster) -> None:
+    """Add a succeeded job to the history: its signature, the count it ended with, its model."""
+    spec = master.spec
+    plan = master.planning.last_plan
+    if not spec.history_path or plan is None or not plan.params:
+        return
+    record = JobRecord(spec.job_id, time.time(), job_features(spec), {"workers": float(master.target)},
+                       dict(plan.params))
+    try:
+        store = SQLiteHistory(spec.history_path)
+        try:
+            store.add(record)
+        finally:
+            store.close()
+    except (HistoryError, OSError) as exc:
+        log.warning("job %s: not recorded in the history: %s", spec.job_id, exc)
 
 
 def tune_gc() -> None:

@@ -2,9 +2,10 @@
 
 A job trains on a stream whose arrivals follow a trace. It has a *true* throughput model
 (samples/s as a function of workers) with per-minute noise that no planner sees. Every
-simulated minute each policy gets a ``StreamSnapshot`` with what a live master would report
-(the arrivals of that minute, the throughput measured while training, backlog, lag,
-utilization) and answers with a ``ResourcePlan``; the very planners of ``tidal.brain`` are used.
+simulated minute each policy gets a ``JobObservation`` with what a live master would report
+(its ``stream`` part: the arrivals of that minute, the throughput measured while training,
+backlog, lag, utilization; ``ready`` False while a scaling action is under way) and answers
+with a ``ResourcePlan``; the very planners of ``tidal.brain`` are used.
 
 Scaling stops training for its downtime:
 
@@ -31,9 +32,9 @@ from datetime import UTC
 
 import numpy as np
 
-from tidal.api import ConfigError
+from tidal.api import ConfigError, JobObservation, StreamObservation
 from tidal.brain import planners
-from tidal.brain.api import Planner, StreamSnapshot, ThroughputConfig
+from tidal.brain.api import Planner, ThroughputConfig
 from tidal.brain.models import KaleSyncModel, LinearisedModel
 
 __all__ = [
@@ -287,14 +288,16 @@ def simulate(
         if history is not None and len(history) and hasattr(planner, "observe_history"):
             planner.observe_history(list(map(float, history)), dt)
         job = _Job(workers=start_w, allocated=start_w)
-        # the first decision sizes the job at launch (``scaling``: the job is being launched, there
+        # the first decision sizes the job at launch (not ``ready``: the job is being launched, there
         # are no metrics yet): no action, no downtime. Policies that scale from metrics keep start_w,
         # the count the first hour's traffic needs.
         first = planner.plan(
-            StreamSnapshot.model_construct(
+            JobObservation.model_construct(
                 job_id=name, min_workers=1, max_workers=max_w, current_workers=start_w, samples_per_s=0.0,
-                applied_step=-1, stragglers=0, now_s=0.0, interval_s=dt, arrivals=[], measured=[],
-                backlog=0.0, lag_s=0.0, utilization=0.0, scaling=True,
+                applied_step=-1, stragglers=0, now_s=0.0, ready=False,
+                stream=StreamObservation.model_construct(
+                    interval_s=dt, arrivals=[], measured=[], backlog=0.0, lag_s=0.0, utilization=0.0,
+                ),
             )
         )
         job.workers = job.allocated = max(1, min(max_w, first.workers))
@@ -328,7 +331,7 @@ def simulate(
             workers_log[k] = allocated
             lag_log[k] = lag
             measured = [(float(w_train), rate)] if train_s >= dt and w_train > 0 else []
-            snap = StreamSnapshot.model_construct(
+            obs = JobObservation.model_construct(
                 job_id=name,
                 min_workers=1,
                 max_workers=max_w,
@@ -337,15 +340,17 @@ def simulate(
                 applied_step=-1,
                 stragglers=0,
                 now_s=t1,
-                interval_s=dt,
-                arrivals=[float(arrivals[k])],
-                measured=measured,
-                backlog=backlog,
-                lag_s=lag,
-                utilization=last_util,
-                scaling=job.action_new is not None,
+                ready=job.action_new is None,  # not ready while a scaling action is under way
+                stream=StreamObservation.model_construct(
+                    interval_s=dt,
+                    arrivals=[float(arrivals[k])],
+                    measured=measured,
+                    backlog=backlog,
+                    lag_s=lag,
+                    utilization=last_util,
+                ),
             )
-            plan = planner.plan(snap)
+            plan = planner.plan(obs)
             want = max(1, min(max_w, plan.workers))
             if job.action_new is None and want != job.workers:
                 job.action_new = want

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, TypeVar
 
+import psutil
 from pydantic import BaseModel
 
 from tidal.api import (
@@ -143,6 +144,7 @@ class Reporter:
         # what the master said, for the training thread
         self._reform_notice = False
         self._gone: str | None = None
+        self._usage = ProcessUsage(clock)
 
     # ------------------------------------------------------------------ the thread
     def start(self, heartbeat_interval_s: float | None = None) -> None:
@@ -263,6 +265,7 @@ class Reporter:
             records=unsent, compute_s_per_sample=self._compute_per_sample,
             samples_per_s=self._samples_per_s, pauses=pauses, incarnation=self._incarnation,
             data_s=_bounded(self._data_s), compute_s=_bounded(self._compute_s), comm_s=_bounded(self._comm_s),
+            **self._usage.read(),
         )
         try:
             resp = self._client.post("/v1/report", req, ReportResponse, patience_s=REPORT_PATIENCE_S)
@@ -312,6 +315,29 @@ class Reporter:
         if comm.stalled_for() >= STALL_ABORT_S and comm.abort():
             log.warning("worker %d: aborted a collective stalled for %.1fs: the round re-forms",
                         self._worker_id, comm.stalled_for())
+
+
+class ProcessUsage:
+    """This process's CPU (percent of one core) and resident memory, measured at most once per
+    ``interval_s`` (psutil reads /proc: cheap, but not free at four reports a second)."""
+
+    def __init__(self, clock: Callable[[], float], interval_s: float = 1.0) -> None:
+        self._clock, self._interval_s = clock, interval_s
+        self._proc = psutil.Process()
+        self._proc.cpu_percent(None)  # the first call only starts the measurement
+        self._next = clock() + interval_s
+        self._last = {"cpu_percent": 0.0, "rss_bytes": 0}
+
+    def read(self) -> dict[str, Any]:
+        now = self._clock()
+        if now >= self._next:
+            self._next = now + self._interval_s
+            try:
+                self._last = {"cpu_percent": min(self._proc.cpu_percent(None), 1e5),
+                              "rss_bytes": int(self._proc.memory_info().rss)}
+            except psutil.Error:  # a report must not fail for want of a measurement
+                pass
+        return self._last
 
 
 def _smooth(mean: float | None, value: float) -> float:

@@ -4,7 +4,10 @@ Policies: ``manual`` (the user's static configuration, TFJob-like), ``es`` (``ti
 ``optimus`` (``tidal.brain.optimus_alloc``), ``dlrover`` (``tidal.brain.dlrover``) and
 ``dlrover-rm`` (``tidal.brain.dlrover_rm``: warm start from a SQLite history, NSGA-II
 candidates, cluster-wide weighted greedy, OOM prediction). The simulator builds a
-``PSJobObservation`` per job and calls the very planners a live brain would.
+``JobObservation`` with its parameter-server part (``PSObservation``) per job and calls the very
+planners a live brain would (``Planner.plan -> ResourcePlan``, turned back into a ``PSConfig`` by
+``PSConfig.from_plan``); DLRover-RM's cluster step is the ``WeightedGreedy`` allocator. The
+observation's ``samples_per_s`` is the job's steps/s: one "sample" is one step here.
 
 Where the numbers come from:
 
@@ -68,18 +71,25 @@ import random
 import statistics
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Protocol
 
 import numpy as np
 
-from tidal.api import ConfigError
-from tidal.brain.dlrover import C_MAX, DLRoverPlanner, PSConfig, PSJobObservation
-from tidal.brain.dlrover_rm import PAPER_PARAMS, Candidate, CostModel, DLRoverRMPlanner, weighted_greedy
+from tidal.api import ConfigError, JobObservation, PSObservation
+from tidal.brain.api import Planner
+from tidal.brain.dlrover import C_MAX, DLRoverPlanner, PSConfig
+from tidal.brain.dlrover_rm import (
+    PAPER_PARAMS,
+    Candidate,
+    CostModel,
+    DLRoverRMPlanner,
+    FreeCapacity,
+    WeightedGreedy,
+)
 from tidal.brain.es import ESPlanner
 from tidal.brain.history import JobRecord
 from tidal.brain.optimus_alloc import OptimusPlanner
+from tidal.history import SQLiteHistory
 from tidal.sim.cluster.api import PolicyMetrics, ScenarioResult, check_load, load_philly
-from tidal.sim.cluster.history_sqlite import SQLiteHistory
 
 __all__ = ["POLICIES", "run", "simulate"]
 
@@ -193,7 +203,7 @@ class Job:
     actions: int = 0
     ooms: int = 0
     failures: int = 0
-    planner: object = None
+    planner: Planner | None = None
     init_cfg: PSConfig | None = None
     want: PSConfig | None = None  # the configuration the job is submitted with
     cores_used: float = 0.0  # cores in use now (set by ``Sim.advance``)
@@ -201,10 +211,6 @@ class Job:
     core_s_allocated: float = 0.0
     warm: bool = False
     last_thp: float = 0.0
-
-
-class _Planner(Protocol):
-    def plan(self, obs: PSJobObservation) -> PSConfig: ...
 
 
 class Sim:
@@ -220,6 +226,7 @@ class Sim:
         self.cur_used = 0.0
         self.running: list[Job] = []
         self.cost = CostModel(ps_pause_s=PS_PAUSE_S.get(policy, PS_PAUSE_DEFAULT_S))
+        self.greedy = WeightedGreedy()
 
     # -- ground truth ----------------------------------------------------------------------------
 
@@ -334,14 +341,23 @@ class Sim:
             p -= 1
         return PSConfig(w, p, wc, pc, k.worker_mem, 2 * k.ps_mem0 / p)
 
-    def observe(self, j: Job) -> PSJobObservation:
+    def observe(self, j: Job) -> JobObservation:
+        """What the job master would report: ``target_workers`` and the PS sizes are the job's
+        configuration (pods still starting included, ``PSConfig.from_observation``),
+        ``current_workers`` the workers training now; throughput in steps/s (with 2% noise)."""
         worker, ps = self.cpu_used(j)
         thp = self.throughput(j) * (1 + self.rng.gauss(0, 0.02))
-        return PSJobObservation(
-            job_id=j.jid, now_s=self.t - j.submit, config=j.cfg, cpu_quota=j.quota, throughput=max(thp, 0.0),
-            worker_cpu_used=worker, ps_cpu_used=ps, ps_mem_used_gb=self.ps_mem_need(j), steps_done=j.steps,
-            total_steps=j.total_steps, ready=not j.pending and self.t >= j.paused_until,
-            free_cpus=self.cores - self.used_cpu, free_mem_gb=self.mem - self.used_mem)
+        c = j.cfg
+        return JobObservation(
+            job_id=j.jid, min_workers=1, max_workers=j.quota,  # a worker has >= 1 core: the quota bounds them
+            current_workers=max(self.active_workers(j), 0), target_workers=c.workers, now_s=self.t - j.submit,
+            ready=not j.pending and self.t >= j.paused_until, samples_per_s=max(thp, 0.0),
+            steps_done=j.steps, total_steps=j.total_steps,
+            ps=PSObservation(
+                ps=c.ps, worker_cpu=c.worker_cpu, ps_cpu=c.ps_cpu, worker_mem_gb=c.worker_mem_gb,
+                ps_mem_gb=c.ps_mem_gb, hot_ps_cpu=c.hot_ps_cpu, cpu_quota=j.quota, worker_cpu_used=worker,
+                ps_cpu_used=ps, ps_mem_used_gb=self.ps_mem_need(j), free_cpus=self.cores - self.used_cpu,
+                free_mem_gb=self.mem - self.used_mem))
 
     def apply(self, j: Job, new: PSConfig) -> None:
         old = j.cfg
@@ -493,25 +509,24 @@ class Sim:
             obs = self.observe(j)
             before = j.cfg
             planner = j.planner
+            assert planner is not None
             if isinstance(planner, DLRoverRMPlanner):
                 planner.observe(obs)
-                new = planner.plan(obs)
+                new = PSConfig.from_plan(planner.plan(obs), before)
                 if new != before:
                     self.apply(j, new)
                 elif obs.ready:
                     cands.extend(planner.candidates(obs))
             else:
-                assert planner is not None
-                self.apply(j, planner.plan(obs))  # type: ignore[attr-defined]
+                self.apply(j, PSConfig.from_plan(planner.plan(obs), before))
             if j.cfg == before:
                 j.stable += 1
             j.next_decision = self.t + (TICK_S if j.stable < 2 else SLOW_TICK_S)
         if cands:
-            chosen = weighted_greedy(cands, {j.jid: j.cfg for j in due}, self.cores - self.used_cpu,
-                                     self.mem - self.used_mem)
+            chosen = self.greedy.allocate(cands, [FreeCapacity(self.cores - self.used_cpu, self.mem - self.used_mem)])
             by_id = {j.jid: j for j in due}
-            for jid, cand in chosen.items():
-                j = by_id[jid]
+            for cand in chosen:
+                j = by_id[cand.job_id]
                 self.apply(j, cand.config)
                 j.next_decision = self.t + TICK_S
 

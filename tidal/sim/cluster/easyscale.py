@@ -259,7 +259,7 @@ def _simulate(jobs: list[_Job], policy: str) -> PolicyMetrics:
 
         if policy == "yarn-cs":
             queue = [GangRequest(j.job_id, j.order, j.max_p) for j in waiting]
-            started = yarn.allocate(queue, list(free_m.values()))
+            started = {g.job_id: g.placement for g in yarn.allocate(queue, list(free_m.values()))}
             for j in list(waiting):
                 if j.job_id not in started:
                     continue
@@ -294,9 +294,9 @@ def _simulate(jobs: list[_Job], policy: str) -> PolicyMetrics:
                                 heter and j.heterogeneous, banned=j.banned)
                      for j in running + waiting]
             by_id = {j.job_id: j for j in running + waiting}
-            changed = allocator.allocate(snaps, free)
-            for jid, new in changed.items():
-                j = by_id[jid]
+            # the inter-job scheduler shares GPUs by type: one pooled "machine" per type
+            for grant in allocator.allocate(snaps, [Machine(t, t, n) for t, n in free.items()]):
+                j, new = by_id[grant.job_id], grant.gpus
                 old_gpus = sum(j.alloc.values())
                 if j.start_s is None:
                     j.start_s = now

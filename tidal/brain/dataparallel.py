@@ -1,0 +1,335 @@
+"""Worker-count planners for data-parallel (all-reduce) jobs: what ``tidal run --planner`` runs.
+
+The papers' planners size parameter-server jobs (``tidal.brain.dlrover``, ``dlrover_rm``, ``es``,
+``optimus_alloc``: workers, servers and their cores, which the cluster simulator places). A job
+that reads a dataset with all-reduce has one knob, its number of workers, and these are the same
+policies on that knob. Every one implements ``tidal.brain.api.Planner`` and decides from the
+``JobObservation`` alone: the master builds it live, ``tidal.sim.job`` from a throughput model.
+
+What they share (``Curve``): one throughput point per worker count the job ran with
+(``obs.throughput``: the master measures each count while nothing is starting or re-forming),
+the ``data-parallel`` model of ``tidal.brain.models`` refitted by NNLS on those points, and the
+value of a count: the measured throughput where there is one, the model's prediction elsewhere.
+A planner holds while the current count has been measured less than ``settle_s`` seconds (its
+first decision after a change waits for a measurement of the change: the stabilisation of Kale
+3.4, and DLRover-RM's "stabilized changes").
+
+* ``fixed``: the count the job started with (``--workers N`` or MIN:MAX's initial), never changed.
+* ``es``: DLRover's Elastic Scheduler baseline (section 6.3) on workers: add ``step`` while the
+  scaling efficiency of the last step (``tidal.brain.es.scaling_efficiency``) is at least 0.3,
+  then undo the step that fell below and stop.
+* ``optimus``: Optimus as DLRover describes it (section 6.3): fit Optimus Eq. 2
+  (``tidal.brain.models.OptimusModel``, no PS) and add a worker while it predicts a gain over
+  ``min_gain`` (2%) of the current throughput; it explores one worker at a time until the model
+  has as many points as coefficients.
+* ``dlrover``: DLRover's sample -> optimize -> adjust (sections 4.1-4.2) on workers. Sample: one
+  worker, measure its CPU use ``w_hat`` (cores) and throughput. Optimize: the count the job's
+  CPUs feed, ``N_w = C_total / w_hat`` (DLRover's Eq. for workers given the cores left),
+  within MIN:MAX. Adjust: once measured there, fit the model on the two points and move to the
+  fewest workers whose value is within ``slack`` of the best; then hold.
+* ``dlrover-rm``: DLRover-RM's three stages (sections 4.2-4.3) on workers. Stage 1, warm start
+  (Algorithm 1, Eq. 10): the exponentially smoothed worker count of the most similar finished
+  jobs (``tidal.brain.dlrover_rm.warm_start``) and the most similar job's fitted model as the
+  prior; cold, it starts like DLRover with one worker. Stage 2, every decision: refit the model
+  online, take as candidate the fewest workers whose value is within ``slack`` of the best
+  value in MIN:MAX (the oracle's own rule: as fast as the fastest at the least cost), and move
+  there (at most twice the largest count measured: beyond it the model extrapolates) only if
+  Eq. 8's gain, ``TG = dPsi - (dPsi t_start + Psi t_pause) / H`` with ``H`` the
+  remaining time, is positive (a scale-out near the end of the job does not pay for its
+  start-up), or if it releases workers (a gain in Eq. 7's cost at no loss beyond ``slack``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from tidal.api import JobObservation, ResourcePlan
+from tidal.brain.api import FitError, ThroughputConfig, ThroughputSample
+from tidal.brain.dlrover_rm import warm_start
+from tidal.brain.es import scaling_efficiency
+from tidal.brain.history import Feature, HistoryStore, top_k
+from tidal.brain.models import DataParallelModel, OptimusModel
+
+__all__ = [
+    "SETTLE_S",
+    "Curve",
+    "DLRoverRMWorkers",
+    "DLRoverWorkers",
+    "ESWorkers",
+    "FixedWorkers",
+    "OptimusWorkers",
+]
+
+#: measured seconds at the current count before a planner decides again
+SETTLE_S = 3.0
+#: a count within this share of the best throughput is as good as the best (the bench's oracle rule)
+SLACK = 0.10
+
+
+class Curve:
+    """The job's throughput by worker count: measured points, and the model fitted on them.
+
+    Args:
+        obs: the observation (its ``throughput`` points with ``ps == 0``).
+        prior: coefficients of a ``data-parallel`` model to start from (a similar past job's)
+            while fewer than two counts are measured; rescaled to the measured point.
+    """
+
+    def __init__(self, obs: JobObservation, prior: Mapping[str, float] | None = None) -> None:
+        self.batch = max(obs.batch_size, 1)
+        self.measured: dict[int, float] = {p.workers: p.samples_per_s for p in obs.throughput
+                                           if p.ps == 0 and p.samples_per_s > 0}
+        self.seconds: dict[int, float] = {p.workers: p.seconds for p in obs.throughput if p.ps == 0}
+        self.model: DataParallelModel | None = None
+        self.error_pct: float | None = None
+        self._fit(prior)
+
+    def _fit(self, prior: Mapping[str, float] | None) -> None:
+        samples = [ThroughputSample(ThroughputConfig(w, batch_size=w * self.batch), thp)
+                   for w, thp in sorted(self.measured.items())]
+        if len(samples) >= 2:
+            try:
+                self.model = DataParallelModel().fit(samples)
+            except FitError:
+                self.model = None
+        elif samples and prior:
+            model = DataParallelModel(dict(prior))
+            (w, thp), = self.measured.items()
+            predicted = model.predict(ThroughputConfig(w, batch_size=w * self.batch))
+            if predicted > 0:  # step time scales with theta0, theta1: match the measured point
+                scale = predicted / thp
+                model.params = {k: v * scale if k != "knee" else v for k, v in model.params.items()}
+                self.model = model
+        if self.model is not None and self.measured:
+            errors = [abs(self.predict(w) - thp) / thp for w, thp in self.measured.items()]
+            self.error_pct = 100.0 * sum(errors) / len(errors)
+
+    def predict(self, workers: int) -> float:
+        assert self.model is not None
+        return self.model.predict(ThroughputConfig(workers, batch_size=workers * self.batch))
+
+    def value(self, workers: int) -> float | None:
+        """Measured throughput at ``workers``, else the model's prediction, else None."""
+        if workers in self.measured:
+            return self.measured[workers]
+        return None if self.model is None else self.predict(workers)
+
+    def settled(self, obs: JobObservation, settle_s: float) -> bool:
+        """The current count has been measured ``settle_s`` seconds, nothing starting."""
+        return obs.ready and self.seconds.get(obs.current_workers, 0.0) >= settle_s
+
+    def best_count(self, lo: int, hi: int, slack: float = SLACK) -> int | None:
+        """The fewest workers in ``lo..hi`` whose value is within ``slack`` of the best value."""
+        values = {w: self.value(w) for w in range(lo, hi + 1)}
+        known = {w: v for w, v in values.items() if v is not None}
+        if not known:
+            return None
+        best = max(known.values())
+        return min(w for w, v in known.items() if v >= (1 - slack) * best)
+
+    def plan(self, workers: int, reason: str) -> ResourcePlan:
+        """A plan for ``workers`` that carries this curve's model (for the journal and status)."""
+        if self.model is None:
+            return ResourcePlan(workers=workers, reason=reason)
+        return ResourcePlan(workers=workers, reason=reason, model=self.model.name,
+                            params={k: round(v, 6) for k, v in self.model.params.items()},
+                            error_pct=None if self.error_pct is None else round(self.error_pct, 2))
+
+
+def _start(obs: JobObservation, wanted: int) -> int:
+    return min(max(wanted, obs.min_workers), obs.max_workers)
+
+
+def _starting(obs: JobObservation) -> bool:
+    """Nothing has run yet: the planner picks the count to start with."""
+    return obs.current_workers == 0 and not obs.throughput
+
+
+def _current(obs: JobObservation) -> int:
+    """The count the job runs with or is moving to (the master's target before any worker ran)."""
+    return obs.target_workers or obs.current_workers
+
+
+class FixedWorkers:
+    """Never changes the count the job started with."""
+
+    name = "fixed"
+
+    def __init__(self, workers: int | None = None) -> None:
+        self.workers = workers
+
+    def plan(self, obs: JobObservation) -> ResourcePlan:
+        if self.workers is None:
+            self.workers = _current(obs) or obs.max_workers
+        return ResourcePlan(workers=_start(obs, self.workers), reason="fixed count")
+
+
+class ESWorkers:
+    """DLRover's ES baseline on workers: ``step`` at a time while the scaling efficiency holds."""
+
+    name = "es"
+
+    def __init__(self, step: int = 1, threshold: float = 0.3, settle_s: float = SETTLE_S) -> None:
+        self.step, self.threshold, self.settle_s = step, threshold, settle_s
+        self.done = False
+
+    def plan(self, obs: JobObservation) -> ResourcePlan:
+        curve = Curve(obs)
+        now = _current(obs)
+        if _starting(obs):
+            return ResourcePlan(workers=_start(obs, obs.min_workers), reason="start with MIN workers")
+        if self.done or not curve.settled(obs, self.settle_s):
+            return curve.plan(now, "stopped: the last step did not scale" if self.done else f"measuring {now} workers")
+        below = max((w for w in curve.measured if w < now), default=None)
+        if below is not None:
+            eff = scaling_efficiency(curve.measured[below], below, curve.measured[now], now)
+            if eff < self.threshold:
+                self.done = True
+                return curve.plan(below, f"scaling efficiency {below}->{now} is {eff:.2f} < {self.threshold}: "
+                                         f"back to {below} and stop")
+        if now >= obs.max_workers:
+            self.done = True
+            return curve.plan(now, "at MAX workers")
+        return curve.plan(min(now + self.step, obs.max_workers),
+                          f"add {self.step}: efficiency held at {now} workers")
+
+
+class OptimusWorkers:
+    """Optimus on workers: add one while its fitted model predicts a gain over ``min_gain``."""
+
+    name = "optimus"
+
+    def __init__(self, step: int = 1, min_gain: float = 0.02, settle_s: float = SETTLE_S) -> None:
+        self.step, self.min_gain, self.settle_s = step, min_gain, settle_s
+
+    def plan(self, obs: JobObservation) -> ResourcePlan:
+        curve = Curve(obs)
+        now = _current(obs)
+        if _starting(obs):
+            return ResourcePlan(workers=_start(obs, obs.min_workers), reason="start with MIN workers")
+        if not curve.settled(obs, self.settle_s):
+            return curve.plan(now, f"measuring {now} workers")
+        model = OptimusModel()
+        points = [ThroughputSample(ThroughputConfig(w, batch_size=w * curve.batch), thp)
+                  for w, thp in sorted(curve.measured.items())]
+        nxt = min(now + self.step, obs.max_workers)
+        if len(points) < len(model.terms()):
+            return curve.plan(nxt, f"exploring: {len(points)} of {len(model.terms())} points for Optimus Eq. 2")
+        try:
+            model.fit(points)
+        except FitError as exc:
+            return curve.plan(now, f"Optimus Eq. 2 does not fit: {exc}")
+        gain = (model.predict(ThroughputConfig(nxt, batch_size=nxt * curve.batch))
+                - model.predict(ThroughputConfig(now, batch_size=now * curve.batch)))
+        current = model.predict(ThroughputConfig(now, batch_size=now * curve.batch))
+        params = {k: round(v, 9) for k, v in model.params.items()}
+        if nxt > now and gain > self.min_gain * current:
+            return ResourcePlan(workers=nxt, model=model.name, params=params,
+                                reason=f"Optimus Eq. 2 predicts +{gain:.0f} samples/s (> {self.min_gain:.0%})")
+        return ResourcePlan(workers=now, model=model.name, params=params,
+                            reason=f"Optimus Eq. 2 predicts +{gain:.0f} samples/s for one more worker: stay")
+
+
+class DLRoverWorkers:
+    """DLRover's sample -> optimize -> adjust on a data-parallel job's workers."""
+
+    name = "dlrover"
+
+    def __init__(self, cpus: float = 0.0, settle_s: float = SETTLE_S, slack: float = SLACK) -> None:
+        self.cpus, self.settle_s, self.slack = cpus, settle_s, slack
+        self.stage = "sample"
+
+    def plan(self, obs: JobObservation) -> ResourcePlan:
+        curve = Curve(obs)
+        now = _current(obs)
+        if _starting(obs):
+            return ResourcePlan(workers=_start(obs, 1), reason="sample stage: one worker")
+        if not curve.settled(obs, self.settle_s):
+            return curve.plan(now, f"{self.stage} stage: measuring {now} workers")
+        if self.stage == "sample":
+            self.stage = "optimize"
+            used = [w.cpu_percent / 100.0 for w in obs.workers if w.cpu_percent > 0]
+            cpus = self.cpus or obs.cpus_available
+            if not used or cpus <= 0:
+                return curve.plan(obs.max_workers, "optimize stage: no CPU measurement, MAX workers")
+            w_hat = sum(used) / len(used)
+            n_w = _start(obs, math.floor(cpus / max(w_hat, 1e-3)))
+            return curve.plan(n_w, f"optimize stage: a worker uses {w_hat:.2f} cores, {cpus:g} cores feed {n_w}")
+        if self.stage == "optimize":
+            self.stage = "adjust"
+            best = curve.best_count(obs.min_workers, obs.max_workers, self.slack)
+            if best is None:
+                return curve.plan(now, "adjust stage: no model")
+            return curve.plan(best, f"adjust stage: {best} workers are within {self.slack:.0%} of the best")
+        return curve.plan(now, "adjusted")
+
+
+class DLRoverRMWorkers:
+    """DLRover-RM's warm start, online refit and stabilised changes on a job's workers.
+
+    Args:
+        features: the job's signature (the warm start's similarity features).
+        history: finished jobs (read at construction only).
+        t_start_s, t_pause_s: Eq. 8's overheads: a new worker's start-up, a re-form's pause.
+    """
+
+    name = "dlrover-rm"
+
+    def __init__(self, features: Mapping[str, Feature] | None = None, history: HistoryStore | None = None,
+                 settle_s: float = SETTLE_S, slack: float = SLACK, t_start_s: float = 5.0,
+                 t_pause_s: float = 0.1, k: int = 5, mu: float = 0.5) -> None:
+        self.settle_s, self.slack, self.t_start_s, self.t_pause_s = settle_s, slack, t_start_s, t_pause_s
+        self.prior: dict[str, float] | None = None
+        self.warm_workers: int | None = None
+        self.warm_from = ""
+        if history is not None and features:
+            smoothed = warm_start(history, features, k, mu)
+            if smoothed is not None and "workers" in smoothed:
+                self.warm_workers = max(1, round(smoothed["workers"]))
+                similar = top_k(history, features, 1, 0.5)
+                if similar:
+                    score, record = similar[0]
+                    self.warm_from = f"{record.job_id} (similarity {score:.2f})"
+                    if set(record.params) == set(DataParallelModel().terms()):
+                        self.prior = {k: float(v) for k, v in record.params.items()}
+
+    def plan(self, obs: JobObservation) -> ResourcePlan:
+        curve = Curve(obs, self.prior)
+        now = _current(obs)
+        if _starting(obs):
+            if self.warm_workers is not None:
+                start = _start(obs, self.warm_workers)
+                return curve.plan(start, f"warm start (Algorithm 1) from {self.warm_from}: {start} workers")
+            return curve.plan(_start(obs, 1), "cold start: one worker")
+        if not curve.settled(obs, self.settle_s):
+            return curve.plan(now, f"measuring {now} workers")
+        if curve.model is None:  # one count measured, no prior: double to learn the slope
+            nxt = _start(obs, 2 * now)
+            return curve.plan(nxt, f"exploring: {now} -> {nxt} workers to fit the model")
+        best = curve.best_count(obs.min_workers, obs.max_workers, self.slack)
+        if best is None or best == now:
+            return curve.plan(now, f"{now} workers are within {self.slack:.0%} of the best")
+        widest = max(curve.measured)
+        if best > 2 * widest:  # beyond what was measured the model extrapolates: at most double
+            best = 2 * widest
+        psi_now = curve.value(now) or 0.0
+        psi_new = curve.value(best) or 0.0
+        if best < now:
+            return curve.plan(best, f"{best} workers give {psi_new:.0f} samples/s, within {self.slack:.0%} "
+                                    f"of the best: release {now - best}")
+        remaining_s = (obs.total_samples - obs.committed_samples) / max(psi_now, 1e-9) if obs.total_samples else math.inf
+        tg = throughput_gain(psi_new, psi_now, self.t_start_s, self.t_pause_s, remaining_s)
+        if tg <= 0:
+            return curve.plan(now, f"{best} workers would gain {psi_new - psi_now:.0f} samples/s, "
+                                   f"less than the scaling overhead over the {remaining_s:.0f} s left (Eq. 8)")
+        return curve.plan(best, f"{best} workers: {psi_new:.0f} samples/s against {psi_now:.0f} (Eq. 8 gain {tg:.0f})")
+
+
+def throughput_gain(psi_new: float, psi_now: float, t_start_s: float, t_pause_s: float, horizon_s: float) -> float:
+    """DLRover-RM Eq. 8, ``TG = dPsi - (dPsi t_start + Psi t_pause) / H``, for new workers."""
+    if horizon_s <= 0:
+        return -math.inf
+    d_psi = psi_new - psi_now
+    return d_psi - (d_psi * t_start_s + psi_now * t_pause_s) / horizon_s
+

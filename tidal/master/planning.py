@@ -1,0 +1,159 @@
+"""The job's planner inside the master: measurements in, decisions out, both kept.
+
+``Planning`` owns what the brain needs from a live job and what the user sees of it:
+
+* throughput per worker count (``measure``): the samples committed per second of training while
+  the job ran with a given number of workers and nothing was starting or re-forming; the first
+  interval after each change is left out (the re-form's pause and the first steps after it);
+* the ``JobObservation`` handed to the planner (``observe``): those points, each worker's step
+  split, CPU and memory, the pauses since the previous decision, progress;
+* the decisions (``decide``): every change of the target, with the inputs it rested on, the
+  reason and the throughput model the planner fitted; the master journals them (``to_meta``,
+  restored by ``restore`` on failover) and shows them in ``tidal status`` and the dashboard;
+* the timeline the dashboard draws: throughput, workers and target, one point a second.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from tidal.api import (
+    Event,
+    JobObservation,
+    PauseObservation,
+    PlannerDecision,
+    PlannerStatus,
+    ResourcePlan,
+    ThroughputPoint,
+    TimelinePoint,
+    WorkerObservation,
+)
+from tidal.brain.api import Planner
+from tidal.master.membership import WorkerRecord
+
+__all__ = ["MAX_DECISIONS", "MAX_TIMELINE", "Planning"]
+
+MAX_DECISIONS = 200  # decisions kept (and journaled); the count of all of them is kept too
+MAX_TIMELINE = 3600  # timeline points kept: an hour at one a second
+
+
+class Planning:
+    def __init__(self, planner: Planner, started_at: float, cpus: float = 0.0, warm_start: str = "") -> None:
+        self.planner = planner
+        self.started_at = started_at
+        self.cpus = cpus
+        self.warm_start = warm_start
+        # workers -> [samples, seconds] measured at that count
+        self.points: dict[int, list[float]] = {}
+        self._mark: tuple[int, float, int] | None = None  # (workers, time, committed) of the open interval
+        self._skip = True  # the first interval after a change is not measured
+        self.decisions: deque[PlannerDecision] = deque(maxlen=MAX_DECISIONS)
+        self.total = 0
+        self.last_plan: ResourcePlan | None = None
+        self.timeline: deque[TimelinePoint] = deque(maxlen=MAX_TIMELINE)
+        self._pauses_seen = 0.0  # the time of the newest pause already handed to the planner
+
+    # ------------------------------------------------------------------ measurements
+    def measure(self, now: float, workers: int, committed: int, ready: bool) -> None:
+        """Close the interval since the previous call: it counts for ``workers`` if the job ran
+        with that many throughout (``ready``), and was not the first after a change."""
+        key = workers if ready and workers > 0 else 0
+        mark = self._mark
+        if mark is not None and mark[0] == key and key and now > mark[1] and committed >= mark[2]:
+            if self._skip:
+                self._skip = False
+            else:
+                acc = self.points.setdefault(key, [0.0, 0.0])
+                acc[0] += committed - mark[2]
+                acc[1] += now - mark[1]
+        elif mark is None or mark[0] != key:
+            self._skip = True
+        self._mark = (key, now, committed)
+
+    def throughput(self) -> list[ThroughputPoint]:
+        return [ThroughputPoint(workers=w, samples_per_s=s / t, seconds=round(t, 3))
+                for w, (s, t) in sorted(self.points.items()) if t > 0]
+
+    def record(self, now: float, samples_per_s: float, workers: int, target: int) -> None:
+        """One timeline point (the caller calls it once a second)."""
+        self.timeline.append(TimelinePoint(t_s=round(now - self.started_at, 3), samples_per_s=round(samples_per_s, 1),
+                                           workers=workers, target=target))
+
+    # ------------------------------------------------------------------ observation and decision
+    def observe(
+        self, *, job_id: str, now: float, min_workers: int, max_workers: int, target: int,
+        active: Sequence[WorkerRecord], ready: bool, applied_step: int, batch_size: int,
+        committed: int, total: int, pauses: Iterable[Event],
+    ) -> JobObservation:
+        new_pauses = [p for p in pauses if p.seconds is not None and p.time > self._pauses_seen]
+        if new_pauses:
+            self._pauses_seen = max(p.time for p in new_pauses)
+        return JobObservation(
+            job_id=job_id, now_s=now - self.started_at, min_workers=min_workers, max_workers=max_workers,
+            current_workers=len(active), target_workers=target, ready=ready,
+            samples_per_s=sum(r.samples_per_s for r in active), applied_step=applied_step,
+            stragglers=sum(r.straggler for r in active), throughput=self.throughput(),
+            batch_size=batch_size, committed_samples=committed, total_samples=total,
+            workers=[worker_observation(r) for r in active],
+            pauses=[PauseObservation(at_s=p.time - self.started_at, seconds=p.seconds or 0.0, cause=p.cause or "")
+                    for p in new_pauses],
+            cpus_available=self.cpus,
+        )
+
+    def decided(self, obs: JobObservation, plan: ResourcePlan, target: int, reason: str) -> PlannerDecision:
+        """Keep a change of the target from ``obs.target_workers`` to ``target``."""
+        decision = PlannerDecision(
+            at_s=round(obs.now_s, 3), planner=self.planner.name, from_workers=obs.target_workers, to_workers=target,
+            reason=reason, model=plan.model, params=plan.params, error_pct=plan.error_pct,
+            inputs={"workers": obs.current_workers, "samples_per_s": round(obs.samples_per_s, 1),
+                    "committed_samples": obs.committed_samples,
+                    "throughput": [[p.workers, round(p.samples_per_s, 1), p.seconds] for p in obs.throughput]},
+        )
+        self.decisions.append(decision)
+        self.total += 1
+        return decision
+
+    def status(self, overridden: bool) -> PlannerStatus:
+        plan = self.last_plan
+        return PlannerStatus(
+            name=self.planner.name, overridden_by_user=overridden, decisions=self.total,
+            last=self.decisions[-1] if self.decisions else None,
+            model="" if plan is None else plan.model, params={} if plan is None else plan.params,
+            error_pct=None if plan is None else plan.error_pct, warm_start=self.warm_start,
+        )
+
+    # ------------------------------------------------------------------ journal
+    def to_meta(self) -> dict[str, Any]:
+        return {
+            "planner": self.planner.name, "started_at": self.started_at, "total": self.total,
+            "points": {str(w): v for w, v in self.points.items()},
+            "decisions": [d.model_dump() for d in self.decisions],
+        }
+
+    def restore(self, meta: dict[str, Any] | None) -> None:
+        """Carry on from a journaled ``to_meta`` (a master that took over)."""
+        if not meta:
+            return
+        self.started_at = float(meta.get("started_at", self.started_at))
+        self.total = int(meta.get("total", 0))
+        self.points = {int(w): [float(v[0]), float(v[1])] for w, v in (meta.get("points") or {}).items()}
+        self.decisions.clear()
+        self.decisions.extend(PlannerDecision(**d) for d in meta.get("decisions") or [])
+
+
+def available_cpus() -> float:
+    """Cores this process may run on: what the local backend's workers share."""
+    try:
+        return float(len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return float(os.cpu_count() or 1)
+
+
+def worker_observation(r: WorkerRecord) -> WorkerObservation:
+    return WorkerObservation(
+        worker_id=r.worker_id, step_s=r.step_s, data_s=r.data_s, compute_s=r.compute_s, comm_s=r.comm_s,
+        samples_per_s=r.samples_per_s, cpu_percent=r.cpu_percent, rss_bytes=r.rss_bytes, straggler=r.straggler,
+    )
