@@ -14,14 +14,18 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import hashlib
 import hmac
+import importlib.resources
 import json
+import re
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import parse_qs
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from tidal.api import (
@@ -55,6 +59,7 @@ from tidal.api import (
     StoreSetResponse,
     StoreValueResponse,
     TidalError,
+    TimelineResponse,
 )
 from tidal.master.api import MasterError
 from tidal.master.job import JobMaster
@@ -82,24 +87,68 @@ class ChangeNotifier:
             pass
 
 
+DASHBOARD_PATH = "/dashboard"
+
+
+def dashboard_cookie(job_id: str) -> str:
+    """The name of the cookie that carries the token for the dashboard's browser: one per job,
+    since a browser sends a 127.0.0.1 cookie to every port (two jobs' dashboards open at once
+    would otherwise overwrite each other's token)."""
+    return "tidal_token_" + "".join(c for c in job_id if c.isascii() and (c.isalnum() or c in "-_"))
+
+
 class GuardMiddleware:
-    """Bearer token and body-size checks, before routing (plain ASGI, so it also guards /docs)."""
+    """Bearer token and body-size checks, before routing (plain ASGI, so it also guards /docs).
+
+    The dashboard's browser cannot send a bearer header when the user opens the page, so
+    ``GET /dashboard`` also takes the token as a ``token`` query parameter (the answer then sets
+    it as an HttpOnly, SameSite=Strict cookie, ``cookie_name``), and every ``GET`` also takes
+    that cookie (the page's own fetches). Everything else, every POST included, is bearer only.
+    """
 
     def __init__(self, app: Any, token: str, max_body: int = MAX_BODY_BYTES,
-                 fast_routes: dict[str, tuple[type[BaseModel], Callable[[Any], BaseModel]]] | None = None) -> None:
+                 fast_routes: dict[str, tuple[type[BaseModel], Callable[[Any], BaseModel]]] | None = None,
+                 cookie_name: str = "tidal_token") -> None:
         self.app = app
+        self.token = token.encode()
         self.expected = f"Bearer {token}".encode()
         self.max_body = max_body
         self.fast_routes = fast_routes or {}
+        self.cookie_name = cookie_name.encode()
+        self.set_cookie = (self.cookie_name + b"=" + self.token + b"; HttpOnly; SameSite=Strict; Path=/")
+
+    def _authorized(self, scope: dict) -> tuple[bool, bool]:
+        """Whether the request carries the token, and whether it came in the dashboard's query."""
+        raw = scope.get("headers") or []
+        if hmac.compare_digest(dict(raw).get(b"authorization", b""), self.expected):
+            return True, False
+        if scope["method"] != "GET":
+            return False, False
+        if scope["path"] == DASHBOARD_PATH:
+            query = scope.get("query_string", b"").decode("latin-1")
+            for value in parse_qs(query, encoding="latin-1").get("token", []):
+                if hmac.compare_digest(value.encode("latin-1"), self.token):
+                    return True, True
+        for name, value in raw:
+            if name != b"cookie":
+                continue
+            for part in value.split(b";"):
+                key, eq, val = part.strip().partition(b"=")
+                if eq and key == self.cookie_name and hmac.compare_digest(val.strip(b'"'), self.token):
+                    return True, False
+        return False, False
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
-        if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+        allowed, from_query = self._authorized(scope)
+        if not allowed:
             await _reply(send, 401, "missing or wrong bearer token", [(b"www-authenticate", b"Bearer")])
             return
+        if from_query:
+            send = self._setting_cookie(send)
         length = headers.get(b"content-length")
         if length is not None:
             try:
@@ -134,6 +183,14 @@ class GuardMiddleware:
             return await receive()
 
         await self.app(scope, replay, send)
+
+    def _setting_cookie(self, send: Any) -> Any:
+        async def send_with_cookie(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"set-cookie", self.set_cookie)]}
+            await send(message)
+
+        return send_with_cookie
 
 
 async def _fast(send: Any, body: bytes, model: type[BaseModel], handler: Callable[[Any], BaseModel]) -> None:
@@ -214,7 +271,7 @@ def create_app(master: JobMaster, token: str, notifier: ChangeNotifier) -> Any:
     store_router, store_fast = _store_router(master)
     app.include_router(store_router)
     fast.update(store_fast)
-    return GuardMiddleware(app, token, fast_routes=fast)
+    return GuardMiddleware(app, token, fast_routes=fast, cookie_name=dashboard_cookie(master.spec.job_id))
 
 
 def _worker_router(master: JobMaster, notifier: ChangeNotifier) -> APIRouter:
@@ -271,9 +328,11 @@ class PrometheusResponse(PlainTextResponse):
 
 
 def _user_router(master: JobMaster) -> APIRouter:
-    """What a user or a tool calls: scale, status, health, metrics."""
+    """What a user or a tool calls: scale, status, timeline, health, metrics, and the dashboard
+    (a browser's page: see GuardMiddleware for how it authenticates)."""
     router = APIRouter(tags=["job"])
     metrics_registry = job_registry(master)
+    page, page_headers = dashboard_page()
 
     @router.post("/v1/scale", responses={400: {}})
     async def scale(req: ScaleRequest) -> dict[str, int]:
@@ -288,6 +347,17 @@ def _user_router(master: JobMaster) -> APIRouter:
     async def status() -> StatusResponse:
         return master.status()
 
+    @router.get("/v1/timeline", response_model=TimelineResponse)
+    async def timeline() -> TimelineResponse:
+        """Throughput, workers and target over time, pauses, the planner's decisions and each
+        worker's step-time split: what the dashboard draws."""
+        return master.timeline()
+
+    @router.get(DASHBOARD_PATH, response_class=HTMLResponse, include_in_schema=False)
+    async def dashboard() -> HTMLResponse:
+        """The job's dashboard: one static page that polls /v1/status and /v1/timeline."""
+        return HTMLResponse(page, headers=page_headers)
+
     @router.get("/v1/healthz")
     async def healthz() -> dict[str, str]:
         return {"state": master.state.value}
@@ -299,6 +369,28 @@ def _user_router(master: JobMaster) -> APIRouter:
         return PrometheusResponse(render(metrics_registry))
 
     return router
+
+
+def dashboard_page() -> tuple[str, dict[str, str]]:
+    """The dashboard's HTML (package data, read once) and the headers it is served with.
+
+    The page is static: nothing of the job goes into it on the server (its script fetches the
+    JSON and writes it as text). The content security policy allows its own inline scripts
+    (by hash) and styles, fetches to the same origin, and nothing else: no other site, no frames.
+    """
+    page = importlib.resources.files("tidal.master").joinpath("dashboard.html").read_text(encoding="utf-8")
+    hashes = " ".join(
+        "'sha256-" + base64.b64encode(hashlib.sha256(body.encode()).digest()).decode() + "'"
+        for body in re.findall(r"<script>(.*?)</script>", page, flags=re.DOTALL)
+    ) or "'none'"
+    csp = (f"default-src 'none'; script-src {hashes}; style-src 'unsafe-inline'; connect-src 'self'; "
+           "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+    return page, {
+        "content-security-policy": csp,
+        "cache-control": "no-store",
+        "referrer-policy": "no-referrer",
+        "x-content-type-options": "nosniff",
+    }
 
 
 def _store_router(master: JobMaster) -> tuple[APIRouter, dict[str, tuple[type[BaseModel], Callable[[Any], BaseModel]]]]:
