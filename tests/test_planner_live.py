@@ -8,12 +8,14 @@ the planner's decisions in its status and its timeline."""
 
 from __future__ import annotations
 
+import os
 import sqlite3
+import subprocess
 from pathlib import Path
 
 import httpx
 
-from tests.jobtools import Job, example_args
+from tests.jobtools import TIDAL, Job, example_args
 
 EMULATED = ["--device-ms-per-step", "4", "--device-us-per-sample", "40"]
 
@@ -38,6 +40,9 @@ def test_dlrover_rm_explores_cold_records_history_and_starts_warm(tmp_path: Path
         assert planner["last"]["from_workers"] == 1 and planner["last"]["to_workers"] > 1
         assert "explor" in planner["last"]["reason"] or "samples/s" in planner["last"]["reason"]
         assert planner["last"]["inputs"]["throughput"], "it decided from a measured point"
+        shown = subprocess.run([TIDAL, "status", "--job-dir", str(cold.dir)], capture_output=True, text=True,
+                               timeout=30, env={**os.environ, "COLUMNS": "200", "NO_COLOR": "1"})
+        assert shown.returncode == 0 and "planner dlrover-rm, " in shown.stdout and "last: at " in shown.stdout
         seen = timeline(cold)
         assert seen["planner"] == "dlrover-rm" and len(seen["decisions"]) >= 2 and seen["points"]
         assert any(w["cpu_percent"] > 0 and w["rss_bytes"] > 10 << 20 for w in seen["workers"])

@@ -214,13 +214,14 @@ def planner_for(spec: JobSpec) -> tuple[Planner, str]:
 
 
 def record_finished(master: JobMaster) -> None:
-    """Add a succeeded job to the history: its signature, the count it ended with, its model."""
+    """Add a succeeded job to the history: its signature, the count it ended with and the model
+    its planner fitted (none when it fitted none: the count alone still warm-starts the next)."""
     spec = master.spec
-    plan = master.planning.last_plan
-    if not spec.history_path or plan is None or not plan.params:
+    if not spec.history_path:
         return
-    record = JobRecord(spec.job_id, time.time(), job_features(spec), {"workers": float(master.target)},
-                       dict(plan.params))
+    plan = master.planning.last_plan
+    params = dict(plan.params) if plan is not None and plan.model == "data-parallel" else {}
+    record = JobRecord(spec.job_id, time.time(), job_features(spec), {"workers": float(master.target)}, params)
     try:
         store = SQLiteHistory(spec.history_path)
         try:
