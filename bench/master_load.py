@@ -3,7 +3,8 @@
     .venv/bin/python bench/master_load.py [--workers 2000] [--clients 2] [--duration 30] [--client raw|httpx] [--json]
 
 The master runs in its own process, built the way tidal/master/server.py builds it (SQLite
-journal in WAL mode, the "max" planner, FastAPI app with the bearer-token guard, uvicorn on a
+journal in WAL mode, the planner loop (``--planner``, default dlrover-rm, asked every second with an
+observation of all the workers), FastAPI app with the bearer-token guard, uvicorn on a
 socket bound to 127.0.0.1, uvloop and the server's GC settings, ``master.tick()`` every 20 ms
 on the same event loop), except that its
 backend is a *null backend*: ``launch`` only records the worker ids the master assigns (no
@@ -71,7 +72,7 @@ BATCHES_PER_SHARD = 50
 
 
 # ---------------------------------------------------------------------------- the master process
-def serve_master(work: Path, workers: int) -> None:
+def serve_master(work: Path, workers: int, planner: str) -> None:
     import uvicorn
 
     from tidal.backends import registry
@@ -84,7 +85,7 @@ def serve_master(work: Path, workers: int) -> None:
 
     sock = bind_socket("127.0.0.1", 0)
     spec = JobSpec(job_id="load", argv=["/bin/false"], min_workers=workers, max_workers=workers,
-                   token=new_token(), job_dir=str(work), port=sock.getsockname()[1])
+                   token=new_token(), job_dir=str(work), port=sock.getsockname()[1], planner=planner)
     (work / "logs").mkdir(parents=True, exist_ok=True)
     journal = SqliteJournal(work / "journal.sqlite")
     box: list[ChangeNotifier] = []
@@ -363,6 +364,9 @@ def main() -> None:
     p.add_argument("--setup", type=float, default=30.0, help="seconds allowed for join + first rendezvous")
     p.add_argument("--step-hz", type=float, default=5.0, help="simulated optimizer steps per second")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--planner", default="dlrover-rm",
+                   help="the master's planner: its loop (an observation of every worker, the model refit) runs "
+                        "every second as in a live job; MIN = MAX = --workers, so the target cannot move")
     p.add_argument("--client", choices=["raw", "httpx"], default="raw",
                    help="the simulated workers' HTTP client: raw HTTP/1.1 on asyncio streams (default, cheap) or httpx")
     p.add_argument("--keep", type=Path, default=None)
@@ -377,7 +381,7 @@ def main() -> None:
     p.add_argument("--out", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.role == "master":
-        serve_master(Path(args.dir), args.workers)
+        serve_master(Path(args.dir), args.workers, args.planner)
         return
     if args.role == "clients":
         client_main(args)
@@ -388,7 +392,8 @@ def main() -> None:
     env = bench_env()
     load = load_average()
     me = str(ROOT / "bench" / "master_load.py")
-    master = subprocess.Popen([PYTHON, me, "--role", "master", "--dir", str(work), "--workers", str(args.workers)],
+    master = subprocess.Popen([PYTHON, me, "--role", "master", "--dir", str(work), "--workers", str(args.workers),
+                               "--planner", args.planner],
                               env=env, cwd=ROOT, start_new_session=True,
                               stdout=open(work / "master.log", "wb"), stderr=subprocess.STDOUT)
     clients: list[subprocess.Popen[bytes]] = []

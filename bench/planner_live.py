@@ -116,6 +116,10 @@ from bench.common import (
     table,
     tidal_argv,
 )
+from tidal.brain.dataparallel import DLRoverRMWorkers
+from tidal.brain.history import InMemoryHistory, JobRecord
+from tidal.history import SQLiteHistory
+from tidal.sim.job import simulate_job
 
 BATCH = 512
 DEVICE_MS_PER_STEP = 4.0
@@ -435,6 +439,29 @@ def check_targets(planners: dict[str, dict[str, Any]], oracle: dict[str, Any] | 
     return out
 
 
+def sim_vs_live(runs: dict[str, PlannerRun], cold_records: list[JobRecord], args: argparse.Namespace,
+                ) -> dict[str, dict[str, Any]]:
+    """The dlrover-rm runs replayed by ``tidal.sim.job`` from the model the cold run fitted (the
+    history's record): the simulator should settle on the same count and predict the job time."""
+    record = cold_records[-1]
+    if set(record.params) != {"theta0", "theta1", "knee"}:
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    for name in ("dlrover-rm-cold", "dlrover-rm-warm"):
+        live = runs.get(name)
+        if live is None or live.error is not None or live.job_s is None:
+            continue
+        history = InMemoryHistory(cold_records) if name.endswith("warm") else None
+        planner = DLRoverRMWorkers(features=record.features if history else None, history=history)
+        sim = simulate_job(planner, record.params, samples=args.samples, batch_size=args.batch_size, min_workers=1,
+                           max_workers=args.max_workers, interval_s=args.planner_interval,
+                           start_s=args.sim_start_s, tail_s=args.sim_tail_s)
+        out[name] = {"params": dict(record.params), "live_settled": live.settled_workers,
+                     "sim_settled": sim.settled_workers, "live_job_s": live.job_s, "sim_job_s": round(sim.job_s, 2),
+                     "job_ratio": round(sim.job_s / live.job_s, 3), "sim_decisions": sim.decisions}
+    return out
+
+
 def ratio(value: float | None, of: float | None) -> str:
     return "-" if value is None or not of else f"{value / of:.2f}x"
 
@@ -462,6 +489,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=RUN_TIMEOUT_S, help="seconds one tidal run may take")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--keep", type=Path, default=None, help="keep logs, stamps, job dirs and the history here")
+    p.add_argument("--sim-start-s", type=float, default=4.0,
+                   help="the replay's seconds from asking for a worker to its first step (tidal sim job --start-s)")
+    p.add_argument("--sim-tail-s", type=float, default=2.0,
+                   help="the replay's seconds after the last step (evaluation, exit: tidal sim job --tail-s)")
     args = p.parse_args(argv)
     if args.max_workers < 1:
         p.error("--max-workers must be >= 1")
@@ -487,6 +518,7 @@ def main(argv: list[str] | None = None) -> int:
     base.mkdir(parents=True, exist_ok=True)
     sweep: list[FixedRun] = []
     runs: dict[str, PlannerRun] = {}
+    cold_records: list[JobRecord] = []
     try:
         if not args.no_sweep:
             for n in range(1, args.max_workers + 1):
@@ -506,6 +538,8 @@ def main(argv: list[str] | None = None) -> int:
                       file=sys.stderr, flush=True)
             r = runs[name] = run_planner(base / f"planner-{name}", name, args.max_workers, example, history, stamps,
                                          args.planner_interval, args.timeout)
+            if name == "dlrover-rm-cold" and history.exists():
+                cold_records = SQLiteHistory(history).records()  # what the warm run starts from
             if r.error is not None:
                 print(f"planner {name}: FAILED (load {r.load_average:.2f}): {r.error}", file=sys.stderr, flush=True)
                 continue
@@ -519,9 +553,10 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(base, ignore_errors=True)
     planners = {name: asdict(r) for name, r in runs.items()}
     targets = check_targets(planners, oracle)
+    replay = sim_vs_live(runs, cold_records, args) if cold_records else {}
     failed = any(r.error is not None for r in runs.values())
     result: dict[str, Any] = {"oracle": oracle, "planners": planners, "targets": targets,
-                              "sweep": [asdict(f) for f in sweep], "emulation": emulation}
+                              "sweep": [asdict(f) for f in sweep], "emulation": emulation, "sim_vs_live": replay}
     if args.json:
         print(json.dumps(result))
         return 1 if failed else 0
@@ -565,6 +600,14 @@ def main(argv: list[str] | None = None) -> int:
         print()
         for t in targets.values():
             print(f"{t['result']:4}  {t['target']}")
+    if replay:
+        print()
+        rows = [["replayed (tidal sim job)", "settled live", "settled sim", "job s live", "job s sim", "sim / live"]]
+        for name, v in replay.items():
+            rows.append([name, str(v["live_settled"]), str(v["sim_settled"]), f"{v['live_job_s']:.1f}",
+                         f"{v['sim_job_s']:.1f}", f"{v['job_ratio']:.2f}x"])
+        print(table(rows))
+        print(f"model fitted by the cold run: {replay[next(iter(replay))]['params']}")
     print(f"EMULATED accelerator time ({args.device_ms_per_step:g} ms/step + {args.device_us_per_sample:g} us/sample, "
           f"batch {args.batch_size}/worker), {args.samples} samples, one epoch; every figure above is of that "
           f"emulation, not of real accelerators")

@@ -31,12 +31,14 @@ first decision after a change waits for a measurement of the change: the stabili
   (Algorithm 1, Eq. 10): the exponentially smoothed worker count of the most similar finished
   jobs (``tidal.brain.dlrover_rm.warm_start``) and the most similar job's fitted model as the
   prior; cold, it starts like DLRover with one worker. Stage 2, every decision: refit the model
-  online, take as candidate the fewest workers whose value is within ``slack`` of the best
-  value in MIN:MAX (the oracle's own rule: as fast as the fastest at the least cost), and move
-  there (at most twice the largest count measured: beyond it the model extrapolates) only if
-  Eq. 8's gain, ``TG = dPsi - (dPsi t_start + Psi t_pause) / H`` with ``H`` the
-  remaining time, is positive (a scale-out near the end of the job does not pay for its
-  start-up), or if it releases workers (a gain in Eq. 7's cost at no loss beyond ``slack``).
+  online and move to the fewest workers whose predicted time to finish the samples left is
+  within ``slack`` of the fastest count's (the oracle's own rule: as fast as the fastest at the
+  least cost, Eq. 9's two objectives made one). The time to finish carries Eq. 8's overheads,
+  ``TG = dPsi - (dPsi t_start + Psi t_pause) / H``: new workers train only after ``t_start``
+  (the job goes on at the current rate meanwhile) and every change costs a pause, so a
+  scale-out near the end of the job does not pay for its start-up. Counts beyond twice the
+  largest measured one are not candidates (the model would extrapolate). A job of unknown
+  length (no total) decides on throughput alone: the fewest workers within ``slack`` of the best.
 """
 
 from __future__ import annotations
@@ -307,23 +309,45 @@ class DLRoverRMWorkers:
         if curve.model is None:  # one count measured, no prior: double to learn the slope
             nxt = _start(obs, 2 * now)
             return curve.plan(nxt, f"exploring: {now} -> {nxt} workers to fit the model")
-        best = curve.best_count(obs.min_workers, obs.max_workers, self.slack)
-        if best is None or best == now:
-            return curve.plan(now, f"{now} workers are within {self.slack:.0%} of the best")
-        widest = max(curve.measured)
-        if best > 2 * widest:  # beyond what was measured the model extrapolates: at most double
-            best = 2 * widest
-        psi_now = curve.value(now) or 0.0
-        psi_new = curve.value(best) or 0.0
+        remaining = obs.total_samples - obs.committed_samples if obs.total_samples else 0
+        lo, hi = obs.min_workers, min(obs.max_workers, 2 * max(curve.measured))  # beyond 2x: extrapolation
+        if remaining <= 0:  # unbounded (or unknown) job: the throughput alone decides
+            best = curve.best_count(lo, hi, self.slack)
+            if best is None or best == now:
+                return curve.plan(now, f"{now} workers are within {self.slack:.0%} of the best throughput")
+            return curve.plan(best, f"{best} workers are within {self.slack:.0%} of the best throughput")
+        finish = {w: self.finish_s(curve, w, now, remaining) for w in range(lo, hi + 1)}
+        fastest = min(finish.values())
+        best = min(w for w, t in finish.items() if t <= (1 + self.slack) * fastest)
+        psi_now, psi_new = curve.value(now) or 0.0, curve.value(best) or 0.0
+        if best == now:
+            quicker = max(finish, key=lambda w: curve.value(w) or 0.0)  # the highest throughput
+            why = "" if quicker <= now else (
+                f"; {quicker} train faster but would finish in {finish[quicker]:.0f} s with their "
+                f"{self.t_start_s:g} s start-up (Eq. 8)")
+            return curve.plan(now, f"{now} workers finish the {remaining} samples left in {finish[now]:.0f} s, "
+                                   f"within {self.slack:.0%} of the fastest{why}")
         if best < now:
-            return curve.plan(best, f"{best} workers give {psi_new:.0f} samples/s, within {self.slack:.0%} "
-                                    f"of the best: release {now - best}")
-        remaining_s = (obs.total_samples - obs.committed_samples) / max(psi_now, 1e-9) if obs.total_samples else math.inf
-        tg = throughput_gain(psi_new, psi_now, self.t_start_s, self.t_pause_s, remaining_s)
-        if tg <= 0:
-            return curve.plan(now, f"{best} workers would gain {psi_new - psi_now:.0f} samples/s, "
-                                   f"less than the scaling overhead over the {remaining_s:.0f} s left (Eq. 8)")
-        return curve.plan(best, f"{best} workers: {psi_new:.0f} samples/s against {psi_now:.0f} (Eq. 8 gain {tg:.0f})")
+            return curve.plan(best, f"{best} workers finish in {finish[best]:.0f} s, within {self.slack:.0%} of the "
+                                    f"fastest ({fastest:.0f} s): release {now - best}")
+        tg = throughput_gain(psi_new, psi_now, self.t_start_s, self.t_pause_s, remaining / max(psi_now, 1e-9))
+        return curve.plan(best, f"{best} workers finish in {finish[best]:.0f} s against {finish[now]:.0f} s now "
+                                f"({psi_new:.0f} samples/s against {psi_now:.0f}, Eq. 8 gain {tg:.0f})")
+
+    def finish_s(self, curve: Curve, workers: int, now: int, remaining: int) -> float:
+        """Seconds to train ``remaining`` samples with ``workers``, with Eq. 8's overheads: the new
+        workers' start-up (the job trains on at the current rate meanwhile) and the re-form's pause."""
+        value = curve.value(workers)
+        if not value:
+            return math.inf
+        if workers == now:
+            return remaining / value
+        pause = self.t_pause_s
+        if workers < now:
+            return pause + remaining / value
+        start = self.t_start_s
+        during = min(remaining, start * (curve.value(now) or 0.0))  # trained while they start
+        return start + pause + (remaining - during) / value
 
 
 def throughput_gain(psi_new: float, psi_now: float, t_start_s: float, t_pause_s: float, horizon_s: float) -> float:
