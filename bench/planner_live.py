@@ -444,7 +444,8 @@ def sim_vs_live(runs: dict[str, PlannerRun], cold_records: list[JobRecord], args
     """The dlrover-rm runs replayed by ``tidal.sim.job`` from the model the cold run fitted (the
     history's record): the simulator should settle on the same count and predict the job time."""
     record = cold_records[-1]
-    if set(record.params) != {"theta0", "theta1", "knee"}:
+    model = {k: v for k, v in record.params.items() if k in ("theta0", "theta1", "knee")}
+    if len(model) != 3:
         return {}
     out: dict[str, dict[str, Any]] = {}
     for name in ("dlrover-rm-cold", "dlrover-rm-warm"):
@@ -453,10 +454,10 @@ def sim_vs_live(runs: dict[str, PlannerRun], cold_records: list[JobRecord], args
             continue
         history = InMemoryHistory(cold_records) if name.endswith("warm") else None
         planner = DLRoverRMWorkers(features=record.features if history else None, history=history)
-        sim = simulate_job(planner, record.params, samples=args.samples, batch_size=args.batch_size, min_workers=1,
-                           max_workers=args.max_workers, interval_s=args.planner_interval,
+        sim = simulate_job(planner, model, samples=args.samples, batch_size=args.batch_size, min_workers=1,
+                           max_workers=args.max_workers, interval_s=args.planner_interval or 1.0,
                            start_s=args.sim_start_s, tail_s=args.sim_tail_s)
-        out[name] = {"params": dict(record.params), "live_settled": live.settled_workers,
+        out[name] = {"params": model, "live_settled": live.settled_workers,
                      "sim_settled": sim.settled_workers, "live_job_s": live.job_s, "sim_job_s": round(sim.job_s, 2),
                      "job_ratio": round(sim.job_s / live.job_s, 3), "sim_decisions": sim.decisions}
     return out

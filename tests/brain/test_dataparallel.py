@@ -92,3 +92,23 @@ def test_a_decision_carries_the_model_it_rested_on() -> None:
 def test_knees_the_data_cannot_tell_apart_give_the_middle_one() -> None:
     # 3 scaled linearly, 5 did not: the knee is anywhere in 3..4 for the data
     assert DataParallelModel().fit(samples(1, 2, 3, 5)).params["knee"] == 3.5
+
+
+def test_a_warm_start_trusts_the_similar_jobs_measurements_over_extrapolation() -> None:
+    from tidal.brain.dataparallel import efficient_count, history_params
+
+    measured = {1: 17_300.0, 2: 32_400.0, 4: 49_600.0, 5: 52_200.0, 6: 54_500.0}
+    assert efficient_count(measured) == 4  # 49.6k >= 0.9 * 54.5k; 2 is not
+    record = history_params(None, measured)
+    assert record["samples_per_s@5"] == 52_200.0
+    history = InMemoryHistory([JobRecord("old", 1.0, {"script": "t.py"}, {"workers": 4.0},
+                                         {**KNEE3, **record})])
+    planner = DLRoverRMWorkers({"script": "t.py"}, history)
+    start = planner.plan(JobObservation(job_id="j", min_workers=1, max_workers=6, current_workers=0))
+    assert start.workers == 4
+    # this job runs 2% slower than the old one at 4: the old curve, rescaled, still says stay
+    obs = JobObservation(job_id="j", min_workers=1, max_workers=6, current_workers=4, target_workers=4,
+                         throughput=[ThroughputPoint(workers=4, samples_per_s=0.98 * 49_600, seconds=5)],
+                         batch_size=BATCH, total_samples=1_638_400, committed_samples=200_000)
+    plan = planner.plan(obs)
+    assert plan.workers == 4, plan.reason

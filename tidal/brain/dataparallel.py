@@ -54,6 +54,7 @@ from tidal.brain.history import Feature, HistoryStore, top_k
 from tidal.brain.models import DataParallelModel, OptimusModel
 
 __all__ = [
+    "POINT_KEY",
     "SETTLE_S",
     "Curve",
     "DLRoverRMWorkers",
@@ -61,12 +62,16 @@ __all__ = [
     "ESWorkers",
     "FixedWorkers",
     "OptimusWorkers",
+    "efficient_count",
+    "history_params",
 ]
 
 #: measured seconds at the current count before a planner decides again
 SETTLE_S = 3.0
 #: a count within this share of the best throughput is as good as the best (the bench's oracle rule)
 SLACK = 0.10
+#: history parameters ``samples_per_s@W``: the throughput a finished job measured at W workers
+POINT_KEY = "samples_per_s@"
 
 
 class Curve:
@@ -74,8 +79,11 @@ class Curve:
 
     Args:
         obs: the observation (its ``throughput`` points with ``ps == 0``).
-        prior: coefficients of a ``data-parallel`` model to start from (a similar past job's)
-            while fewer than two counts are measured; rescaled to the measured point.
+        prior: a similar past job's record (``history_params``): the coefficients of its
+            ``data-parallel`` model, the start while fewer than two counts are measured
+            (rescaled to the measured point), and the throughput it measured per count, which
+            stands in for the counts this job has not measured (rescaled by the counts both
+            measured): a measurement of a job like this one beats an extrapolation.
     """
 
     def __init__(self, obs: JobObservation, prior: Mapping[str, float] | None = None) -> None:
@@ -85,7 +93,19 @@ class Curve:
         self.seconds: dict[int, float] = {p.workers: p.seconds for p in obs.throughput if p.ps == 0}
         self.model: DataParallelModel | None = None
         self.error_pct: float | None = None
-        self._fit(prior)
+        terms = set(DataParallelModel().terms())
+        model_prior = {k: v for k, v in (prior or {}).items() if k in terms}
+        self._fit(model_prior if set(model_prior) == terms else None)
+        self.similar = self._similar_points(prior or {})
+
+    def _similar_points(self, prior: Mapping[str, float]) -> dict[int, float]:
+        points = {int(k[len(POINT_KEY):]): v for k, v in prior.items() if k.startswith(POINT_KEY) and v > 0}
+        common = [w for w in points if w in self.measured]
+        if not points:
+            return {}
+        # no count in common: taken as they are (the job is similar: the warm start said so)
+        scale = sum(self.measured[w] / points[w] for w in common) / len(common) if common else 1.0
+        return {w: v * scale for w, v in points.items()}
 
     def _fit(self, prior: Mapping[str, float] | None) -> None:
         samples = [ThroughputSample(ThroughputConfig(w, batch_size=w * self.batch), thp)
@@ -112,9 +132,12 @@ class Curve:
         return self.model.predict(ThroughputConfig(workers, batch_size=workers * self.batch))
 
     def value(self, workers: int) -> float | None:
-        """Measured throughput at ``workers``, else the model's prediction, else None."""
+        """Measured throughput at ``workers``, else a similar job's (rescaled), else the model's
+        prediction, else None."""
         if workers in self.measured:
             return self.measured[workers]
+        if workers in self.similar:
+            return self.similar[workers]
         return None if self.model is None else self.predict(workers)
 
     def settled(self, obs: JobObservation, settle_s: float) -> bool:
@@ -293,8 +316,7 @@ class DLRoverRMWorkers:
                 if similar:
                     score, record = similar[0]
                     self.warm_from = f"{record.job_id} (similarity {score:.2f})"
-                    if set(record.params) == set(DataParallelModel().terms()):
-                        self.prior = {k: float(v) for k, v in record.params.items()}
+                    self.prior = {k: float(v) for k, v in record.params.items()} or None
 
     def plan(self, obs: JobObservation) -> ResourcePlan:
         curve = Curve(obs, self.prior)
@@ -348,6 +370,23 @@ class DLRoverRMWorkers:
         start = self.t_start_s
         during = min(remaining, start * (curve.value(now) or 0.0))  # trained while they start
         return start + pause + (remaining - during) / value
+
+
+def history_params(plan: ResourcePlan | None, points: Mapping[int, float]) -> dict[str, float]:
+    """What a finished job leaves in the history for the next one's warm start: its fitted
+    ``data-parallel`` coefficients and the throughput it measured per count."""
+    out = dict(plan.params) if plan is not None and plan.model == DataParallelModel.name else {}
+    out.update({f"{POINT_KEY}{w}": round(v, 3) for w, v in sorted(points.items()) if v > 0})
+    return out
+
+
+def efficient_count(points: Mapping[int, float], slack: float = SLACK) -> int | None:
+    """The fewest workers whose measured throughput is within ``slack`` of the best measured:
+    the count a finished job is recorded with (not its last one, which the end of a job bends)."""
+    if not points:
+        return None
+    best = max(points.values())
+    return min(w for w, v in points.items() if v >= (1 - slack) * best)
 
 
 def throughput_gain(psi_new: float, psi_now: float, t_start_s: float, t_pause_s: float, horizon_s: float) -> float:

@@ -26,6 +26,7 @@ from tidal.api import ConfigError, JobState
 from tidal.backends import get as get_backend
 from tidal.brain import planners
 from tidal.brain.api import Planner
+from tidal.brain.dataparallel import SETTLE_S, efficient_count, history_params
 from tidal.brain.history import InMemoryHistory, JobRecord
 from tidal.brain.planners import PlannerContext
 from tidal.history import HistoryError, SQLiteHistory
@@ -214,14 +215,17 @@ def planner_for(spec: JobSpec) -> tuple[Planner, str]:
 
 
 def record_finished(master: JobMaster) -> None:
-    """Add a succeeded job to the history: its signature, the count it ended with and the model
-    its planner fitted (none when it fitted none: the count alone still warm-starts the next)."""
+    """Add a succeeded job to the history: its signature, its efficient count (the fewest workers
+    within 10% of the best throughput it measured, else the count it ended with), the throughput
+    it measured per count and the model its planner fitted (if any)."""
     spec = master.spec
     if not spec.history_path:
         return
-    plan = master.planning.last_plan
-    params = dict(plan.params) if plan is not None and plan.model == "data-parallel" else {}
-    record = JobRecord(spec.job_id, time.time(), job_features(spec), {"workers": float(master.target)}, params)
+    planning = master.planning
+    points = {p.workers: p.samples_per_s for p in planning.throughput() if p.seconds >= SETTLE_S}
+    workers = efficient_count(points) or master.target
+    record = JobRecord(spec.job_id, time.time(), job_features(spec), {"workers": float(workers)},
+                       history_params(planning.last_plan, points))
     try:
         store = SQLiteHistory(spec.history_path)
         try:
