@@ -97,7 +97,7 @@ def test_knees_the_data_cannot_tell_apart_give_the_middle_one() -> None:
 def test_a_warm_start_trusts_the_similar_jobs_measurements_over_extrapolation() -> None:
     from tidal.brain.dataparallel import efficient_count, history_params
 
-    measured = {1: 17_300.0, 2: 32_400.0, 4: 49_600.0, 5: 52_200.0, 6: 54_500.0}
+    measured = {1: 17_300.0, 2: 32_400.0, 3: 41_700.0, 4: 49_600.0, 5: 52_200.0, 6: 54_500.0}
     assert efficient_count(measured) == 4  # 49.6k >= 0.9 * 54.5k; 2 is not
     record = history_params(None, measured)
     assert record["samples_per_s@5"] == 52_200.0
