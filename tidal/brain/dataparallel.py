@@ -36,8 +36,9 @@ first decision after a change waits for a measurement of the change: the stabili
   least cost, Eq. 9's two objectives made one). The time to finish carries Eq. 8's overheads,
   ``TG = dPsi - (dPsi t_start + Psi t_pause) / H``: new workers train only after ``t_start``
   (the job goes on at the current rate meanwhile) and every change costs a pause, so a
-  scale-out near the end of the job does not pay for its start-up. Counts beyond twice the
-  largest measured one are not candidates (the model would extrapolate). A job of unknown
+  scale-out near the end of the job does not pay for its start-up. Counts beyond the largest
+  measured one (by this job or the similar one) are candidates only while its last step still
+  scaled (each added worker gave at least half a worker's throughput), and then up to twice it. A job of unknown
   length (no total) decides on throughput alone: the fewest workers within ``slack`` of the best.
 """
 
@@ -139,6 +140,19 @@ class Curve:
         if workers in self.similar:
             return self.similar[workers]
         return None if self.model is None else self.predict(workers)
+
+    def explore_up_to(self, efficiency: float) -> int:
+        """The largest count worth predicting: twice the largest one measured (by this job or the
+        similar one) while its last step still scaled (the added workers gave at least
+        ``efficiency`` of a worker's throughput each), else that count itself (beyond a
+        flattened curve, the model only extrapolates)."""
+        known = {**self.similar, **self.measured}
+        top = max(known)
+        below = [w for w in known if w < top]
+        if not below:
+            return 2 * top
+        prev = max(below)
+        return 2 * top if scaling_efficiency(known[prev], prev, known[top], top) >= efficiency else top
 
     def settled(self, obs: JobObservation, settle_s: float) -> bool:
         """The current count has been measured ``settle_s`` seconds, nothing starting."""
@@ -303,8 +317,9 @@ class DLRoverRMWorkers:
 
     def __init__(self, features: Mapping[str, Feature] | None = None, history: HistoryStore | None = None,
                  settle_s: float = SETTLE_S, slack: float = SLACK, t_start_s: float = 5.0,
-                 t_pause_s: float = 0.1, k: int = 5, mu: float = 0.5) -> None:
+                 t_pause_s: float = 0.1, k: int = 5, mu: float = 0.5, scaling_efficiency: float = 0.5) -> None:
         self.settle_s, self.slack, self.t_start_s, self.t_pause_s = settle_s, slack, t_start_s, t_pause_s
+        self.scaling_efficiency = scaling_efficiency
         self.prior: dict[str, float] | None = None
         self.warm_workers: int | None = None
         self.warm_from = ""
@@ -332,7 +347,7 @@ class DLRoverRMWorkers:
             nxt = _start(obs, 2 * now)
             return curve.plan(nxt, f"exploring: {now} -> {nxt} workers to fit the model")
         remaining = obs.total_samples - obs.committed_samples if obs.total_samples else 0
-        lo, hi = obs.min_workers, min(obs.max_workers, 2 * max(curve.measured))  # beyond 2x: extrapolation
+        lo, hi = obs.min_workers, min(obs.max_workers, curve.explore_up_to(self.scaling_efficiency))
         if remaining <= 0:  # unbounded (or unknown) job: the throughput alone decides
             best = curve.best_count(lo, hi, self.slack)
             if best is None or best == now:
@@ -342,6 +357,13 @@ class DLRoverRMWorkers:
         fastest = min(finish.values())
         best = min(w for w, t in finish.items() if t <= (1 + self.slack) * fastest)
         psi_now, psi_new = curve.value(now) or 0.0, curve.value(best) or 0.0
+        below = now - 1
+        if (best == now and below >= lo and below not in curve.measured and below not in curve.similar
+                and finish[below] <= (1 + 2 * self.slack) * fastest and finish[now] > 4 * self.t_start_s):
+            # the model cannot tell whether one worker fewer would do (an unmeasured knee):
+            # releasing one is cheap and measuring it settles the question
+            return curve.plan(below, f"probing {below} workers: predicted to finish in {finish[below]:.0f} s, "
+                                     f"near the fastest ({fastest:.0f} s), never measured")
         if best == now:
             quicker = max(finish, key=lambda w: curve.value(w) or 0.0)  # the highest throughput
             why = "" if quicker <= now else (
