@@ -50,6 +50,7 @@ __all__ = [
     "DLRoverPlanner",
     "PSConfig",
     "adjust_idle_ps",
+    "hold_reason",
     "hot_ps_cores",
     "optimize_config",
     "require_ps",
@@ -66,6 +67,15 @@ def require_ps(obs: JobObservation, planner: str) -> PSObservation:
     if obs.ps is None:
         raise ConfigError(f"planner {planner} needs a parameter-server observation (obs.ps is None)")
     return obs.ps
+
+
+def hold_reason(obs: JobObservation) -> str | None:
+    """Why a PS planner cannot decide on this observation (pods starting, nothing measured), or None."""
+    if not obs.ready:
+        return "waiting for pods to start"
+    if obs.samples_per_s <= 0:
+        return "no throughput measured yet"
+    return None
 
 
 @dataclass(frozen=True)
@@ -232,10 +242,9 @@ class DLRoverPlanner:
                 fixes.append(f"PS OOM: PS memory doubled to {c.ps_mem_gb:g} GB")
         if fixes:
             return c.to_plan("; ".join(fixes))
-        if not obs.ready:
-            return c.to_plan(f"{self.stage} stage: waiting for pods to start")
-        if obs.samples_per_s <= 0:
-            return c.to_plan(f"{self.stage} stage: no throughput measured yet")
+        hold = hold_reason(obs)
+        if hold is not None:
+            return c.to_plan(f"{self.stage} stage: {hold}")
         ps_used = sum(ps_obs.ps_cpu_used)
         if self.stage == "sample":
             if ps_obs.ps_cpu_used and ps_used >= 0.9 * c.ps * c.ps_cpu and c.ps_cpu < C_MAX:

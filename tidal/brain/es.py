@@ -18,7 +18,7 @@ import math
 from dataclasses import replace
 
 from tidal.api import JobObservation, ResourcePlan
-from tidal.brain.dlrover import PSConfig, require_ps
+from tidal.brain.dlrover import PSConfig, hold_reason, require_ps
 
 __all__ = ["ESPlanner", "scaling_efficiency"]
 
@@ -55,10 +55,9 @@ class ESPlanner:
         thp = obs.samples_per_s
         if self.done:
             return c.to_plan(f"done: {c.workers} workers")
-        if not obs.ready:
-            return c.to_plan("waiting for pods to start")
-        if thp <= 0:
-            return c.to_plan("no throughput measured yet")
+        hold = hold_reason(obs)
+        if hold is not None:
+            return c.to_plan(hold)
         why = "first step"
         if self.before is not None:
             w_old, r_old = self.before

@@ -20,7 +20,7 @@ from dataclasses import replace
 
 from tidal.api import JobObservation, ResourcePlan
 from tidal.brain.api import FitError, ThroughputConfig, ThroughputSample
-from tidal.brain.dlrover import PSConfig, require_ps
+from tidal.brain.dlrover import PSConfig, hold_reason, require_ps
 from tidal.brain.models import OptimusModel
 
 __all__ = ["OptimusPlanner"]
@@ -53,10 +53,9 @@ class OptimusPlanner:
         ps = require_ps(obs, self.name)
         c = PSConfig.from_observation(obs)
         thp = obs.samples_per_s
-        if not obs.ready:
-            return c.to_plan("waiting for pods to start")
-        if thp <= 0:
-            return c.to_plan("no throughput measured yet")
+        hold = hold_reason(obs)
+        if hold is not None:
+            return c.to_plan(hold)
         free_cpus = math.inf if ps.free_cpus is None else ps.free_cpus
         self.samples[(c.workers, c.ps)] = thp
         add_w = replace(c, workers=c.workers + self.worker_step)
