@@ -364,6 +364,36 @@ def scale(
     typer.echo(f"target: {data['target_workers']} workers" + (" (planner)" if auto else ""))
 
 
+@app.command()
+def audit(
+    ledger: Path = typer.Argument(..., help="A ledger written by `tidal run --ledger`."),
+    size: int = typer.Option(..., "--size", help="Samples in the dataset (each epoch covers 0..SIZE-1)."),
+    epochs: int | None = typer.Option(None, "--epochs", help="Epochs the job trained (default: those in the ledger)."),
+) -> None:
+    """Check that every sample of every epoch is in the ledger exactly once.
+
+    Rollback lines (`{"rollback_to_step": s}`, written when a job resumed from a checkpoint of
+    step s) void the earlier lines of steps above s. Exit status 0 when exactly once, 1 when not,
+    2 on bad input.
+    """
+    from tidal.master.audit import audit_ledger
+
+    if size <= 0:
+        raise fail("--size must be positive")
+    if epochs is not None and epochs <= 0:
+        raise fail("--epochs must be positive")
+    try:
+        lines = ledger.read_text().splitlines()
+    except OSError as exc:
+        raise fail(f"cannot read ledger {ledger}: {exc.strerror}") from None
+    try:
+        result = audit_ledger(lines, size, epochs)
+    except ValueError as exc:
+        raise fail(f"{ledger}: {exc}") from None
+    typer.echo(result.summary())
+    raise typer.Exit(0 if result.ok else 1)
+
+
 def history_path(given: str | None) -> str | None:
     """``--history``: a path, 'none', or the default (tidal.history.default_path)."""
     from tidal.history import default_path

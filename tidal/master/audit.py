@@ -1,4 +1,10 @@
-"""The exactly-once audit of a ledger: every epoch covers ``[0, N)`` once, no gap, no overlap."""
+"""The exactly-once audit of a ledger: every epoch covers ``[0, N)`` once, no gap, no overlap.
+
+A ledger is read in order. A line ``{"rollback_to_step": s}`` (written when a job resumes from a
+checkpoint of step ``s``) voids every earlier line of a step above ``s``: those samples were
+trained by steps the model no longer has, and are trained again after it. Read that way, the
+ledger is the model's lineage, and each sample of each epoch must appear in it exactly once.
+"""
 
 from __future__ import annotations
 
@@ -43,9 +49,32 @@ class LedgerAudit:
 
 
 def audit_ledger(lines: Iterable[str], dataset_size: int, epochs: int | None = None) -> LedgerAudit:
-    """Check ``{"epoch", "start", "end", ...}`` lines; ``epochs`` also demands that many epochs."""
-    rows = (json.loads(line) for line in lines if line.strip())
-    return audit_ranges(((int(r["epoch"]), int(r["start"]), int(r["end"])) for r in rows), dataset_size, epochs)
+    """Check ``{"epoch", "start", "end", "step", ...}`` lines, rollbacks applied (``lineage``);
+    ``epochs`` also demands that many epochs.
+
+    Raises:
+        ValueError: a line that is not JSON, or not a range or a rollback.
+    """
+    return audit_ranges(((r[0], r[1], r[2]) for r in lineage(lines)), dataset_size, epochs)
+
+
+def lineage(lines: Iterable[str]) -> list[tuple[int, int, int, int]]:
+    """``(epoch, start, end, step)`` of every range still in the model's lineage: each
+    ``{"rollback_to_step": s}`` line drops the ranges before it of steps above ``s``."""
+    kept: list[tuple[int, int, int, int]] = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if "rollback_to_step" in row:
+                to = int(row["rollback_to_step"])
+                kept = [r for r in kept if r[3] <= to]
+                continue
+            kept.append((int(row["epoch"]), int(row["start"]), int(row["end"]), int(row.get("step", -1))))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"ledger line {number} is not a range or a rollback: {line.strip()[:120]!r}") from exc
+    return kept
 
 
 def audit_ranges(ranges: Iterable[tuple[int, int, int]], dataset_size: int, epochs: int | None = None) -> LedgerAudit:
