@@ -85,7 +85,7 @@ def _digest(name: str, value: Any) -> Callable[[dict[str, Any]], Any]:
         (_without("files"), "no table of files"),
         (_set("files", ["tensors.safetensors"]), "no table of files"),
         (_without("format"), "format None"),
-        (_set("format", 2), "format 2"),
+        (_set("format", 3), "format 3"),
         (_set("step", 8), "of step 8, the directory of step 7"),
         (_set("step", "7"), "step '7'"),
         (_digest("skeleton.json", "0" * 64), "skeleton.json does not match"),
@@ -94,7 +94,7 @@ def _digest(name: str, value: Any) -> Callable[[dict[str, Any]], Any]:
         (lambda m: [m], "not a JSON object"),
     ],
     ids=["no-files-listed", "tensors-unlisted", "contexts-unlisted", "files-key-missing", "files-not-a-table",
-         "format-missing", "format-2", "step-of-another-directory", "step-not-a-number", "wrong-digest",
+         "format-missing", "format-3", "step-of-another-directory", "step-not-a-number", "wrong-digest",
          "digest-missing", "path-outside", "not-an-object"],
 )
 def test_a_manifest_that_does_not_vouch_for_every_file_fails(

@@ -1,7 +1,8 @@
 """On-demand checkpoints of the training state and its fingerprint (EasyScale 3.2, DESIGN.md 5).
 
 A checkpoint is a directory ``step-XXXXXXXX`` holding the tensors (safetensors, named by their
-path in the state tree), the tree's JSON skeleton, the logical workers' contexts, and a
+path in the state tree), the tree's JSON skeleton, the logical workers' contexts, the saver's
+meta (a JSON object; format 2, absent from format 1 directories, which still load), and a
 manifest with the SHA-256 of every file. It is written under a temporary name and renamed, so
 a reader sees a whole checkpoint or none; one whose files do not match the manifest is skipped
 and the previous one used. The manifest must list exactly the files of its format and the
@@ -27,17 +28,20 @@ from safetensors.torch import load_file, save_file
 from tidal.worker.state import join_tree, split_tree
 
 MANIFEST = "manifest.json"
-FORMAT = 1
-# every file of a FORMAT 1 checkpoint besides the manifest, each listed in it with its SHA-256
-FILES = ("tensors.safetensors", "skeleton.json", "contexts.json")
+FORMAT = 2
+# every file of a FORMAT checkpoint besides the manifest, each listed in it with its SHA-256
+FILES = ("tensors.safetensors", "skeleton.json", "contexts.json", "meta.json")
+# the files of each format this tidal reads (format 1 had no meta.json)
+FORMAT_FILES = {1: FILES[:3], 2: FILES}
 
 
 class CheckpointError(ValueError):
     """No readable checkpoint, or one that does not match its manifest."""
 
 
-def save_checkpoint(directory: str | Path, step: int, tree: Any, contexts: list[dict[str, Any]]) -> Path:
-    """Write ``tree`` (tensors and JSON values) and the EST contexts as checkpoint ``step``."""
+def save_checkpoint(directory: str | Path, step: int, tree: Any, contexts: list[dict[str, Any]],
+                    meta: dict[str, Any] | None = None) -> Path:
+    """Write ``tree`` (tensors and JSON values), the EST contexts and ``meta`` as checkpoint ``step``."""
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:08d}"
@@ -48,6 +52,7 @@ def save_checkpoint(directory: str | Path, step: int, tree: Any, contexts: list[
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "tensors.safetensors"))
     (tmp / "skeleton.json").write_text(json.dumps(skeleton))
     (tmp / "contexts.json").write_text(json.dumps(contexts, indent=1))
+    (tmp / "meta.json").write_text(json.dumps(meta or {}))
     files = {name: _sha256(tmp / name) for name in FILES}
     (tmp / MANIFEST).write_text(json.dumps({"format": FORMAT, "step": step, "files": files}, indent=1))
     for path in tmp.iterdir():
@@ -78,12 +83,13 @@ def verify(path: Path) -> dict[str, Any]:
     try:
         manifest = json.loads((path / MANIFEST).read_text())
         present = {p.name for p in path.iterdir()} - {MANIFEST}
-        for name, digest in _listed_files(manifest, path).items():
+        listed = _listed_files(manifest, path)
+        for name, digest in listed.items():
             if name not in present:
                 raise CheckpointError(f"{name} is listed in the manifest but missing")
             if _sha256(path / name) != digest:
                 raise CheckpointError(f"{name} does not match its manifest")
-        unlisted = sorted(present - set(FILES))
+        unlisted = sorted(present - set(listed))
         if unlisted:
             raise CheckpointError(f"{', '.join(unlisted)} not listed in the manifest")
     except (OSError, ValueError) as exc:  # the above, an unreadable file, JSON that does not parse
@@ -92,11 +98,14 @@ def verify(path: Path) -> dict[str, Any]:
 
 
 def _listed_files(manifest: Any, path: Path) -> dict[str, str]:
-    """``manifest["files"]`` once the manifest has this format, this step and lists exactly ``FILES``."""
+    """``manifest["files"]`` once the manifest has a format this tidal reads, this step and lists
+    exactly the files of its format (``FORMAT_FILES``)."""
     if not isinstance(manifest, dict):
         raise CheckpointError(f"{MANIFEST} is not a JSON object")
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{MANIFEST} has format {manifest.get('format')!r}, this tidal reads {FORMAT}")
+    version = manifest.get("format")
+    if type(version) is not int or version not in FORMAT_FILES:
+        raise CheckpointError(f"{MANIFEST} has format {version!r}, this tidal reads formats 1 to {FORMAT}")
+    names = FORMAT_FILES[version]
     step = manifest.get("step")
     if type(step) is not int or step < 0:
         raise CheckpointError(f"{MANIFEST} has step {step!r}, not a step number")
@@ -106,10 +115,10 @@ def _listed_files(manifest: Any, path: Path) -> dict[str, str]:
     files = manifest.get("files")
     if not isinstance(files, dict):
         raise CheckpointError(f"{MANIFEST} has no table of files")
-    missing = [name for name in FILES if name not in files]
+    missing = [name for name in names if name not in files]
     if missing:
         raise CheckpointError(f"{MANIFEST} does not list {', '.join(missing)}")
-    unknown = sorted(str(name) for name in files if name not in FILES)
+    unknown = sorted(str(name) for name in files if name not in names)
     if unknown:
         raise CheckpointError(f"{MANIFEST} lists files a checkpoint does not have: {', '.join(unknown)}")
     for name, digest in files.items():
@@ -136,6 +145,16 @@ def load_checkpoint(path: Path) -> tuple[Any, list[dict[str, Any]]]:
     skeleton = json.loads((path / "skeleton.json").read_text())
     contexts = json.loads((path / "contexts.json").read_text())
     return join_tree(skeleton, tensors), contexts
+
+
+def load_meta(path: Path) -> dict[str, Any]:
+    """The saver's meta of checkpoint ``path`` (``{}`` for a format 1 checkpoint, which has none)."""
+    if verify(path)["format"] == 1:
+        return {}
+    meta = json.loads((path / "meta.json").read_text())
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path} is not a valid checkpoint: meta.json is not a JSON object")
+    return meta
 
 
 def fingerprint(path: Path) -> str:
