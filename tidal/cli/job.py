@@ -280,6 +280,33 @@ def fingerprint(
 
 
 @app.command()
+def checkpoints(
+    directory: Path = typer.Argument(..., help="A --checkpoint-dir."),
+    as_json: bool = typer.Option(False, "--json", help="Print the list as JSON."),
+) -> None:
+    """The checkpoints in DIRECTORY, newest first: step, size, time, and whether each verifies
+    (every file against its manifest's SHA-256); a failing one says why. A resume takes the
+    newest that verifies. Exit status 0 when the newest verifies, 1 when it does not or there
+    is none, 2 on bad input."""
+    from tidal.worker.flash import list_checkpoints
+
+    if not directory.is_dir():
+        raise fail(f"{directory} is not a directory")
+    found = list_checkpoints(directory)
+    if as_json:
+        typer.echo(json.dumps([{"step": c.step, "path": str(c.path), "bytes": c.bytes, "mtime": c.mtime, "ok": c.ok,
+                                "problem": c.problem} for c in found]))
+    else:
+        if not found:
+            typer.echo(f"no checkpoint in {directory}")
+        for c in found:
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.mtime))
+            verdict = "ok" if c.ok else f"BAD: {c.problem}"
+            typer.echo(f"step {c.step:>9}  {c.bytes / 1e6:>10.1f} MB  {stamp}  {verdict}")
+    raise typer.Exit(0 if found and found[0].ok else 1)
+
+
+@app.command()
 def master(
     resume: Path = typer.Option(..., "--resume", help="The journal (job dir/journal.sqlite) of the job to take over."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Do not echo the workers' output."),
