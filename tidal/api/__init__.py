@@ -81,7 +81,29 @@ __all__ = [
     "WorkerInfo",
     "WorkerObservation",
     "WorkerState",
+    "parse_every",
 ]
+
+def parse_every(text: str) -> tuple[str, float]:
+    """``--checkpoint-every``: ``("steps", n)`` for a number of steps ("500"), ``("seconds", s)``
+    for a duration ("90s", "5m", "1h").
+
+    Raises:
+        ConfigError: anything else, or not positive.
+    """
+    value = text.strip().lower()
+    units = {"s": 1.0, "m": 60.0, "h": 3600.0}
+    try:
+        if value[-1:] in units:
+            seconds = float(value[:-1]) * units[value[-1]]
+            if seconds > 0 and seconds == seconds and seconds != float("inf"):
+                return "seconds", seconds
+        elif value.isdigit() and int(value) > 0:
+            return "steps", float(int(value))
+    except ValueError:
+        pass
+    raise ConfigError(f"--checkpoint-every takes a number of steps (500) or a duration (90s, 5m, 1h), got {text!r}")
+
 
 # Control-plane limits: the master answers 413 above MAX_BODY_BYTES, 422 above the list limits.
 MAX_BODY_BYTES = 16 << 20
@@ -199,6 +221,10 @@ class ReportRequest(_Wire):
     # measurement, resident memory
     cpu_percent: float = Field(default=0.0, ge=0, le=1e5)
     rss_bytes: int = Field(default=0, ge=0, le=_I64)
+    # its newest flash checkpoint (the step in shared memory, -1: none) and the persister's
+    # newest problem (a full or unwritable --checkpoint-dir), "" when none
+    checkpoint_step: int = Field(default=-1, ge=-1, le=_I64)
+    checkpoint_problem: str = Field(default="", max_length=1000)
 
 
 class ReportResponse(_Wire):
@@ -309,6 +335,8 @@ class StatusResponse(_Wire):
     error: str | None = None
     paused: str | None = None  # why the job stands still (e.g. the journal cannot be written)
     planner: PlannerStatus | None = None
+    checkpoint_step: int = -1  # the newest flash checkpoint a worker reported (-1: none)
+    checkpoint_problem: str | None = None  # the newest problem writing checkpoints
 
 
 class PlannerDecision(_Wire):

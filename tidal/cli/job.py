@@ -17,7 +17,7 @@ import httpx
 import typer
 
 from tidal import backends
-from tidal.api import ConfigError, PlannerStatus, StatusResponse
+from tidal.api import ConfigError, PlannerStatus, StatusResponse, parse_every
 from tidal.cli import app, fail
 
 HOME_ENV = "TIDAL_HOME"
@@ -138,6 +138,11 @@ def run(
         help="Train N logical workers over however many processes run (bitwise the same for any count).",
     ),
     checkpoint_dir: Path | None = typer.Option(None, "--checkpoint-dir", help="Final and on-demand checkpoints go here."),
+    checkpoint_every: str | None = typer.Option(
+        None, "--checkpoint-every", metavar="STEPS|DURATION",
+        help="Also a flash checkpoint every STEPS applied steps (500) or DURATION (90s, 5m, 1h): the state is "
+             "copied into shared memory at a step boundary and written to --checkpoint-dir by a background "
+             "process (needs --checkpoint-dir)."),
     determinism: str | None = typer.Option(
         None, "--determinism", help="D0, D1 (default with --logical-workers) or D2 (also across CPU types)."),
     comm_backend: str | None = typer.Option(
@@ -190,6 +195,11 @@ def run(
         raise fail(f"--initial {initial} is outside --workers {low}:{high}")
     check_ledger(ledger)
     env = logical_env(logical_workers, high, checkpoint_dir, determinism)
+    if checkpoint_every is not None:
+        if checkpoint_dir is None:
+            raise fail("--checkpoint-every needs --checkpoint-dir")
+        parse_every(checkpoint_every)  # a one-line error for a bad value
+        env["TIDAL_CHECKPOINT_EVERY"] = checkpoint_every
     gpus = visible_gpus()
     if comm_backend is not None:
         if comm_backend not in ("gloo", "nccl"):
@@ -473,6 +483,10 @@ def _render_status(st: StatusResponse) -> None:
         console.print(f"[yellow]paused:[/] {st.paused}")
     if st.planner is not None:
         console.print(_planner_line(st.planner), markup=False, highlight=False)
+    if st.checkpoint_step >= 0 or st.checkpoint_problem:
+        console.print(f"newest flash checkpoint: step {st.checkpoint_step}"
+                      + (f"; problem: {st.checkpoint_problem}" if st.checkpoint_problem else ""),
+                      markup=False, highlight=False)
     table = Table("worker", "pid", "state", "rank", "step", "samples/s", "straggler", "exit")
     for w in st.workers:
         table.add_row(str(w.worker_id), str(w.pid), w.state.value, str(w.rank) if w.rank >= 0 else "-",

@@ -151,6 +151,8 @@ class JobMaster:
         self.error: str | None = None
         self.target = spec.initial_workers or spec.max_workers
         self.target_override: int | None = spec.initial_workers
+        self.checkpoint_step = -1  # the newest flash checkpoint a worker reported
+        self.checkpoint_problem: str | None = None
         self.shards = ShardManager()
         self.rounds = RoundState()
         self.commits = Commits(self.journal, self.shards, self.log, spec.ledger_path)
@@ -235,6 +237,7 @@ class JobMaster:
         self.error = meta.get("error")
         self.target = meta.get("target", self.target)
         self.target_override = meta.get("target_override")
+        self.checkpoint_step = meta.get("checkpoint_step", -1)
         rs = self.rounds
         rs.round = meta.get("round", -1)
         rs.members = list(meta.get("members", []))
@@ -392,6 +395,7 @@ class JobMaster:
             rec.data_s, rec.compute_s, rec.comm_s = req.data_s, req.compute_s, req.comm_s
         if req.rss_bytes:
             rec.cpu_percent, rec.rss_bytes = req.cpu_percent, req.rss_bytes
+        self._note_checkpoint(req.checkpoint_step, req.checkpoint_problem)
         if req.round == self.round and self.is_member(req.worker_id) and rec.state in (W.ACTIVE, W.WAITING):
             rec.progressed(req.applied_step, now)
             for r in req.records:
@@ -408,6 +412,17 @@ class JobMaster:
             self.log.record_pause(pause.round, pause.seconds)
         return ReportResponse(round=self.round, reform=self.reforming, finalized_step=self.finalized_step,
                               incarnation=self.incarnation)
+
+    def _note_checkpoint(self, step: int, problem: str) -> None:
+        """A worker's newest flash checkpoint (journaled with the next meta write) and the
+        persister's problem (shown once in the log and in the status until it changes)."""
+        if step > self.checkpoint_step:
+            self.checkpoint_step = step
+        if not problem and step < 0:
+            return  # a worker that never saved a checkpoint tells nothing
+        if problem and problem != self.checkpoint_problem:
+            self.log.add("error", f"checkpoint: {problem}; training goes on, the last good checkpoint is kept")
+        self.checkpoint_problem = problem or None
 
     @journaled
     def lease(self, req: LeaseRequest) -> LeaseResponse:
@@ -845,6 +860,7 @@ class JobMaster:
             error=self.error,
             paused=self.paused,
             planner=self.planning.status(overridden=self.target_override is not None),
+            checkpoint_step=self.checkpoint_step, checkpoint_problem=self.checkpoint_problem,
         )
 
     # ================================================================== helpers
@@ -868,7 +884,7 @@ class JobMaster:
         self.journal.put_meta("state", {
             "job_state": self.state.value, "round": rs.round, "members": rs.members,
             "finalized_step": self.finalized_step, "target": self.target,
-            "target_override": self.target_override, "error": self.error,
+            "target_override": self.target_override, "error": self.error, "checkpoint_step": self.checkpoint_step,
             **self.fleet.to_meta(),
             "dataset": None if cfg is None else {
                 "size": cfg.size, "batch_size": cfg.batch_size, "batches_per_shard": cfg.batches_per_shard,

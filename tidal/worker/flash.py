@@ -69,8 +69,8 @@ from tidal.worker import persister as slotfmt
 from tidal.worker.checkpoint import MANIFEST, CheckpointError, save_checkpoint, verify
 from tidal.worker.state import join_tree
 
-__all__ = ["CheckpointInfo", "FlashCheckpoint", "FlashError", "Loaded", "SaveResult", "list_checkpoints",
-           "load_latest", "remove_shm"]
+__all__ = ["CheckpointInfo", "FlashCheckpoint", "FlashError", "Loaded", "PeriodicCheckpoint", "SaveResult",
+           "list_checkpoints", "load_latest", "remove_shm"]
 
 log = logging.getLogger(__name__)
 
@@ -567,6 +567,56 @@ class FlashCheckpoint:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class PeriodicCheckpoint:
+    """``--checkpoint-every``: a flash save every ``n`` applied steps or ``s`` seconds.
+
+    The caller asks ``due(step)`` at each step boundary and saves when it says so. A failure is
+    kept (``problem``) and logged, never raised: a checkpoint that cannot be written must not stop
+    training (the previous one stays). ``step`` is the newest snapshot in shared memory or on disk.
+    """
+
+    def __init__(self, directory: str | Path, name: str, every: tuple[str, float],
+                 clock: Any = time.monotonic) -> None:
+        self.directory, self.name, self.every, self.clock = str(directory), name, every, clock
+        self.flash: FlashCheckpoint | None = None
+        self.step = -1
+        self.problem = ""
+        self._last_at = clock()
+
+    def due(self, step: int) -> bool:
+        kind, value = self.every
+        if kind == "steps":
+            return (step + 1) % int(value) == 0
+        return self.clock() - self._last_at >= value
+
+    def save(self, step: int, tree: Any, contexts: list[dict[str, Any]], meta: dict[str, Any]) -> SaveResult | None:
+        self._last_at = self.clock()
+        try:
+            if self.flash is None:
+                self.flash = FlashCheckpoint(self.directory, name=self.name)
+            result = self.flash.save(step, tree, contexts, meta)
+        except (FlashError, OSError, ValueError) as exc:
+            self._note(f"checkpoint of step {step} not taken: {exc}")
+            return None
+        if result.where != "none":
+            self.step = step
+        problems = self.flash.problems()
+        if problems:
+            self._note(problems[-1])
+        return result
+
+    def _note(self, problem: str) -> None:
+        if problem != self.problem:
+            log.warning("%s", problem)
+        self.problem = problem
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Let the persister write what is pending (it would anyway: it outlives this process)."""
+        if self.flash is not None:
+            self.flash.close(timeout)
+            self.flash = None
 
 
 def remove_shm(name: str, shm_dir: str | Path = "/dev/shm") -> list[Path]:

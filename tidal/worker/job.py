@@ -42,11 +42,13 @@ from tidal.api import (
     RendezvousRequest,
     RendezvousResponse,
     StaleRoundError,
+    parse_every,
 )
 from tidal.worker.api import CollectiveError, FinishRefusedError, UsageError, WorkerGoneError
 from tidal.worker.checkpoint import save_checkpoint
 from tidal.worker.client import MasterClient
 from tidal.worker.comm import RoundComm
+from tidal.worker.flash import PeriodicCheckpoint
 from tidal.worker.loader import ElasticDataLoader
 from tidal.worker.placement import choose_backend, model_device
 from tidal.worker.reporter import Reporter
@@ -92,6 +94,7 @@ class Job:
         self._failure = ""  # why this worker last left a round, for the master (see _rendezvous)
         self.logical = logical  # logical workers (EasyScale ESTs); None: one worker per process
         self.checkpoint_dir: str | None = None
+        self.periodic_checkpoint: PeriodicCheckpoint | None = None  # --checkpoint-every
 
     # ------------------------------------------------------------------ public API
     @property
@@ -166,6 +169,8 @@ class Job:
             self._check_gone()  # a failed worker's state is not the job's: no checkpoint of it
         if self.checkpoint_dir and self.rank == 0 and self._state is not None and self._state.applied_step >= 0:
             self.checkpoint()
+        if self.periodic_checkpoint is not None:
+            self.periodic_checkpoint.close()
         if self.client is not None and self._reporter is not None:
             held = self._reporter.held_records()[-MAX_RECORDS_PER_REQUEST:]
             req = FinishRequest(worker_id=self.worker_id, metrics={k: float(v) for k, v in metrics.items()},
@@ -180,6 +185,8 @@ class Job:
         if self._reporter is not None:
             self._reporter.stop()
         self._leave_round()
+        if self.periodic_checkpoint is not None:
+            self.periodic_checkpoint.close()
 
     def est_contexts(self) -> list[dict[str, Any]]:
         """Every logical worker's context: what it needs to resume anywhere (tidal.worker.logical)."""
@@ -208,6 +215,14 @@ class Job:
         moved to ``applied.step``: the reporter never sees the step without its records."""
         if self._reporter is not None:
             self._reporter.record_step(applied)
+        periodic = self.periodic_checkpoint
+        if periodic is not None and self.rank == 0 and self._state is not None and periodic.due(applied.step):
+            # rank 0 holds the state every member holds; the copy is the only time training waits
+            periodic.save(applied.step, self._state.to_tree(), self.est_contexts(),
+                          {"job_id": self.job_id, "step": applied.step, "round": self.round,
+                           "world_size": self.world_size, "worker_id": self.worker_id})
+            if self._reporter is not None:
+                self._reporter.checkpoint_step, self._reporter.checkpoint_problem = periodic.step, periodic.problem
 
     def collective_broke(self, exc: CollectiveError) -> None:
         """A collective failed (a peer died or left): re-form, telling the master why."""
@@ -383,6 +398,11 @@ def init(backend: str | None = None, *, logical_workers: int | None = None,
         job.collective_timeout_s = info.collective_timeout_s
         job.start_reporter(info.heartbeat_interval_s)
     job.checkpoint_dir = checkpoints
+    every = os.environ.get("TIDAL_CHECKPOINT_EVERY")
+    if every:
+        if not checkpoints:
+            raise UsageError("TIDAL_CHECKPOINT_EVERY needs a checkpoint directory")
+        job.periodic_checkpoint = PeriodicCheckpoint(checkpoints, f"{job.job_id}-w{job.worker_id}", parse_every(every))
     return job
 
 

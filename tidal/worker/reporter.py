@@ -145,6 +145,9 @@ class Reporter:
         self._reform_notice = False
         self._gone: str | None = None
         self._usage = ProcessUsage(clock)
+        # the newest flash checkpoint and the persister's newest problem (set by the job)
+        self.checkpoint_step = -1
+        self.checkpoint_problem = ""
 
     # ------------------------------------------------------------------ the thread
     def start(self, heartbeat_interval_s: float | None = None) -> None:
@@ -265,7 +268,8 @@ class Reporter:
             records=unsent, compute_s_per_sample=self._compute_per_sample,
             samples_per_s=self._samples_per_s, pauses=pauses, incarnation=self._incarnation,
             data_s=_bounded(self._data_s), compute_s=_bounded(self._compute_s), comm_s=_bounded(self._comm_s),
-            **self._usage.read(),
+            **self._usage.read(), checkpoint_step=self.checkpoint_step,
+            checkpoint_problem=self.checkpoint_problem[:1000],
         )
         try:
             resp = self._client.post("/v1/report", req, ReportResponse, patience_s=REPORT_PATIENCE_S)
