@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/checkpoint_throughput.py [--every 10s] [--workers 2] [--samples N] [--rounds 2] [--json]
 
-The example (examples/ctr/train.py, ``--model-size large``: about 49 MB of parameters and Adam
+The example (examples/ctr/train.py, ``--model-size large``: tens of MB of parameters and Adam
 state) trained by ``tidal run --workers W:W`` to the end of one epoch, alternately without
 checkpoints and with ``--checkpoint-dir DIR --checkpoint-every EVERY`` (rank 0 copies the state
 into shared memory at a step boundary; the persister process hashes and writes it to DIR,
@@ -36,7 +36,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--every", default="10s", help="--checkpoint-every of the runs with checkpoints")
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--samples", type=int, default=600_000, help="samples of the one epoch")
+    p.add_argument("--samples", type=int, default=200_000, help="samples of the one epoch (about 80 s a run here)")
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--rounds", type=int, default=2, help="runs of each kind, alternated")
     p.add_argument("--json", action="store_true")
