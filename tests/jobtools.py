@@ -160,3 +160,21 @@ def alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+def mount_tmpfs(point: Path, size: str) -> None:
+    """Mount a tmpfs of ``size`` (``"512k"``, ``"64m"``) at ``point`` (created): a real disk
+    that fills up. Skips the test where mounting is not allowed; unmount with ``umount_lazy``."""
+    import pytest
+
+    point.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs to make a full disk here: {done.stderr.strip()}")
+
+
+def umount_lazy(points: list[Path]) -> None:
+    for point in points:
+        subprocess.run(["umount", "-l", str(point)], check=False)
+

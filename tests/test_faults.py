@@ -9,7 +9,6 @@ or it exited 1 with the reason.
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,7 +17,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.jobtools import Job, alive, example_args, wait_for
+from tests.jobtools import Job, alive, example_args, mount_tmpfs, umount_lazy, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -30,19 +29,14 @@ def small_fs(tmp_path: Path, jobs: list[Job]) -> Iterator[Callable[[str, int], P
 
     def mount(name: str, size_mb: int) -> Path:
         point = tmp_path / name
-        point.mkdir()
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(point)],
-                              capture_output=True, text=True)
-        if done.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs to make a full disk here: {done.stderr.strip()}")
+        mount_tmpfs(point, f"{size_mb}m")
         mounted.append(point)
         return point
 
     yield mount
     for job in jobs:
         job.kill_all()
-    for point in mounted:
-        subprocess.run(["umount", "-l", str(point)], check=False)
+    umount_lazy(mounted)
 
 
 def fill(directory: Path) -> Path:

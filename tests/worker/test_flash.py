@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.jobtools import mount_tmpfs, umount_lazy
 from tidal.worker import checkpoint, persister
 from tidal.worker.checkpoint import MANIFEST, CheckpointError, load_checkpoint, verify
 from tidal.worker.flash import FlashCheckpoint, FlashError, list_checkpoints, load_latest, remove_shm
@@ -352,17 +353,12 @@ def small_fs(tmp_path: Path) -> Iterator[Callable[[str, int], Path]]:
 
     def mount(name: str, size_kb: int) -> Path:
         point = tmp_path / name
-        point.mkdir()
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kb}k", "tmpfs", str(point)],
-                              capture_output=True, text=True)
-        if done.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs to make a full disk here: {done.stderr.strip()}")
+        mount_tmpfs(point, f"{size_kb}k")
         mounted.append(point)
         return point
 
     yield mount
-    for point in mounted:
-        subprocess.run(["umount", "-l", str(point)], check=False)
+    umount_lazy(mounted)
 
 
 def test_a_full_disk_is_reported_and_the_previous_checkpoint_stays(

@@ -67,7 +67,7 @@ import torch
 from tidal.api.frames import DTYPES
 from tidal.worker import persister as slotfmt
 from tidal.worker.checkpoint import MANIFEST, CheckpointError, save_checkpoint, verify
-from tidal.worker.state import join_tree
+from tidal.worker.state import join_tree, split_tree
 
 __all__ = ["CheckpointInfo", "FlashCheckpoint", "FlashError", "Loaded", "PeriodicCheckpoint", "SaveResult",
            "list_checkpoints", "load_latest", "remove_shm"]
@@ -123,38 +123,9 @@ class CheckpointInfo:
 
 # ----------------------------------------------------------------------------- the tree
 def _walk(tree: Any) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
-    """(JSON skeleton, tensors in tree order) as ``state.split_tree``, without copying a tensor
-    (split_tree makes tensors CPU and contiguous: a copy of a CUDA or strided one)."""
-    tensors: list[tuple[str, torch.Tensor]] = []
-    seen: set[str] = set()
-
-    def enc(obj: Any, path: str) -> Any:
-        if isinstance(obj, torch.Tensor):
-            if obj.dtype not in _WIRE:
-                raise TypeError(f"cannot checkpoint tensors of dtype {obj.dtype}")
-            name = path or "/"
-            if name in seen:
-                raise TypeError(f"two tensors of the state tree have the path {name!r}; rename a key")
-            seen.add(name)
-            tensors.append((name, obj.detach()))
-            return {"T": _WIRE[obj.dtype], "shape": list(obj.shape), "path": name}
-        if isinstance(obj, dict):
-            return {"D": [[_key(k), enc(v, f"{path}/{k}")] for k, v in obj.items()]}
-        if isinstance(obj, tuple):
-            return {"U": [enc(v, f"{path}/{i}") for i, v in enumerate(obj)]}
-        if isinstance(obj, list):
-            return {"L": [enc(v, f"{path}/{i}") for i, v in enumerate(obj)]}
-        if obj is None or isinstance(obj, bool | int | float | str):
-            return {"V": obj}
-        raise TypeError(f"cannot checkpoint a {type(obj).__name__} in the state (use tensors or JSON types)")
-
-    return enc(tree, ""), tensors
-
-
-def _key(k: Any) -> Any:
-    if isinstance(k, bool) or not isinstance(k, int | str):
-        raise TypeError(f"state dict keys must be str or int, not {type(k).__name__}")
-    return k if isinstance(k, str) else {"i": k}
+    """(JSON skeleton, tensors in tree order) as ``state.split_tree``, without copying a tensor."""
+    skeleton, tensors = split_tree(tree, copy=False)
+    return skeleton, list(tensors.items())
 
 
 class _Layout:

@@ -112,12 +112,13 @@ class State:
 
 
 # ---------------------------------------------------------------------------- packing
-def _encode(tree: Any, on_tensor: Callable[[torch.Tensor, str], dict[str, Any]]) -> Any:
-    """JSON skeleton of a tree of containers and scalars; tensors become ``on_tensor(t, path)``."""
+def _encode(tree: Any, on_tensor: Callable[[torch.Tensor, str], dict[str, Any]], copy: bool = True) -> Any:
+    """JSON skeleton of a tree of containers and scalars; tensors become ``on_tensor(t, path)``,
+    ``t`` made CPU and contiguous (a copy where it was not), or only detached with ``copy=False``."""
 
     def enc(obj: Any, path: str) -> Any:
         if isinstance(obj, torch.Tensor):
-            t = obj.detach().cpu().contiguous()
+            t = obj.detach().cpu().contiguous() if copy else obj.detach()
             if t.dtype not in _NAMES:
                 raise TypeError(f"cannot send tensors of dtype {t.dtype}")
             return {"T": _NAMES[t.dtype], "shape": list(t.shape), **on_tensor(t, path)}
@@ -192,8 +193,10 @@ def unpack_state(header: bytes, flat: torch.Tensor, *, max_bytes: int = MAX_STAT
         raise FrameError(str(exc)) from None
 
 
-def split_tree(tree: Any) -> tuple[Any, dict[str, torch.Tensor]]:
-    """(JSON skeleton, tensors by path) of a state tree: the form a checkpoint stores."""
+def split_tree(tree: Any, copy: bool = True) -> tuple[Any, dict[str, torch.Tensor]]:
+    """(JSON skeleton, tensors by path, in tree order) of a state tree: the form a checkpoint
+    stores. ``copy=False`` leaves each tensor where and as it is (detached only): for a caller
+    that copies them itself, such as the flash checkpoint into shared memory."""
     tensors: dict[str, torch.Tensor] = {}
 
     def name(t: torch.Tensor, path: str) -> dict[str, Any]:
@@ -203,7 +206,7 @@ def split_tree(tree: Any) -> tuple[Any, dict[str, torch.Tensor]]:
         tensors[path] = t
         return {"path": path}
 
-    return _encode(tree, name), tensors
+    return _encode(tree, name, copy), tensors
 
 
 def join_tree(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
