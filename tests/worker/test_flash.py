@@ -157,6 +157,22 @@ def test_saves_of_one_layout_reuse_the_slot_files(make: Callable[..., FlashCheck
     assert_same(load_latest(fc.directory, name=name).tree, bigger)
 
 
+def test_the_other_slot_is_created_ahead_so_the_second_save_does_not(make: Callable[..., FlashCheckpoint],
+                                                                      name: str) -> None:
+    fc = make()
+    fc.save(1, state(1), [])
+    other = SHM / f"tidal-{name}-1"
+    deadline = time.monotonic() + 10
+    while not other.exists() and time.monotonic() < deadline:  # created by a background thread
+        time.sleep(0.01)
+    assert other.exists(), "the second slot was not created ahead"
+    ahead = os.stat(other).st_ino
+    fc.save(2, state(2), [])
+    assert slot_of(fc, 2) == other and os.stat(other).st_ino == ahead  # used as created, not re-created
+    fc.wait_persisted(2)
+    assert_same(load_latest(fc.directory, name=name).tree, state(2))
+
+
 TRAINER = """
 import json, sys, time, torch
 from tidal.worker.flash import FlashCheckpoint

@@ -215,6 +215,7 @@ class FlashCheckpoint:
         self._layout: _Layout | None = None
         self._seq = self._last_seq() + 1
         self._cond = threading.Condition()
+        self._creating = threading.Lock()  # held while slots are created (in save, or ahead in the background)
         self._status: dict[int, tuple[str, Any]] = {}  # step -> ("pending" | "persisted" | "failed" | ..., detail)
         self._problems: list[str] = []
         self._warned: set[str] = set()
@@ -326,19 +327,21 @@ class FlashCheckpoint:
             self._layout = _Layout(key)
         layout = self._layout
         json_len = sum(len(b) for b in blobs)
-        slot, dropped = self._pick()
-        if slot is None:
-            note = (f"skipped: every shared-memory slot ({len(self._slots)}) is being persisted or read; "
-                    "training does not wait for the disk")
-            self._set_status(step, ("skipped", note))
-            return SaveResult(step, time.perf_counter() - start, layout.nbytes, "none", None, note)
-        try:
-            if slot.layout is not layout or slot.json_cap < json_len:
-                self._create(slot, layout, json_len)
-        except (_NoRoom, OSError) as exc:
-            self._unlock(slot)
-            reason = str(exc) if isinstance(exc, _NoRoom) else f"cannot create {slot.path}: {exc.strerror or exc}"
-            return self._save_to_disk(step, tree, contexts, meta, start, layout.nbytes, reason)
+        with self._creating:  # a slot the background is still creating is waited for, not raced
+            slot, dropped = self._pick()
+            if slot is None:
+                note = (f"skipped: every shared-memory slot ({len(self._slots)}) is being persisted or read; "
+                        "training does not wait for the disk")
+                self._set_status(step, ("skipped", note))
+                return SaveResult(step, time.perf_counter() - start, layout.nbytes, "none", None, note)
+            try:
+                if slot.layout is not layout or slot.json_cap < json_len:
+                    self._create(slot, layout, json_len)
+                    self._precreate(layout, json_len)
+            except (_NoRoom, OSError) as exc:
+                self._unlock(slot)
+                reason = str(exc) if isinstance(exc, _NoRoom) else f"cannot create {slot.path}: {exc.strerror or exc}"
+                return self._save_to_disk(step, tree, contexts, meta, start, layout.nbytes, reason)
         assert slot.mm is not None
         buf = slot.mm
         seq = self._seq
@@ -363,6 +366,29 @@ class FlashCheckpoint:
         self._notify({"slot": slot.index, "seq": seq, "step": step})
         note = f"replaced step {dropped}, not yet persisted" if dropped is not None else ""
         return SaveResult(step, time.perf_counter() - start, layout.nbytes, "shm", dropped, note)
+
+    def _precreate(self, layout: _Layout, json_len: int) -> None:
+        """Create the other slots for ``layout`` in a background thread, so that the next saves do
+        not block for it (reserving and mapping the pages costs about 1 s per GB here). A save
+        that comes before they are ready waits for them (``_creating``); a slot that cannot be
+        created now is created on use, or the save falls back to disk, as without this."""
+        others = [slot for slot in self._slots if slot.fd is None]
+        if not others:
+            return
+
+        def run() -> None:
+            with self._creating:
+                for slot in others:
+                    if slot.fd is not None or self._closed:
+                        continue
+                    try:
+                        self._create(slot, layout, json_len)
+                    except (_NoRoom, OSError) as exc:
+                        log.debug("flash checkpoint %s: slot %d not created ahead: %s", self.name, slot.index, exc)
+                        return
+                    self._unlock(slot)
+
+        threading.Thread(target=run, name=f"flash-create-{self.name}").start()
 
     def _pick(self) -> tuple[_Slot | None, int | None]:
         """The slot to write, locked exclusively, and the step of the pending snapshot it replaces."""
@@ -525,8 +551,9 @@ class FlashCheckpoint:
                             "own", self.name, timeout)
             if self._reader is not None:
                 self._reader.join(timeout=5)
-        for slot in self._slots:
-            slot.release()
+        with self._creating:  # not while the background creates a slot
+            for slot in self._slots:
+                slot.release()
         if proc is None or proc.poll() is not None:  # the persister's cleanup, should it have died
             for index, step, path in slotfmt.remove_slots(self.shm_dir, self.name, len(self._slots)):
                 if self.persist:
