@@ -2,9 +2,9 @@
 
 ``Planning`` owns what the brain needs from a live job and what the user sees of it:
 
-* throughput per worker count (``measure``): the samples committed per second of training while
-  the job ran with a given number of workers and nothing was starting or re-forming; the first
-  interval after each change is left out (the re-form's pause and the first steps after it);
+* throughput per worker count (``measure``, ``tidal.brain.meter``, as the job simulator measures
+  it): samples committed per second while the job ran with a given number of workers and
+  nothing was starting or re-forming, the first interval after each change left out;
 * the ``JobObservation`` handed to the planner (``observe``): those points, each worker's step
   split, CPU and memory, the pauses since the previous decision, progress;
 * the decisions (``decide``): every change of the target, with the inputs it rested on, the
@@ -32,6 +32,7 @@ from tidal.api import (
     WorkerObservation,
 )
 from tidal.brain.api import Planner
+from tidal.brain.meter import ThroughputMeter
 from tidal.master.membership import WorkerRecord
 
 __all__ = ["MAX_DECISIONS", "MAX_TIMELINE", "Planning"]
@@ -46,10 +47,7 @@ class Planning:
         self.started_at = started_at
         self.cpus = cpus
         self.warm_start = warm_start
-        # workers -> [samples, seconds] measured at that count
-        self.points: dict[int, list[float]] = {}
-        self._mark: tuple[int, float, int] | None = None  # (workers, time, committed) of the open interval
-        self._skip = True  # the first interval after a change is not measured
+        self.meter = ThroughputMeter()  # throughput per worker count
         self.decisions: deque[PlannerDecision] = deque(maxlen=MAX_DECISIONS)
         self.total = 0
         self.last_plan: ResourcePlan | None = None
@@ -57,25 +55,16 @@ class Planning:
         self._pauses_seen = 0.0  # the time of the newest pause already handed to the planner
 
     # ------------------------------------------------------------------ measurements
+    @property
+    def points(self) -> dict[int, list[float]]:
+        """Workers -> [samples, seconds] measured at that count (``tidal.brain.meter``)."""
+        return self.meter.points
+
     def measure(self, now: float, workers: int, committed: int, ready: bool) -> None:
-        """Close the interval since the previous call: it counts for ``workers`` if the job ran
-        with that many throughout (``ready``), and was not the first after a change."""
-        key = workers if ready and workers > 0 else 0
-        mark = self._mark
-        if mark is not None and mark[0] == key and key and now > mark[1] and committed >= mark[2]:
-            if self._skip:
-                self._skip = False
-            else:
-                acc = self.points.setdefault(key, [0.0, 0.0])
-                acc[0] += committed - mark[2]
-                acc[1] += now - mark[1]
-        elif mark is None or mark[0] != key:
-            self._skip = True
-        self._mark = (key, now, committed)
+        self.meter.measure(now, workers, committed, ready)
 
     def throughput(self) -> list[ThroughputPoint]:
-        return [ThroughputPoint(workers=w, samples_per_s=s / t, seconds=round(t, 3))
-                for w, (s, t) in sorted(self.points.items()) if t > 0]
+        return self.meter.throughput()
 
     def record(self, now: float, samples_per_s: float, workers: int, target: int) -> None:
         """One timeline point (the caller calls it once a second)."""
@@ -139,7 +128,7 @@ class Planning:
             return
         self.started_at = float(meta.get("started_at", self.started_at))
         self.total = int(meta.get("total", 0))
-        self.points = {int(w): [float(v[0]), float(v[1])] for w, v in (meta.get("points") or {}).items()}
+        self.meter.points = {int(w): [float(v[0]), float(v[1])] for w, v in (meta.get("points") or {}).items()}
         self.decisions.clear()
         self.decisions.extend(PlannerDecision(**d) for d in meta.get("decisions") or [])
 

@@ -11,7 +11,7 @@ What is modelled, per tick of ``tick_s`` (the planner is asked every ``interval_
 * a new worker trains ``start_s`` after the planner asked for it (process start, imports, the
   rendezvous); then every running worker stands still ``pause_s`` (the re-form's pause);
   a worker released stops at once, also with a pause;
-* measurements as the master takes them (``tidal.master.planning``): throughput per count over
+* measurements as the master takes them (``tidal.brain.meter``): throughput per count over
   the intervals in which the job ran with the target and nothing was starting, the first
   interval after each change left out;
 * the job's fixed costs: ``start_s`` before the first step, ``tail_s`` after the last (the
@@ -26,8 +26,9 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from tidal.api import JobObservation, ThroughputPoint
+from tidal.api import JobObservation
 from tidal.brain.api import Planner, ThroughputConfig
+from tidal.brain.meter import ThroughputMeter
 from tidal.brain.models import DataParallelModel
 
 __all__ = ["JobSimResult", "simulate_job"]
@@ -60,31 +61,18 @@ def simulate_job(
     running, starting = 0, list[float]()  # running workers; when each starting one begins training
     target = max_workers
     paused_until = 0.0
-    points: dict[int, list[float]] = {}
-    mark: tuple[int, float, float] | None = None
-    skip = True
+    meter = ThroughputMeter()
     next_plan = 0.0
     result = JobSimResult(0.0, 0.0, 0, 0.0)
     while done < samples and now < limit_s:
         if now >= next_plan:
             next_plan = now + interval_s
             ready = not starting and running == target and now >= paused_until
-            key = running if ready else 0
-            if mark is not None and mark[0] == key and key:
-                if skip:
-                    skip = False
-                else:
-                    acc = points.setdefault(key, [0.0, 0.0])
-                    acc[0] += done - mark[2]
-                    acc[1] += now - mark[1]
-            elif mark is None or mark[0] != key:
-                skip = True
-            mark = (key, now, done)
+            meter.measure(now, running, done, ready)
             obs = JobObservation(
                 job_id="sim", min_workers=min_workers, max_workers=max_workers, current_workers=running,
                 target_workers=target, now_s=now, ready=ready, samples_per_s=rate(running),
-                throughput=[ThroughputPoint(workers=w, samples_per_s=s / t, seconds=t)
-                            for w, (s, t) in sorted(points.items()) if t > 0],
+                throughput=meter.throughput(),
                 batch_size=batch_size, committed_samples=int(done), total_samples=samples,
             )
             plan = planner.plan(obs)
