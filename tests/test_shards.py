@@ -420,6 +420,7 @@ def test_restore_from_journaled_rows_and_the_ledger(shuffle: bool) -> None:
     j.flush()
     r = j.restored()
     assert r.counts() == m.counts()
+    assert r.samples_done == m.samples_done == sum(c[4] for c in m.counts())
     assert sorted((e.epoch, e.start, e.end, e.done_to, e.state) for e in r.entries()) == sorted(
         (e.epoch, e.start, e.end, e.done_to, e.state) for e in m.entries())
     assert drain(r, 0, worker=5) == drain(m, 0, worker=5)
@@ -506,6 +507,7 @@ def _run_random_schedule(seed: int, size: int, batch: int, per_shard: int, shuff
             assert ranges[-1][1] == size
         assert sum(e - s for s, e in ranges) == size
         assert m.is_committed(epoch, 0, 1)
+        assert m.samples_done == sum(c[4] for c in m.counts())  # the running count agrees with a scan
     assert [c[1:] for c in m.counts()] == [(0, 0, c[3], size, size) for c in m.counts()]
     assert all(e.state is S.DONE and e.done_to == e.end for e in m.entries())
 

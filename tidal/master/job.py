@@ -635,9 +635,11 @@ class JobMaster:
         stops because its planner failed: a plan that raises keeps the current target (logged
         once per distinct error), one outside MIN:MAX is clamped (and said so). A change is
         journaled with the observation it rested on and the planner's reason."""
-        obs = self.observation(now)
+        active = self._active()
+        ready = self._measure(now, active)
         if self.target_override is not None:
-            return
+            return  # measured all the same: the planner decides from it once handed back
+        obs = self._observe(now, active, ready)
         try:
             plan = self.planner.plan(obs)
             wanted = int(plan.workers)
@@ -661,24 +663,27 @@ class JobMaster:
                 self._save_meta_and_workers()
                 self.journal.put_meta("planner", self.planning.to_meta())
 
-    def observation(self, now: float) -> JobObservation:
-        """What the planner sees now (measuring the interval since the previous call first)."""
-        active = self._active()
-        committed = self.committed_samples()
+    def _measure(self, now: float, active: list[WorkerRecord]) -> bool:
+        """Close the throughput interval since the previous call; whether the job ran at its
+        target with nothing starting or re-forming (only then does the interval count)."""
         ready = (not self.reforming and len(active) == self.target
                  and all(r.state in (W.ACTIVE, W.SUCCEEDED, W.FAILED) for r in self.workers.values()))
-        self.planning.measure(now, len(active), committed, ready)
+        self.planning.measure(now, len(active), self.committed_samples(), ready)
+        return ready
+
+    def _observe(self, now: float, active: list[WorkerRecord], ready: bool) -> JobObservation:
+        """What the planner sees now."""
         cfg = self.shards.config
         return self.planning.observe(
             job_id=self.spec.job_id, now=now, min_workers=self.spec.min_workers, max_workers=self.spec.max_workers,
             target=self.target, active=active, ready=ready, applied_step=self.finalized_step,
-            batch_size=0 if cfg is None else cfg.batch_size, committed=committed,
+            batch_size=0 if cfg is None else cfg.batch_size, committed=self.committed_samples(),
             total=0 if cfg is None or cfg.epochs is None else cfg.size * cfg.epochs, pauses=self.log.pauses(),
         )
 
     def committed_samples(self) -> int:
         """Samples in committed ranges, over every epoch."""
-        return sum(samples_done for _, _, _, _, samples_done, _ in self.shards.counts())
+        return self.shards.samples_done
 
     def _launch_missing(self, now: float) -> None:
         # journal first: a process the journal does not know would be an orphan after a reload

@@ -119,6 +119,9 @@ class ShardManager:
         self.config: DatasetConfig | None = None
         self._epochs: dict[int, _Epoch] = {}
         self._dirty: dict[tuple[int, int], ShardEntry] = {}
+        # samples in committed ranges over every epoch, kept as commits come (the planner reads it
+        # every second: a scan of up to a million shards per epoch would not do)
+        self.samples_done = 0
 
     # ----------------------------------------------------------------- configuration
     def configure(self, config: DatasetConfig) -> None:
@@ -205,6 +208,7 @@ class ShardManager:
                 f"range [{start}, {end}) of epoch {epoch} does not continue shard "
                 f"[{entry.start}, {entry.end}) committed to {entry.done_to}"
             )
+        self.samples_done += end - entry.done_to
         entry.done_to = end
         if end == entry.end:
             entry.move(ShardState.DONE)
@@ -320,6 +324,7 @@ class ShardManager:
             found = table.containing(c.start) if table else None
             if found is not None and found.done_to < c.end <= found.end:
                 found.done_to = c.end
+        self.samples_done = sum(entry.done_to - entry.start for entry in entries)
         for entry in entries:
             if entry.done_to == entry.end and entry.state is not ShardState.DONE:
                 entry.move(ShardState.DONE)
