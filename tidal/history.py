@@ -107,3 +107,9 @@ class SQLiteHistory:
 
     def close(self) -> None:
         self._db.close()
+
+    def __enter__(self) -> SQLiteHistory:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -200,11 +200,8 @@ def planner_for(spec: JobSpec) -> tuple[Planner, str]:
     note = ""
     if spec.history_path:
         try:
-            store = SQLiteHistory(spec.history_path)
-            try:
+            with SQLiteHistory(spec.history_path) as store:
                 history = InMemoryHistory(store.records())
-            finally:
-                store.close()
         except (HistoryError, OSError) as exc:
             note = f"no warm start: {exc}"
             log.warning("job %s: %s", spec.job_id, note)
@@ -227,11 +224,8 @@ def record_finished(master: JobMaster) -> None:
     record = JobRecord(spec.job_id, time.time(), job_features(spec), {"workers": float(workers)},
                        history_params(planning.last_plan, points))
     try:
-        store = SQLiteHistory(spec.history_path)
-        try:
+        with SQLiteHistory(spec.history_path) as store:
             store.add(record)
-        finally:
-            store.close()
     except (HistoryError, OSError) as exc:
         log.warning("job %s: not recorded in the history: %s", spec.job_id, exc)
 
