@@ -161,11 +161,7 @@ class Curve:
     def best_count(self, lo: int, hi: int, slack: float = SLACK) -> int | None:
         """The fewest workers in ``lo..hi`` whose value is within ``slack`` of the best value."""
         values = {w: self.value(w) for w in range(lo, hi + 1)}
-        known = {w: v for w, v in values.items() if v is not None}
-        if not known:
-            return None
-        best = max(known.values())
-        return min(w for w, v in known.items() if v >= (1 - slack) * best)
+        return efficient_count({w: v for w, v in values.items() if v is not None}, slack)
 
     def plan(self, workers: int, reason: str) -> ResourcePlan:
         """A plan for ``workers`` that carries this curve's model (for the journal and status)."""
@@ -176,7 +172,7 @@ class Curve:
                             error_pct=None if self.error_pct is None else round(self.error_pct, 2))
 
 
-def _start(obs: JobObservation, wanted: int) -> int:
+def _within_range(obs: JobObservation, wanted: int) -> int:
     return min(max(wanted, obs.min_workers), obs.max_workers)
 
 
@@ -201,7 +197,7 @@ class FixedWorkers:
     def plan(self, obs: JobObservation) -> ResourcePlan:
         if self.workers is None:
             self.workers = _current(obs) or obs.max_workers
-        return ResourcePlan(workers=_start(obs, self.workers), reason="fixed count")
+        return ResourcePlan(workers=_within_range(obs, self.workers), reason="fixed count")
 
 
 class ESWorkers:
@@ -217,7 +213,7 @@ class ESWorkers:
         curve = Curve(obs)
         now = _current(obs)
         if _starting(obs):
-            return ResourcePlan(workers=_start(obs, obs.min_workers), reason="start with MIN workers")
+            return ResourcePlan(workers=_within_range(obs, obs.min_workers), reason="start with MIN workers")
         if self.done or not curve.settled(obs, self.settle_s):
             return curve.plan(now, "stopped: the last step did not scale" if self.done else f"measuring {now} workers")
         below = max((w for w in curve.measured if w < now), default=None)
@@ -246,7 +242,7 @@ class OptimusWorkers:
         curve = Curve(obs)
         now = _current(obs)
         if _starting(obs):
-            return ResourcePlan(workers=_start(obs, obs.min_workers), reason="start with MIN workers")
+            return ResourcePlan(workers=_within_range(obs, obs.min_workers), reason="start with MIN workers")
         if not curve.settled(obs, self.settle_s):
             return curve.plan(now, f"measuring {now} workers")
         model = OptimusModel()
@@ -283,7 +279,7 @@ class DLRoverWorkers:
         curve = Curve(obs)
         now = _current(obs)
         if _starting(obs):
-            return ResourcePlan(workers=_start(obs, 1), reason="sample stage: one worker")
+            return ResourcePlan(workers=_within_range(obs, 1), reason="sample stage: one worker")
         if not curve.settled(obs, self.settle_s):
             return curve.plan(now, f"{self.stage} stage: measuring {now} workers")
         if self.stage == "sample":
@@ -293,7 +289,7 @@ class DLRoverWorkers:
             if not used or cpus <= 0:
                 return curve.plan(obs.max_workers, "optimize stage: no CPU measurement, MAX workers")
             w_hat = sum(used) / len(used)
-            n_w = _start(obs, math.floor(cpus / max(w_hat, 1e-3)))
+            n_w = _within_range(obs, math.floor(cpus / max(w_hat, 1e-3)))
             return curve.plan(n_w, f"optimize stage: a worker uses {w_hat:.2f} cores, {cpus:g} cores feed {n_w}")
         if self.stage == "optimize":
             self.stage = "adjust"
@@ -338,13 +334,13 @@ class DLRoverRMWorkers:
         now = _current(obs)
         if _starting(obs):
             if self.warm_workers is not None:
-                start = _start(obs, self.warm_workers)
+                start = _within_range(obs, self.warm_workers)
                 return curve.plan(start, f"warm start (Algorithm 1) from {self.warm_from}: {start} workers")
-            return curve.plan(_start(obs, 1), "cold start: one worker")
+            return curve.plan(_within_range(obs, 1), "cold start: one worker")
         if not curve.settled(obs, self.settle_s):
             return curve.plan(now, f"measuring {now} workers")
         if curve.model is None:  # one count measured, no prior: double to learn the slope
-            nxt = _start(obs, 2 * now)
+            nxt = _within_range(obs, 2 * now)
             return curve.plan(nxt, f"exploring: {now} -> {nxt} workers to fit the model")
         remaining = obs.total_samples - obs.committed_samples if obs.total_samples else 0
         lo, hi = obs.min_workers, min(obs.max_workers, curve.explore_up_to(self.scaling_efficiency))
@@ -403,8 +399,9 @@ def history_params(plan: ResourcePlan | None, points: Mapping[int, float]) -> di
 
 
 def efficient_count(points: Mapping[int, float], slack: float = SLACK) -> int | None:
-    """The fewest workers whose measured throughput is within ``slack`` of the best measured:
-    the count a finished job is recorded with (not its last one, which the end of a job bends)."""
+    """The fewest workers whose throughput is within ``slack`` of the best in ``points`` (None when
+    empty): what a planner settles on, and the count a finished job is recorded with from what
+    it measured (not its last count, which the end of a job bends)."""
     if not points:
         return None
     best = max(points.values())
