@@ -55,6 +55,11 @@ class Job:
         self.proc = self._spawn([TIDAL, "master", "--resume", str(self.dir / "journal.sqlite"), "-q"])
         return self.proc
 
+    def resume(self) -> subprocess.Popen[bytes]:
+        """``tidal resume JOBDIR``: a job whose master (and maybe every worker) is gone."""
+        self.proc = self._spawn([TIDAL, "resume", str(self.dir), "-q"])
+        return self.proc
+
     # ------------------------------------------------------------------ observing
     def info(self) -> dict[str, Any]:
         if self._info is None:
@@ -119,6 +124,29 @@ class Job:
         return [e for e in evs if kind is None or e["kind"] == kind]
 
     # ------------------------------------------------------------------ cleanup
+    def worker_processes(self) -> list[psutil.Process]:
+        """The job's training processes (not their persisters, which are in sessions of their own)."""
+        job_id = self.info()["job_id"]
+        out = []
+        for p in psutil.process_iter():
+            try:
+                if p.environ().get("TIDAL_JOB_ID") == job_id and "persister" not in " ".join(p.cmdline()):
+                    out.append(p)
+            except psutil.Error:
+                pass
+        return out
+
+    def kill_workers(self) -> list[int]:
+        """SIGKILL every training process of the job at once; their pids."""
+        procs = self.worker_processes()
+        for p in procs:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(procs, timeout=10)
+        return [p.pid for p in procs]
+
     def kill_all(self) -> None:
         for proc in self.masters:
             if proc.poll() is None:

@@ -124,6 +124,26 @@ class JournalContract:
         journal.append_ledger([a[0]])  # append-only: a duplicate row is kept, not merged
         assert journal.load_ledger() == [*a, *b, a[0]]
 
+    def test_truncating_the_ledger_keeps_the_earlier_steps_in_order(self, journal: Journal) -> None:
+        rows = [CommittedRange(0, 0, 8, 1, 0), CommittedRange(0, 8, 16, 2, 1), CommittedRange(0, 16, 24, 3, 0)]
+        journal.append_ledger(rows[:2])
+        journal.append_ledger(rows[2:])
+        journal.append_ledger([CommittedRange(1, 0, 8, 4, 1)])
+        with journal.transaction():
+            journal.truncate_ledger(2)
+        assert journal.load_ledger() == rows[:2]
+        journal.append_ledger([CommittedRange(0, 16, 24, 3, 1)])  # the steps after it are trained again
+        assert journal.load_ledger() == [*rows[:2], CommittedRange(0, 16, 24, 3, 1)]
+        journal.truncate_ledger(-1)
+        assert journal.load_ledger() == []
+
+    def test_a_failed_transaction_keeps_the_ledger_whole(self, journal: Journal) -> None:
+        journal.append_ledger([CommittedRange(0, 0, 8, 1, 0), CommittedRange(0, 8, 16, 2, 0)])
+        with pytest.raises(RuntimeError), journal.transaction():
+            journal.truncate_ledger(1)
+            raise RuntimeError("boom")
+        assert len(journal.load_ledger()) == 2
+
     # ------------------------------------------------------------------ workers
     def test_worker_rows(self, journal: Journal) -> None:
         assert journal.load_workers() == {}

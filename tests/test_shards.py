@@ -450,6 +450,42 @@ def test_restore_keeps_committed_prefixes() -> None:
     assert r.commit(0, 8, 12) is True
 
 
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_rollback_returns_to_the_table_of_the_checkpointed_step(shuffle: bool) -> None:
+    """Two workers train steps 0..9 (a straggler split among them); a rollback to the rows of
+    steps <= 5 leaves committed exactly what steps 0..5 trained, nothing leased: the next leases
+    hand out every other sample, those steps 6..9 had trained included, once."""
+    m = make(size=96, batch=4, per_shard=3, shuffle=shuffle, seed=1)  # 8 shards of 12
+    ledger: list[CommittedRange] = []
+    held: dict[int, list[int]] = {}
+    for step in range(10):
+        for worker in (0, 1):
+            h = held.get(worker)
+            if not h or h[0] >= h[1]:
+                shard = m.lease(worker, 0, 0.5 if step == 3 and worker == 1 else 1.0)
+                assert shard is not None
+                held[worker] = h = [shard.start, shard.end, shard.batch_size]
+            start, end = h[0], min(h[0] + h[2], h[1])
+            assert m.commit(0, start, end)
+            ledger.append(CommittedRange(0, start, end, step, worker))
+            h[0] = end
+    m.dirty()
+    kept = [r for r in ledger if r.step <= 5]
+    m.rollback(kept)
+    assert len(m.dirty()) == len(m.entries())  # the whole table goes to the journal again
+    assert m.samples_done == sum(r.end - r.start for r in kept)
+    assert all(e.state is not S.DOING and e.worker is None for e in m.entries())
+    assert all(m.is_committed(r.epoch, r.start, r.end) for r in kept)
+    voided = [r for r in ledger if r.step > 5]
+    assert voided and not any(m.is_committed(r.epoch, r.start, r.end) for r in voided)
+    assert m.unconsumed() == {0: 96 - m.samples_done}
+    handed = sorted((x.start, x.end) for x in drain(m, 0, worker=7))
+    trained = sorted((r.start, r.end) for r in kept)
+    spans = sorted(handed + trained)
+    assert spans[0][0] == 0 and spans[-1][1] == 96
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))  # no gap, no overlap
+
+
 # ----------------------------------------------------------------------------- property
 @dataclasses.dataclass
 class _Holder:

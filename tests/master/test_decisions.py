@@ -103,6 +103,36 @@ def test_losing_every_holder_of_the_model_fails_the_job() -> None:
     assert isinstance(decision, FailJob) and "no survivor" in decision.reason
 
 
+def test_losing_every_holder_of_the_model_resumes_from_the_checkpoint_when_the_job_takes_them() -> None:
+    rs = RoundState(round=2, reforming=True)
+    rs.members = [0, 1]
+    waiting(rs, 5)
+    waiting(rs, 6)
+    workers = {0: rec(0, W.FAILED), 1: rec(1, W.FAILED), 5: rec(5, W.WAITING), 6: rec(6, W.WAITING)}
+    form = decide(rs, workers, finalized_step=10, restore_from=7)
+    assert isinstance(form, FormRound) and form.restore and form.resume_step == 7
+    assert form.members == [5, 6] and form.source == 5 and form.sync_state and not form.has_state
+    scratch = decide(rs, workers, finalized_step=10, restore_from=-1)  # no checkpoint it can load
+    assert isinstance(scratch, FormRound) and scratch.restore and scratch.resume_step == -1
+
+
+def test_a_survivor_is_the_source_even_when_the_job_takes_checkpoints() -> None:
+    rs = RoundState(round=2, reforming=True)
+    rs.members = [0, 1]
+    waiting(rs, 1, applied=12)
+    waiting(rs, 5)
+    form = decide(rs, {0: rec(0, W.FAILED), 1: rec(1, W.WAITING), 5: rec(5, W.WAITING)}, finalized_step=10,
+                  restore_from=7)
+    assert isinstance(form, FormRound) and not form.restore and form.source == 1 and form.resume_step == 12
+
+
+def test_a_first_round_is_no_resume() -> None:
+    rs = RoundState()
+    waiting(rs, 0)
+    form = decide(rs, {0: rec(0, W.WAITING)}, target=1, restore_from=-1)
+    assert isinstance(form, FormRound) and not form.restore and form.resume_step == -1
+
+
 def test_rounds_that_keep_failing_before_a_step_fail_the_job() -> None:
     rs = RoundState(round=4, reforming=True, round_start_step=9, failed_rounds=2)
     rs.members = [0, 1]

@@ -24,7 +24,14 @@ import torch
 from tests.jobtools import mount_tmpfs, umount_lazy
 from tidal.worker import checkpoint, persister
 from tidal.worker.checkpoint import MANIFEST, CheckpointError, load_checkpoint, verify
-from tidal.worker.flash import FlashCheckpoint, FlashError, list_checkpoints, load_latest, remove_shm
+from tidal.worker.flash import (
+    FlashCheckpoint,
+    FlashError,
+    list_checkpoints,
+    load_latest,
+    load_step,
+    remove_shm,
+)
 
 SHM = Path("/dev/shm")
 
@@ -467,3 +474,33 @@ def test_without_persisting_the_slots_stay_for_a_resume(make: Callable[..., Flas
     assert_same(loaded.tree, state(3))
     with pytest.raises(CheckpointError, match="no valid checkpoint"):
         load_latest(fc.directory)
+
+
+def test_load_step_finds_exactly_that_step_in_any_worker_of_the_job(tmp_path: Path) -> None:
+    """A resume loads the step the master rolls the data back to: from the slots any worker of the
+    job left (the saver of the round may have been any), else from disk; only of the lineage asked."""
+    job = f"t{uuid.uuid4().hex[:8]}"
+    ckpt = tmp_path / "ckpt"
+    try:
+        with FlashCheckpoint(ckpt, name=f"{job}-w3", persist=False) as w3, \
+                FlashCheckpoint(ckpt, name=f"{job}-w7") as w7:
+            w3.save(4, state(4), [], {"lineage": 0})
+            w7.save(9, state(9), [], {"lineage": 0})
+            w7.wait_persisted(9, timeout=30)
+            w7.save(12, state(12), [], {"lineage": 1})
+            got = load_step(ckpt, 4, job=job)
+            assert (got.step, got.source) == (4, "shm") and got.path.name.startswith(f"tidal-{job}-w3-")
+            assert_same(got.tree, state(4))
+            assert load_step(ckpt, 9, job=job, lineage=0).step == 9
+            with pytest.raises(CheckpointError, match="of step 12"):
+                load_step(ckpt, 12, job=job, lineage=0)  # a step the job rolled back from
+            assert load_step(ckpt, 12, job=job, lineage=1).step == 12
+            with pytest.raises(CheckpointError, match="no valid checkpoint of step 5"):
+                load_step(ckpt, 5, job=job)
+            remove_shm(f"{job}-w7")
+            disk = load_step(ckpt, 9, job=job)  # its slot is gone: the persisted copy
+            assert (disk.step, disk.source) == (9, "disk")
+            assert_same(disk.tree, state(9))
+    finally:
+        for worker in ("w3", "w7"):
+            remove_shm(f"{job}-{worker}")

@@ -53,6 +53,7 @@ __all__ = [
     "ReportRequest",
     "ReportResponse",
     "ResourcePlan",
+    "RestoreFailure",
     "RetryableError",
     "ScaleRequest",
     "Shard",
@@ -167,6 +168,19 @@ class JoinResponse(_Wire):
     collective_timeout_s: float
 
 
+class RestoreFailure(_Wire):
+    """The source of a round that resumes from a checkpoint could not load the one it was told.
+
+    ``fatal``: the checkpoint was read but does not fit the script's state (another model shape,
+    another optimizer): no other checkpoint of the job will, and the master fails the job.
+    Otherwise (a torn, corrupt or missing checkpoint) the master tries the previous one.
+    """
+
+    step: int = Field(ge=0, le=_I64)
+    problem: str = Field(max_length=1000)
+    fatal: bool = False
+
+
 class RendezvousRequest(_Wire):
     """A worker asks to be placed in the next round.
 
@@ -182,6 +196,7 @@ class RendezvousRequest(_Wire):
     applied_step: int = Field(ge=-1, le=_I64)
     records: list[StepRecord] = Field(default_factory=list, max_length=MAX_RECORDS_PER_REQUEST)
     failure: str = Field(default="", max_length=1000)  # why it left: a collective or group that failed
+    restore_failed: RestoreFailure | None = None
 
 
 class RendezvousResponse(_Wire):
@@ -194,6 +209,13 @@ class RendezvousResponse(_Wire):
     source_rank: int = 0
     sync_state: bool = False
     applied_step: int = -1  # the step the round resumes after (the source's applied step)
+    # every worker holding the model was lost: the round resumes from the job's flash checkpoint of
+    # ``applied_step`` taken in lineage ``restore_lineage``, which its source loads
+    # (tidal.worker.flash.load_step) before the state broadcast; with ``applied_step`` -1 there was
+    # none and the source's fresh model is broadcast
+    restore: bool = False
+    restore_lineage: int = 0
+    lineage: int = 0  # the job's rollbacks so far: workers write it into their checkpoints (tidal.master.checkpoints)
 
 
 class PauseReport(_Wire):

@@ -6,6 +6,7 @@ import itertools
 import json
 import math
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -137,6 +138,10 @@ def run(
         None, "--logical-workers",
         help="Train N logical workers over however many processes run (bitwise the same for any count).",
     ),
+    resume_dir: Path | None = typer.Option(
+        None, "--resume", metavar="JOBDIR",
+        help="Continue the job of JOBDIR (its master and workers gone) instead of starting one: SCRIPT and its "
+             "arguments must be the job's; every other option is the job's own (see `tidal resume`)."),
     checkpoint_dir: Path | None = typer.Option(None, "--checkpoint-dir", help="Final and on-demand checkpoints go here."),
     checkpoint_every: str | None = typer.Option(
         None, "--checkpoint-every", metavar="STEPS|DURATION",
@@ -178,6 +183,8 @@ def run(
     from tidal.master.job import new_token
     from tidal.master.server import bind_socket, run_master
 
+    if resume_dir is not None:
+        _resume_job(resume_dir, quiet, [str(script.resolve()), *ctx.args])
     low, high = parse_workers(workers)
     check_range("--port", port, PORTS)
     check_range("--heartbeat-timeout", heartbeat_timeout, HEARTBEAT_TIMEOUT_S, " seconds")
@@ -322,21 +329,65 @@ def master(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Do not echo the workers' output."),
 ) -> None:
     """Restart a job's master from its journal; the running workers reconnect and carry on."""
+    _resume_job(resume, quiet)
+
+
+@app.command()
+def resume(
+    job_dir: Path = typer.Argument(..., help="The job's directory (or its journal.sqlite)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Do not echo the workers' output."),
+) -> None:
+    """Continue a job whose master is gone (killed, its machine lost), workers or not.
+
+    Workers still running reconnect and carry on. When every worker is gone too, the master
+    relaunches them from the job's newest flash checkpoint (`--checkpoint-every`: shared memory
+    if it is still there and intact, else --checkpoint-dir; a torn or corrupt one is skipped for
+    the one before it) and rolls the data back to it: the ledger gets `{"rollback_to_step": s}`,
+    and the samples of the steps after s are trained again, once. Same as `tidal run --resume`.
+    """
+    _resume_job(job_dir, quiet)
+
+
+def _journal_of(path: Path) -> Path:
+    return path / "journal.sqlite" if path.is_dir() else path
+
+
+def _load_spec(journal_path: Path) -> tuple[Any, dict[str, Any]]:
+    """The job's spec and the master's state from its journal (one-line errors for anything else)."""
     from tidal.master.api import JobSpec
     from tidal.master.journal import SqliteJournal
+
+    if not journal_path.is_file():
+        raise fail(f"{journal_path} not found: give a job directory (or its journal.sqlite)")
+    journal = SqliteJournal(journal_path, create=False)
+    try:
+        raw = journal.get_meta("spec")
+        state = journal.get_meta("state", {}) or {}
+    finally:
+        journal.close()
+    if raw is None:
+        raise fail(f"{journal_path} is not a tidal journal")
+    return JobSpec.from_json(raw), state
+
+
+def _resume_job(path: Path, quiet: bool, argv: list[str] | None = None) -> None:
+    """Serve the job of the journal at ``path`` again; ``argv``: the script and arguments the
+    user gave (``tidal run --resume``), which must be the job's."""
     from tidal.master.server import bind_socket, run_master
 
-    journal = SqliteJournal(resume, create=False)
-    raw = journal.get_meta("spec")
-    journal.close()
-    if raw is None:
-        raise fail(f"{resume} is not a tidal journal")
-    spec = JobSpec.from_json(raw)
+    journal_path = _journal_of(path)
+    spec, state = _load_spec(journal_path)
     if spec.backend not in backends.names():  # a job started by a program that registered its own
         raise fail(f"the job ran on backend {spec.backend!r}, unknown here; known: {', '.join(backends.names())}")
+    if state.get("job_state", "running") != "running":
+        why = f": {state['error']}" if state.get("error") else ""
+        raise fail(f"job {spec.job_id} has already {state['job_state']}{why}; there is nothing to resume")
+    if argv is not None and argv != spec.argv[1:]:
+        raise fail(f"--resume: job {spec.job_id} ran {shlex.join(spec.argv[1:])}, not {shlex.join(argv)}")
     sock = bind_socket(spec.host, spec.port)
     typer.echo(f"tidal: resuming job {spec.job_id} on http://{spec.host}:{spec.port}", err=True)
-    code, m = run_master(spec, resume, resume=True, sock=sock, follow_logs=not quiet)
+    _point_current(Path(spec.job_dir))
+    code, m = run_master(spec, journal_path, resume=True, sock=sock, follow_logs=not quiet)
     _print_summary(m)
     raise typer.Exit(code)
 

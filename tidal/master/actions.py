@@ -40,6 +40,9 @@ class FormRound:
     sync_state: bool  # members hold different states: the source's is broadcast
     failed_rounds: int  # rounds in a row that failed before a step, this one not counted
     round_failure: str
+    # no member holds the model: roll the data back to the flash checkpoint of ``resume_step``
+    # (-1: none, from scratch), which the source loads
+    restore: bool = False
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ class Commits:
         self.tentative: dict[int, dict[tuple[int, int], StepRecord]] = {}
         self.progress = MemberProgress()
         self._ledger: TextIO | None = None
+        self._rollback_to: int | None = None  # journaled and written to the ledger by the next ``write``
 
     # ------------------------------------------------------------------ ledger file
     def open_ledger(self, rewrite: bool = False) -> None:
@@ -106,6 +107,21 @@ class Commits:
         self.shards.release()
         return committed
 
+    def rollback(self, step: int) -> int:
+        """Every worker holding the model was lost: the job resumes from the checkpoint of
+        ``step`` (-1: from scratch), so only the ranges of steps up to it stay consumed. The
+        shard table goes back to them; the next ``write`` deletes the later rows from the journal
+        and appends ``{"rollback_to_step": step}`` to the ledger file. Returns the samples of
+        the voided steps (trained again)."""
+        rows = self.journal.load_ledger()
+        kept = [r for r in rows if r.step <= step]
+        if self.shards.config is not None:
+            self.shards.rollback(kept)
+        self.finalized_step = step
+        self.tentative.clear()
+        self._rollback_to = step
+        return sum(r.end - r.start for r in rows if r.step > step)
+
     def commit(self, records: list[StepRecord]) -> list[CommittedRange]:
         out = []
         for r in sorted(records, key=attrgetter("step", "worker")):
@@ -122,13 +138,17 @@ class Commits:
     def write(self, committed: list[CommittedRange], save_meta: Callable[[], None]) -> None:
         """Journal the shard table, the committed rows and the meta in one transaction, then append
         the rows to the ledger file (rewritten from the journal on a reload if that fails)."""
+        rollback, self._rollback_to = self._rollback_to, None
         with self.journal.transaction():
+            if rollback is not None:
+                self.journal.truncate_ledger(rollback)
             self.journal.save_shards(self.shards.dirty())
             self.journal.append_ledger(committed)
             save_meta()
-        if self._ledger and committed:
+        if self._ledger and (committed or rollback is not None):
+            lines = [] if rollback is None else [f'{{"rollback_to_step": {rollback}}}\n']
             try:
-                self._ledger.write("".join(ledger_line(c) for c in committed))
+                self._ledger.write("".join(lines + [ledger_line(c) for c in committed]))
                 self._ledger.flush()
             except OSError as exc:
                 raise JournalUnavailableError(f"cannot write ledger {self.ledger_path}: {exc.strerror}") from exc

@@ -56,6 +56,7 @@ from tidal.api import (
     RendezvousResponse,
     ReportRequest,
     ReportResponse,
+    RestoreFailure,
     ShardCounts,
     StatusResponse,
     TimelineResponse,
@@ -76,6 +77,7 @@ from tidal.master.api import (
     WorkerGoneError,
 )
 from tidal.master.audit import audit_ranges
+from tidal.master.checkpoints import Checkpoint, CheckpointBook, found_on_disk
 from tidal.master.commits import Commits
 from tidal.master.events import EventLog
 from tidal.master.fleet import Fleet
@@ -151,7 +153,8 @@ class JobMaster:
         self.error: str | None = None
         self.target = spec.initial_workers or spec.max_workers
         self.target_override: int | None = spec.initial_workers
-        self.checkpoint_step = -1  # the newest flash checkpoint a worker reported
+        self.checkpoints = CheckpointBook()  # the flash checkpoints workers reported (tidal.master.checkpoints)
+        self._restore_choice: Checkpoint | None = None  # the one the round being formed resumes from
         self.checkpoint_problem: str | None = None
         self.shards = ShardManager()
         self.rounds = RoundState()
@@ -189,6 +192,15 @@ class JobMaster:
     @property
     def reforming(self) -> bool:
         return self.rounds.reforming
+
+    @property
+    def checkpoint_step(self) -> int:
+        """The newest flash checkpoint a worker reported (-1: none)."""
+        return self.checkpoints.newest_step
+
+    @property
+    def takes_checkpoints(self) -> bool:
+        return bool(self.spec.env.get("TIDAL_CHECKPOINT_EVERY"))
 
     @property
     def finalized_step(self) -> int:
@@ -237,7 +249,8 @@ class JobMaster:
         self.error = meta.get("error")
         self.target = meta.get("target", self.target)
         self.target_override = meta.get("target_override")
-        self.checkpoint_step = meta.get("checkpoint_step", -1)
+        self.checkpoints = CheckpointBook.from_meta(meta.get("checkpoints"))
+        self._find_checkpoints()
         rs = self.rounds
         rs.round = meta.get("round", -1)
         rs.members = list(meta.get("members", []))
@@ -347,6 +360,10 @@ class JobMaster:
         if rs.is_member(req.worker_id) and req.after_round == rs.round and not rs.reforming:
             self._start_reform(f"worker {req.worker_id} left the collective")
         self._check_records(req)
+        if req.restore_failed is not None:
+            self._restore_failed(req.restore_failed)
+            if self.state is not JobState.RUNNING:
+                return RendezvousResponse(status="finished")
         if rec.state in (W.JOINED, W.ACTIVE):
             rec.move(W.WAITING, now)
         prior = rs.waiting.get(req.worker_id)
@@ -416,13 +433,32 @@ class JobMaster:
     def _note_checkpoint(self, step: int, problem: str) -> None:
         """A worker's newest flash checkpoint (journaled with the next meta write) and the
         persister's problem (shown once in the log and in the status until it changes)."""
-        if step > self.checkpoint_step:
-            self.checkpoint_step = step
+        self.checkpoints.note(step)
         if not problem and step < 0:
             return  # a worker that never saved a checkpoint tells nothing
         if problem and problem != self.checkpoint_problem:
             self.log.add("error", f"checkpoint: {problem}; training goes on, the last good checkpoint is kept")
         self.checkpoint_problem = problem or None
+
+    def _find_checkpoints(self) -> None:
+        """A restarted master also knows the checkpoints on disk (the step, and the lineage in
+        its meta.json): the workers that reported them may be gone with the master."""
+        directory = self.spec.env.get("TIDAL_CHECKPOINT_DIR")
+        if directory and self.takes_checkpoints:
+            for ckpt in found_on_disk(directory):
+                self.checkpoints.note(ckpt.step, ckpt.lineage)
+
+    def _restore_failed(self, failed: RestoreFailure) -> None:
+        """The source of a resuming round could not load its checkpoint: try the previous one,
+        or fail the job when the checkpoint does not fit the script's model (none will)."""
+        ckpt = self._restore_choice or Checkpoint(failed.step, self.checkpoints.lineage)
+        if failed.fatal:
+            self._fail_job(f"cannot resume from the checkpoint of step {failed.step}: {failed.problem}")
+            return
+        if ckpt not in self.checkpoints.bad:
+            self.checkpoints.mark_bad(ckpt)
+            self.log.add("error", f"the checkpoint of step {failed.step} could not be loaded ({failed.problem}); "
+                                  "resuming from the one before it")
 
     @journaled
     def lease(self, req: LeaseRequest) -> LeaseResponse:
@@ -705,10 +741,12 @@ class JobMaster:
     def _try_close_round(self) -> None:
         if self.state is not JobState.RUNNING:
             return
+        self._restore_choice = self.checkpoints.choose(self.finalized_step) if self.takes_checkpoints else None
+        restore_from = None if not self.takes_checkpoints else self._restore_choice.step if self._restore_choice else -1
         decision = rounds.decide_round(
             self.rounds, self.workers, now=self.clock(), target=self.target, min_workers=self.spec.min_workers,
             start_grace_s=self.spec.start_grace_s, finalized_step=self.finalized_step,
-            round_failure_limit=self.spec.round_failure_limit)
+            round_failure_limit=self.spec.round_failure_limit, restore_from=restore_from)
         if decision is not None:
             self._execute([decision])
 
@@ -716,6 +754,15 @@ class JobMaster:
         rs = self.rounds
         prev_round = rs.round
         rs.failed_rounds, rs.round_failure = form.failed_rounds, form.round_failure
+        restore_lineage = self._restore_choice.lineage if form.restore and self._restore_choice else 0
+        if form.restore:
+            lost = self.finalized_step
+            voided = self.commits.rollback(form.resume_step)
+            self.checkpoints.rollback(form.resume_step)
+            where = (f"the checkpoint of step {form.resume_step}" if form.resume_step >= 0
+                     else "scratch (no checkpoint it can load)")
+            self.log.add("restore", f"every worker holding the model was lost after step {lost}: resuming from "
+                                    f"{where}; the {voided} samples of the steps after it are trained again")
         source_req = rs.waiting[form.source]
         committed = self.commits.settle_round(source_req.records, source_req.applied_step, form.has_state,
                                               form.members)
@@ -736,7 +783,8 @@ class JobMaster:
             rs.assignments[w] = RendezvousResponse(
                 status="ready", round=rs.round, rank=rank, world_size=len(form.members),
                 store_host=self.spec.host, store_port=self.store_port, source_rank=source_rank,
-                sync_state=form.sync_state, applied_step=form.resume_step,
+                sync_state=form.sync_state, applied_step=form.resume_step, restore=form.restore,
+                lineage=self.checkpoints.lineage, restore_lineage=restore_lineage,
             )
         for w in form.leaving:
             rec = self.workers[w]
@@ -890,6 +938,7 @@ class JobMaster:
             "job_state": self.state.value, "round": rs.round, "members": rs.members,
             "finalized_step": self.finalized_step, "target": self.target,
             "target_override": self.target_override, "error": self.error, "checkpoint_step": self.checkpoint_step,
+            "checkpoints": self.checkpoints.to_meta(),
             **self.fleet.to_meta(),
             "dataset": None if cfg is None else {
                 "size": cfg.size, "batch_size": cfg.batch_size, "batches_per_shard": cfg.batches_per_shard,

@@ -51,6 +51,11 @@ class Journal(Protocol):
 
     def load_ledger(self) -> list[CommittedRange]: ...
 
+    def truncate_ledger(self, after_step: int) -> None:
+        """Delete every ledger row of a step above ``after_step`` (a resume from the checkpoint of
+        that step: those steps are no longer in the model's lineage)."""
+        ...
+
     def save_worker(self, worker_id: int, row: dict[str, Any]) -> None: ...
 
     def load_workers(self) -> dict[int, dict[str, Any]]: ...
@@ -97,6 +102,8 @@ class MemoryJournal:
             self._ledger.extend(payload)
         elif kind == "worker":
             self._workers[payload[0]] = payload[1]
+        elif kind == "truncate":
+            self._ledger = [r for r in self._ledger if r.step <= payload]
 
     def put_meta(self, key: str, value: Any) -> None:
         self._write("meta", (key, json.dumps(value)))
@@ -116,6 +123,9 @@ class MemoryJournal:
 
     def load_ledger(self) -> list[CommittedRange]:
         return list(self._ledger)
+
+    def truncate_ledger(self, after_step: int) -> None:
+        self._write("truncate", after_step)
 
     def save_worker(self, worker_id: int, row: dict[str, Any]) -> None:
         self._write("worker", (worker_id, json.dumps(row)))
@@ -235,23 +245,27 @@ class SqliteJournal:
         # A finalized step of 2,000 workers is 2,000 ranges: one packed row instead of 2,000
         # inserts keeps the journal write off the report's latency (bench/master_load.py).
         if rows:
-            packed = array("q", [x for r in rows for x in r])
-            if sys.byteorder != "little":
-                packed.byteswap()
             with _unavailable_on_error():
-                self._db.execute("INSERT INTO ledger (ranges) VALUES (?)", (packed.tobytes(),))
+                self._db.execute("INSERT INTO ledger (ranges) VALUES (?)", (_pack_ranges(rows),))
 
     def load_ledger(self) -> list[CommittedRange]:
         out: list[CommittedRange] = []
         for (blob,) in self._db.execute("SELECT ranges FROM ledger ORDER BY seq"):
-            if len(blob) % 40:
-                raise ConfigError(f"journal ledger row of {len(blob)} bytes is not a whole number of ranges")
-            flat = array("q")
-            flat.frombytes(blob)
-            if sys.byteorder != "little":
-                flat.byteswap()
-            out.extend(CommittedRange(*flat[i:i + 5]) for i in range(0, len(flat), 5))
+            out.extend(_unpack_ranges(blob))
         return out
+
+    def truncate_ledger(self, after_step: int) -> None:
+        # rare (a resume after every worker was lost): rewrite the packed rows that hold later steps
+        with _unavailable_on_error():
+            for seq, blob in self._db.execute("SELECT seq, ranges FROM ledger").fetchall():
+                rows = _unpack_ranges(blob)
+                kept = [r for r in rows if r.step <= after_step]
+                if len(kept) == len(rows):
+                    continue
+                if kept:
+                    self._db.execute("UPDATE ledger SET ranges = ? WHERE seq = ?", (_pack_ranges(kept), seq))
+                else:
+                    self._db.execute("DELETE FROM ledger WHERE seq = ?", (seq,))
 
     def save_worker(self, worker_id: int, row: dict[str, Any]) -> None:
         with _unavailable_on_error():
@@ -287,6 +301,24 @@ def _checkpoint_loop(db: sqlite3.Connection, stop: threading.Event, every_s: flo
         log.warning("journal checkpoint failed: %s", exc)
     finally:
         db.close()
+
+
+def _pack_ranges(rows: list[CommittedRange]) -> bytes:
+    """(epoch, start, end, step, worker) int64 quintuples, little-endian: one blob per append."""
+    packed = array("q", [x for r in rows for x in r])
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _unpack_ranges(blob: bytes) -> list[CommittedRange]:
+    if len(blob) % 40:
+        raise ConfigError(f"journal ledger row of {len(blob)} bytes is not a whole number of ranges")
+    flat = array("q")
+    flat.frombytes(blob)
+    if sys.byteorder != "little":
+        flat.byteswap()
+    return [CommittedRange(*flat[i:i + 5]) for i in range(0, len(flat), 5)]
 
 
 def _shard_row(e: ShardEntry) -> tuple:

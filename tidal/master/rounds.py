@@ -93,8 +93,13 @@ def reform_cause(rs: RoundState, workers: Mapping[int, WorkerRecord], target: in
 
 def decide_round(rs: RoundState, workers: Mapping[int, WorkerRecord], *, now: float, target: int,
                  min_workers: int, start_grace_s: float, finalized_step: int,
-                 round_failure_limit: int) -> FormRound | FailJob | None:
-    """Form the next round when everyone it needs is at the rendezvous; None: not yet."""
+                 round_failure_limit: int, restore_from: int | None = None) -> FormRound | FailJob | None:
+    """Form the next round when everyone it needs is at the rendezvous; None: not yet.
+
+    ``restore_from``: when every worker holding the model is gone, the step of the checkpoint to
+    resume from (``tidal.master.checkpoints``; -1: none usable, start again from scratch); None:
+    the job takes no checkpoints, and then such a loss fails it.
+    """
     if not rs.waiting:
         return None
     if rs.round >= 0 and not rs.reforming:
@@ -120,10 +125,13 @@ def decide_round(rs: RoundState, workers: Mapping[int, WorkerRecord], *, now: fl
         return FailJob(f"{failed_rounds} rounds in a row failed before a step was applied; the last: {round_failure}")
     reqs = {w: rs.waiting[w] for w in chosen}
     with_state = [w for w in chosen if reqs[w].applied_step >= 0]
-    if not with_state and finalized_step >= 0:
-        return FailJob(f"every worker holding the model was lost after step {finalized_step}; "
-                       "there is no survivor to take the state from")
-    if with_state:
+    restore = not with_state and finalized_step >= 0
+    if restore:
+        if restore_from is None:
+            return FailJob(f"every worker holding the model was lost after step {finalized_step}; "
+                           "there is no survivor to take the state from (--checkpoint-every lets a job resume)")
+        source, resume_step = chosen[0], restore_from
+    elif with_state:
         source = max(with_state, key=lambda w: (reqs[w].applied_step, -old_rank(rs, workers, w)))
         resume_step = max(reqs[source].applied_step, finalized_step)
     else:
@@ -132,8 +140,8 @@ def decide_round(rs: RoundState, workers: Mapping[int, WorkerRecord], *, now: fl
             or len({reqs[w].applied_step for w in chosen}) > 1)
     staying = set(chosen)  # thousands of candidates: no list scan per candidate
     return FormRound(members=chosen, leaving=[w for w in candidates if w not in staying], source=source,
-                     resume_step=resume_step, has_state=bool(with_state), sync_state=sync,
-                     failed_rounds=failed_rounds, round_failure=round_failure)
+                     resume_step=resume_step, has_state=bool(with_state), sync_state=sync or restore,
+                     failed_rounds=failed_rounds, round_failure=round_failure, restore=restore)
 
 
 def choose_members(rs: RoundState, workers: Mapping[int, WorkerRecord], members: list[int],

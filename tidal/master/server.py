@@ -23,6 +23,7 @@ from typing import Any, TextIO
 import uvicorn
 
 from tidal.api import ConfigError, JobState
+from tidal.api.shm import SHM_DIR, job_slot_pattern
 from tidal.backends import get as get_backend
 from tidal.brain import planners
 from tidal.brain.api import Planner
@@ -175,12 +176,25 @@ def run_master(
             code = runner.run(main())
         if master.state is JobState.SUCCEEDED:
             record_finished(master)
+        if master.state in (JobState.SUCCEEDED, JobState.FAILED):
+            remove_job_shm(spec.job_id)
     finally:
         master.close()
         backend.close()
         journal.close()
         sock.close()
     return code, master
+
+
+def remove_job_shm(job_id: str, shm_dir: str = SHM_DIR) -> None:
+    """Once the job has ended (nothing will resume it), the flash-checkpoint slots its dead workers
+    left in shared memory (a worker that closes removes its own): RAM, possibly gigabytes."""
+    pattern = job_slot_pattern(job_id)
+    with contextlib.suppress(OSError):
+        for name in os.listdir(shm_dir):
+            if pattern.fullmatch(name):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(shm_dir, name))
 
 
 def job_features(spec: JobSpec) -> dict[str, str | float]:

@@ -307,6 +307,19 @@ class ShardManager:
         return out
 
     # ----------------------------------------------------------------- resume
+    def rollback(self, committed: Iterable[CommittedRange]) -> None:
+        """Go back to the data position of a checkpoint: ``committed`` are the ledger rows of the
+        steps the checkpoint's model includes, and they alone count as consumed. Every shard
+        returns to TODO from the end of its committed prefix (DONE when whole), in queue order;
+        every entry is dirty (the journal must have the whole table again).
+        """
+        entries = self.entries()
+        for entry in entries:
+            # the one transition back from DONE: those samples were trained by steps the model lost
+            entry.done_to, entry.state, entry.worker = entry.start, ShardState.TODO, None
+        self.restore(self.config, entries, committed)
+        self._dirty = {(e.epoch, e.start): e for e in entries}
+
     def restore(self, config: DatasetConfig | None, entries: list[ShardEntry],
                 committed: Iterable[CommittedRange] = ()) -> None:
         """Rebuild from journaled entries and the ledger of committed ranges (a restarted master).

@@ -336,7 +336,9 @@ class RoundComm:
 
         Three broadcasts: the two sizes, the header, the flat buffer (``tidal.worker.state``'s
         ``pack_state``: a ``tidal.api.frames`` message joined into one buffer). A receiver checks
-        the sizes before it allocates and the message before it builds a tensor.
+        the sizes before it allocates and the message before it builds a tensor. A source with no
+        state to send (``tree`` None: it could not load the checkpoint the round resumes from)
+        sends the sizes ``(-1, 0)``: every member raises ``CollectiveError`` and re-forms.
 
         Raises:
             CollectiveError: a broadcast failed (a peer died or left): re-form.
@@ -345,8 +347,12 @@ class RoundComm:
                 that break the codec's rules (the source is not to be trusted with memory).
         """
         if self.group is None:
+            if tree is None:
+                raise CollectiveError("the round's source has no state to send")
             return tree
-        if self.rank == source:
+        if self.rank == source and tree is None:
+            sizes = torch.tensor([-1, 0], dtype=torch.int64)
+        elif self.rank == source:
             header, flat = pack_state(tree)
             sizes = torch.tensor([len(header), flat.numel()], dtype=torch.int64)
         else:
@@ -356,6 +362,9 @@ class RoundComm:
         except (RuntimeError, ValueError) as exc:
             raise CollectiveError(f"state broadcast failed: {exc}") from exc
         n_header, n_flat = int(sizes[0]), int(sizes[1])
+        if n_header == -1:
+            raise CollectiveError("the round's source has no state to send (it could not load the checkpoint "
+                                  "the round resumes from)")
         if not (0 < n_header <= MAX_HEADER_BYTES and 0 <= n_flat <= MAX_STATE_BYTES):
             raise FrameError(f"state broadcast announces a header of {n_header} bytes and a buffer of "
                              f"{n_flat} (limits {MAX_HEADER_BYTES} and {MAX_STATE_BYTES})")

@@ -65,12 +65,13 @@ from typing import Any
 import torch
 
 from tidal.api.frames import DTYPES
+from tidal.api.shm import job_slot_pattern
 from tidal.worker import persister as slotfmt
 from tidal.worker.checkpoint import MANIFEST, CheckpointError, save_checkpoint, verify
 from tidal.worker.state import join_tree, split_tree
 
 __all__ = ["CheckpointInfo", "FlashCheckpoint", "FlashError", "Loaded", "PeriodicCheckpoint", "SaveResult",
-           "list_checkpoints", "load_latest", "remove_shm"]
+           "list_checkpoints", "load_latest", "load_step", "remove_shm"]
 
 log = logging.getLogger(__name__)
 
@@ -648,49 +649,88 @@ def _slot_files(shm_dir: Path, name: str) -> list[Path]:
     return sorted(p for p in shm_dir.glob(prefix + "*") if p.name[len(prefix):].isdigit())
 
 
+def _job_slot_files(shm_dir: Path, job: str) -> list[Path]:
+    """The slots of every worker of ``job`` (``FlashCheckpoint`` names ``<job>-w<worker id>``)."""
+    if not shm_dir.is_dir():
+        return []
+    pattern = job_slot_pattern(job)
+    return sorted(p for p in shm_dir.glob(f"tidal-{job}-w*") if pattern.fullmatch(p.name))
+
+
 # ----------------------------------------------------------------------------- loading
-def load_latest(directory: str | Path, *, name: str | None = None, shm_dir: str | Path = "/dev/shm") -> Loaded:
-    """The newest intact snapshot: a shared-memory slot of ``name`` (when given) or a checkpoint
-    in ``directory`` that verifies, whichever has the higher step (shared memory on a tie).
+def load_latest(directory: str | Path, *, name: str | None = None, shm_dir: str | Path = "/dev/shm",
+                job: str | None = None) -> Loaded:
+    """The newest intact snapshot: a shared-memory slot of ``name`` (or of any worker of ``job``:
+    the slots ``tidal-<job>-w<id>-<i>``) or a checkpoint in ``directory`` that verifies, whichever
+    has the higher step (shared memory on a tie).
 
     A torn or corrupt slot, or a checkpoint that does not verify, is skipped with a warning.
 
     Raises:
         CheckpointError: none is intact.
     """
+    return _load_first(_candidates(directory, name, shm_dir, job), directory, name or job)
+
+
+def load_step(directory: str | Path, step: int, *, job: str | None = None, name: str | None = None,
+              lineage: int | None = None, shm_dir: str | Path = "/dev/shm") -> Loaded:
+    """The snapshot of exactly ``step``: from a slot of ``name`` or of any worker of ``job`` when one
+    holds it intact, else from ``directory``'s ``step-<step>`` checkpoint if it verifies (a resume
+    must load the step whose data position the master rolls back to, not merely the newest).
+    ``lineage``: the snapshot's meta must name it (``tidal.master.checkpoints``: a worker of a
+    lineage the job rolled back from may have left a snapshot of the same step).
+
+    Raises:
+        CheckpointError: no intact snapshot of ``step`` (of ``lineage``).
+    """
+    found = [c for c in _candidates(directory, name, shm_dir, job) if c[0] == step]
+    return _load_first(found, directory, name or job, f" of step {step}", lineage)
+
+
+def _candidates(directory: str | Path, name: str | None, shm_dir: str | Path,
+                job: str | None) -> list[tuple[int, int, str, Path]]:
+    """(step, preference, source, path) of every slot that looks intact and every ``step-*`` dir."""
     root = Path(directory).resolve()
-    candidates: list[tuple[int, int, str, Path]] = []  # step, preference, source, path
-    if name is not None:
-        for path in _slot_files(Path(shm_dir), name):
-            try:
-                head, size = slotfmt.peek_header(path)
-            except OSError as exc:
-                log.warning("skipping flash checkpoint slot %s: %s", path, exc)
-                continue
-            if head is None or head.magic != slotfmt.MAGIC:
-                log.warning("skipping %s: not a flash checkpoint slot", path)
-                continue
-            if head.directory != str(root):
-                continue  # another job's
-            if head.state == slotfmt.EMPTY:
-                continue
-            problem = head.problem(size)
-            if problem is not None:
-                log.warning("skipping flash checkpoint slot %s: %s", path, problem)
-                continue
-            candidates.append((head.step, 1, "shm", path))
-    for path in _step_dirs(root):
-        candidates.append((_dir_step(path), 0, "disk", path))
-    problems = []
-    for step, _, source, path in sorted(candidates, reverse=True):
+    out: list[tuple[int, int, str, Path]] = []
+    slots = _slot_files(Path(shm_dir), name) if name is not None else []
+    if job is not None:
+        slots += _job_slot_files(Path(shm_dir), job)
+    for path in sorted(set(slots)):
         try:
-            if source == "shm":
-                return _load_slot(path, root)
-            return _load_dir(path)
+            head, size = slotfmt.peek_header(path)
+        except OSError as exc:
+            log.warning("skipping flash checkpoint slot %s: %s", path, exc)
+            continue
+        if head is None or head.magic != slotfmt.MAGIC:
+            log.warning("skipping %s: not a flash checkpoint slot", path)
+            continue
+        if head.directory != str(root) or head.state == slotfmt.EMPTY:
+            continue  # another job's, or never written
+        problem = head.problem(size)
+        if problem is not None:
+            log.warning("skipping flash checkpoint slot %s: %s", path, problem)
+            continue
+        out.append((head.step, 1, "shm", path))
+    out.extend((_dir_step(path), 0, "disk", path) for path in _step_dirs(root))
+    return sorted(out, reverse=True)
+
+
+def _load_first(candidates: list[tuple[int, int, str, Path]], directory: str | Path, shm_name: str | None,
+                what: str = "", lineage: int | None = None) -> Loaded:
+    root = Path(directory).resolve()
+    problems = []
+    for step, _, source, path in candidates:
+        try:
+            loaded = _load_slot(path, root) if source == "shm" else _load_dir(path)
+            if lineage is not None and loaded.meta.get("lineage", 0) != lineage:
+                raise CheckpointError(f"of lineage {loaded.meta.get('lineage', 0)}, not {lineage} (a step the job "
+                                      "rolled back from)")
+            return loaded
         except (CheckpointError, ValueError, OSError) as exc:
             log.warning("skipping %s checkpoint of step %d at %s: %s", source, step, path, exc)
             problems.append(f"{path}: {exc}")
-    raise CheckpointError(f"no valid checkpoint in {root}" + (f" or in the shared memory of {name!r}" if name else "")
+    raise CheckpointError(f"no valid checkpoint{what} in {root}"
+                          + (f" or in the shared memory of {shm_name!r}" if shm_name else "")
                           + (f" ({'; '.join(problems)})" if problems else ""))
 
 

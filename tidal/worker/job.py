@@ -41,14 +41,16 @@ from tidal.api import (
     JoinResponse,
     RendezvousRequest,
     RendezvousResponse,
+    RestoreFailure,
     StaleRoundError,
     parse_every,
 )
+from tidal.api.shm import worker_checkpoint_name
 from tidal.worker.api import CollectiveError, FinishRefusedError, UsageError, WorkerGoneError
-from tidal.worker.checkpoint import save_checkpoint
+from tidal.worker.checkpoint import CheckpointError, save_checkpoint
 from tidal.worker.client import MasterClient
 from tidal.worker.comm import RoundComm
-from tidal.worker.flash import PeriodicCheckpoint
+from tidal.worker.flash import PeriodicCheckpoint, load_step
 from tidal.worker.loader import ElasticDataLoader
 from tidal.worker.placement import choose_backend, model_device
 from tidal.worker.reporter import Reporter
@@ -95,6 +97,8 @@ class Job:
         self.logical = logical  # logical workers (EasyScale ESTs); None: one worker per process
         self.checkpoint_dir: str | None = None
         self.periodic_checkpoint: PeriodicCheckpoint | None = None  # --checkpoint-every
+        self.lineage = 0  # the job's rollbacks so far, written into every checkpoint (tidal.master.checkpoints)
+        self._restore_failed: RestoreFailure | None = None  # for the master, with the next rendezvous
 
     # ------------------------------------------------------------------ public API
     @property
@@ -220,7 +224,7 @@ class Job:
             # rank 0 holds the state every member holds; the copy is the only time training waits
             periodic.save(applied.step, self._state.to_tree(), self.est_contexts(),
                           {"job_id": self.job_id, "step": applied.step, "round": self.round,
-                           "world_size": self.world_size, "worker_id": self.worker_id})
+                           "world_size": self.world_size, "worker_id": self.worker_id, "lineage": self.lineage})
             if self._reporter is not None:
                 self._reporter.checkpoint_step, self._reporter.checkpoint_problem = periodic.step, periodic.problem
 
@@ -283,8 +287,10 @@ class Job:
         # why it left its round (a collective that failed, a group that did not form): the master
         # fails the job when rounds keep failing before a step (the crash loop of the runtime)
         failure, self._failure = self._failure[:1000], ""
+        restore_failed, self._restore_failed = self._restore_failed, None
         req = RendezvousRequest(worker_id=self.worker_id, after_round=self.round,
-                                applied_step=state.applied_step, records=records, failure=failure)
+                                applied_step=state.applied_step, records=records, failure=failure,
+                                restore_failed=restore_failed)
         while True:
             self._check_gone()
             try:
@@ -317,10 +323,12 @@ class Job:
             backend=self.backend, device=self.device, timeout_s=self.collective_timeout_s,
         )
         self.rank, self.world_size = a.rank, a.world_size
+        self.lineage = a.lineage
         if a.sync_state:
+            sent: dict[str, Any] | None = None
             if a.rank == a.source_rank:
-                state.restore()
-            tree = self._comm.broadcast_state(state.to_tree() if a.rank == a.source_rank else None, a.source_rank)
+                sent = self._resume_state(state, a) if a.restore else self._committed_tree(state)
+            tree = self._comm.broadcast_state(sent, a.source_rank)
             if a.rank != a.source_rank:
                 state.load_tree(tree)  # type: ignore[arg-type]
         else:
@@ -331,6 +339,40 @@ class Job:
         steps.enter_round(self._comm, a.rank, a.world_size)
         log.info("worker %d: round %d rank %d/%d from step %d", self.worker_id, a.round, a.rank,
                  a.world_size, state.applied_step)
+
+    @staticmethod
+    def _committed_tree(state: State) -> dict[str, Any]:
+        state.restore()
+        return state.to_tree()
+
+    def _resume_state(self, state: State, a: RendezvousResponse) -> dict[str, Any] | None:
+        """The source of a round that resumes from the job's checkpoint of step ``a.applied_step``
+        (every worker holding the model was lost) loads it into ``state``; -1: none, the fresh
+        model. None when it cannot: the master hears why with the next rendezvous, and tries the
+        checkpoint before it, or fails the job when the checkpoint does not fit the model."""
+        if a.applied_step < 0:
+            return self._committed_tree(state)
+        step = a.applied_step
+        try:
+            if not self.checkpoint_dir:
+                raise CheckpointError("this worker has no checkpoint directory")
+            loaded = load_step(self.checkpoint_dir, step, job=self.job_id, lineage=a.restore_lineage)
+        except (CheckpointError, OSError) as exc:
+            self._restore_failed = RestoreFailure(step=step, problem=str(exc)[:1000])
+            log.warning("worker %d: cannot load the checkpoint of step %d: %s", self.worker_id, step, exc)
+            return None
+        try:
+            state.load_tree(loaded.tree)
+        except (RuntimeError, ValueError, KeyError, TypeError) as exc:
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            problem = f"it does not fit the script's model or optimizer: {' '.join(lines[:2])[:900]}"
+            self._restore_failed = RestoreFailure(step=step, problem=problem, fatal=True)
+            print(f"tidal: worker {self.worker_id}: cannot resume from the checkpoint of step {step}: {problem}",
+                  file=sys.stderr, flush=True)
+            return None
+        log.info("worker %d: resumed from the %s checkpoint of step %d (%s)", self.worker_id, loaded.source, step,
+                 loaded.path)
+        return state.to_tree()
 
     def _leave_round(self, *, pause: bool = False) -> None:
         """Close the round's communicator; ``pause``: to re-form (the reporter counts the pause)."""
@@ -402,7 +444,8 @@ def init(backend: str | None = None, *, logical_workers: int | None = None,
     if every:
         if not checkpoints:
             raise UsageError("TIDAL_CHECKPOINT_EVERY needs a checkpoint directory")
-        job.periodic_checkpoint = PeriodicCheckpoint(checkpoints, f"{job.job_id}-w{job.worker_id}", parse_every(every))
+        job.periodic_checkpoint = PeriodicCheckpoint(checkpoints, worker_checkpoint_name(job.job_id, job.worker_id),
+                                                     parse_every(every))
     return job
 
 
