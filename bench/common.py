@@ -321,6 +321,21 @@ def _instrument(job: Any, stamps: StampWriter) -> None:
     job.step_applied = stamped_applied
 
 
+def _worker_log_level() -> None:
+    """``BENCH_WORKER_LOG_LEVEL=INFO`` in the environment: tidal's own log lines (``tidal.*``
+    loggers only, not httpx's) go to the worker's stderr at that level (bench/recovery.py reads
+    "resumed from the shm checkpoint of step N" from the worker logs). Unset: nothing changes."""
+    import logging
+
+    level = os.environ.get("BENCH_WORKER_LOG_LEVEL")
+    if level:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        logger = logging.getLogger("tidal")
+        logger.setLevel(level.upper())
+        logger.addHandler(handler)
+
+
 def tidal_worker(argv: list[str] | None = None) -> None:
     """examples/ctr/train.py's ``main``, with a stamp per applied step."""
     import tidal.worker
@@ -328,6 +343,7 @@ def tidal_worker(argv: list[str] | None = None) -> None:
 
     bench, rest = split_args(argv)
     stamps = StampWriter(bench.stamp_dir)
+    _worker_log_level()
     real_init = tidal.worker.init
 
     def init(*args: Any, **kwargs: Any) -> Any:
