@@ -177,6 +177,7 @@ class RestoreFailure(_Wire):
     """
 
     step: int = Field(ge=0, le=_I64)
+    lineage: int = Field(default=0, ge=0, le=_I64)  # the checkpoint's, as the round named it
     problem: str = Field(max_length=1000)
     fatal: bool = False
 

@@ -10,6 +10,10 @@ members' progress that decides finality, and the ledger file. The protocol:
 * When a round ends, the source of the next round's state has its records of not-yet-final
   steps finalized and every other tentative record is discarded (``settle_round``): a dead
   worker may have applied a step no survivor applied, and those samples go back to TODO.
+* When every worker holding the model is lost and the job resumes from the flash checkpoint of
+  step ``s``, the steps after ``s`` are no longer in the model (``rollback``): their ranges leave
+  the journal's ledger, the shard table is rebuilt from the ranges of steps up to ``s`` (the
+  journal tags each with its step), and the ledger file gets ``{"rollback_to_step": s}``.
 
 Every write goes through ``write``: the shard rows, the ledger rows and the master's meta (a
 callback, since the meta is every component's) in one journal transaction, then the ledger

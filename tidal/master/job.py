@@ -451,7 +451,7 @@ class JobMaster:
     def _restore_failed(self, failed: RestoreFailure) -> None:
         """The source of a resuming round could not load its checkpoint: try the previous one,
         or fail the job when the checkpoint does not fit the script's model (none will)."""
-        ckpt = self._restore_choice or Checkpoint(failed.step, self.checkpoints.lineage)
+        ckpt = Checkpoint(failed.step, failed.lineage)
         if failed.fatal:
             self._fail_job(f"cannot resume from the checkpoint of step {failed.step}: {failed.problem}")
             return

@@ -9,7 +9,10 @@ A round closes when every live member of the current round is at the rendezvous 
 ``reform`` in their next report and come). The first round, or a restart from no survivor,
 waits for every launched worker, or for MIN of them and ``start_grace_s``. The member with the
 highest applied step is the source of the next round's state; ties go to the lowest previous
-rank. A scale-in lets stragglers leave first, then the most recent ranks.
+rank. A scale-in lets stragglers leave first, then the most recent ranks. When no worker at the
+rendezvous holds the model any more (every holder died) the round *restores*: its first member
+loads the job's flash checkpoint the master chose (``tidal.master.checkpoints``) and is the
+source; a job without checkpoints fails instead.
 """
 
 from __future__ import annotations

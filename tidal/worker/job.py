@@ -358,7 +358,7 @@ class Job:
                 raise CheckpointError("this worker has no checkpoint directory")
             loaded = load_step(self.checkpoint_dir, step, job=self.job_id, lineage=a.restore_lineage)
         except (CheckpointError, OSError) as exc:
-            self._restore_failed = RestoreFailure(step=step, problem=str(exc)[:1000])
+            self._restore_failed = RestoreFailure(step=step, lineage=a.restore_lineage, problem=str(exc)[:1000])
             log.warning("worker %d: cannot load the checkpoint of step %d: %s", self.worker_id, step, exc)
             return None
         try:
@@ -366,7 +366,7 @@ class Job:
         except (RuntimeError, ValueError, KeyError, TypeError) as exc:
             lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
             problem = f"it does not fit the script's model or optimizer: {' '.join(lines[:2])[:900]}"
-            self._restore_failed = RestoreFailure(step=step, problem=problem, fatal=True)
+            self._restore_failed = RestoreFailure(step=step, lineage=a.restore_lineage, problem=problem, fatal=True)
             print(f"tidal: worker {self.worker_id}: cannot resume from the checkpoint of step {step}: {problem}",
                   file=sys.stderr, flush=True)
             return None
