@@ -43,3 +43,15 @@ def test_a_bad_checkpoint_every_is_one_line(tmp_path: Path) -> None:
     alone = subprocess.run([TIDAL, "run", "--checkpoint-every", "5", str(script)], capture_output=True, text=True,
                            timeout=60)
     assert alone.returncode == 2 and "--checkpoint-every needs --checkpoint-dir" in alone.stderr
+
+
+def test_checkpoint_keep_needs_checkpoint_every_and_a_count(tmp_path: Path) -> None:
+    script = tmp_path / "t.py"
+    script.write_text("pass\n")
+    ckpt = str(tmp_path / "c")
+    alone = subprocess.run([TIDAL, "run", "--checkpoint-dir", ckpt, "--checkpoint-keep", "2", str(script)],
+                           capture_output=True, text=True, timeout=60)
+    assert alone.returncode == 2 and "--checkpoint-keep needs --checkpoint-every" in alone.stderr
+    zero = subprocess.run([TIDAL, "run", "--checkpoint-dir", ckpt, "--checkpoint-every", "5", "--checkpoint-keep",
+                           "0", str(script)], capture_output=True, text=True, timeout=60)
+    assert zero.returncode == 2 and "--checkpoint-keep" in zero.stderr

@@ -34,7 +34,8 @@ def remove_shm(job_id: str) -> None:
 def test_every_worker_killed_resumes_from_the_flash_checkpoint(tmp_path: Path) -> None:
     samples, epochs = 120_000, 1
     job = Job(tmp_path, "2:2", example_args(samples, epochs, 256, 0.01),
-              run_args=["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "10"]).start()
+              run_args=["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "10",
+                        "--checkpoint-keep", "2"]).start()
     try:
         st = job.wait_status(lambda s: s["checkpoint_step"] >= 19 and s["finalized_step"] >= s["checkpoint_step"] + 3,
                              120, "a flash checkpoint and steps after it")
@@ -53,6 +54,8 @@ def test_every_worker_killed_resumes_from_the_flash_checkpoint(tmp_path: Path) -
     assert audit.ok, audit.summary()  # every sample once in the model's lineage
     job_id = job.info()["job_id"]
     assert not list(Path("/dev/shm").glob(f"tidal-{job_id}-*")), "shared memory left behind"
+    kept = [c.step for c in list_checkpoints(tmp_path / "ckpt")]
+    assert 2 <= len(kept) <= 3, kept  # --checkpoint-keep 2, and the final checkpoint
 
 
 def _determinism_job(tmp: Path, name: str, every: str | None) -> Job:

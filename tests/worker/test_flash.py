@@ -504,3 +504,19 @@ def test_load_step_finds_exactly_that_step_in_any_worker_of_the_job(tmp_path: Pa
     finally:
         for worker in ("w3", "w7"):
             remove_shm(f"{job}-{worker}")
+
+
+def test_keep_prunes_the_oldest_checkpoints_after_each_write(make: Callable[..., FlashCheckpoint],
+                                                             tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    fc = make(keep=2)
+    for step in (3, 5, 9, 12):
+        fc.save(step, state(step), [], {})
+        fc.wait_persisted(step, timeout=30)
+    deadline = time.monotonic() + 10
+    while [c.step for c in list_checkpoints(ckpt)] != [12, 9] and time.monotonic() < deadline:
+        time.sleep(0.01)  # the prune follows the "persisted" event
+    assert [(c.step, c.ok) for c in list_checkpoints(ckpt)] == [(12, True), (9, True)]
+    assert not [p for p in ckpt.iterdir() if p.name.startswith(".")]  # nothing half-deleted left
+    with pytest.raises(ValueError, match="keep"):
+        FlashCheckpoint(ckpt, name="x", keep=-1)

@@ -148,6 +148,11 @@ def run(
         help="Also a flash checkpoint every STEPS applied steps (500) or DURATION (90s, 5m, 1h): the state is "
              "copied into shared memory at a step boundary and written to --checkpoint-dir by a background "
              "process (needs --checkpoint-dir)."),
+    checkpoint_keep: int | None = typer.Option(
+        None, "--checkpoint-keep", metavar="N",
+        help="Keep the N newest flash checkpoints on disk, deleting older ones as new ones are written "
+             "(default: keep every one; needs --checkpoint-every). A resume needs one whose steps the master "
+             "has committed: keep 2 or more."),
     determinism: str | None = typer.Option(
         None, "--determinism", help="D0, D1 (default with --logical-workers) or D2 (also across CPU types)."),
     comm_backend: str | None = typer.Option(
@@ -207,6 +212,11 @@ def run(
             raise fail("--checkpoint-every needs --checkpoint-dir")
         parse_every(checkpoint_every)  # a one-line error for a bad value
         env["TIDAL_CHECKPOINT_EVERY"] = checkpoint_every
+    if checkpoint_keep is not None:
+        if checkpoint_every is None:
+            raise fail("--checkpoint-keep needs --checkpoint-every")
+        check_range("--checkpoint-keep", checkpoint_keep, (1, 1_000_000))
+        env["TIDAL_CHECKPOINT_KEEP"] = str(checkpoint_keep)
     gpus = visible_gpus()
     if comm_backend is not None:
         if comm_backend not in ("gloo", "nccl"):

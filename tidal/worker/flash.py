@@ -202,11 +202,16 @@ class FlashCheckpoint:
     """Snapshots of a state tree in shared memory, persisted to ``directory`` asynchronously."""
 
     def __init__(self, directory: str | Path, *, name: str, slots: int = 2, shm_dir: str | Path = "/dev/shm",
-                 max_shm_bytes: int | None = None, persist: bool = True) -> None:
+                 max_shm_bytes: int | None = None, persist: bool = True, keep: int = 0) -> None:
+        """``keep``: the persister deletes the checkpoints of ``directory`` past the ``keep`` newest
+        (by step) after each it writes; 0 keeps every one."""
         if not _NAME.fullmatch(name):
             raise ValueError(f"name {name!r}: use 1 to 100 of A-Z a-z 0-9 _ . -")
         if slots < 1:
             raise ValueError("slots must be at least 1")
+        if keep < 0:
+            raise ValueError("keep must be 0 (every checkpoint) or more")
+        self.keep = keep
         self.directory = Path(directory).resolve()
         self.name = name
         self.shm_dir = Path(shm_dir)
@@ -237,7 +242,8 @@ class FlashCheckpoint:
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-P", str(script), "--directory", str(self.directory), "--name", self.name,
-                 "--shm-dir", str(self.shm_dir), "--slots", str(len(self._slots)), "--parent", str(os.getpid())],
+                 "--shm-dir", str(self.shm_dir), "--slots", str(len(self._slots)), "--parent", str(os.getpid()),
+                 "--keep", str(self.keep)],
                 stdin=stdin_r, stdout=stdout_w, start_new_session=True, close_fds=True)
         except BaseException:
             for fd in (stdin_w, stdout_r):
@@ -577,8 +583,8 @@ class PeriodicCheckpoint:
     """
 
     def __init__(self, directory: str | Path, name: str, every: tuple[str, float],
-                 clock: Any = time.monotonic) -> None:
-        self.directory, self.name, self.every, self.clock = str(directory), name, every, clock
+                 clock: Any = time.monotonic, keep: int = 0) -> None:
+        self.directory, self.name, self.every, self.clock, self.keep = str(directory), name, every, clock, keep
         self.flash: FlashCheckpoint | None = None
         self.step = -1
         self.problem = ""
@@ -594,7 +600,7 @@ class PeriodicCheckpoint:
         self._last_at = self.clock()
         try:
             if self.flash is None:
-                self.flash = FlashCheckpoint(self.directory, name=self.name)
+                self.flash = FlashCheckpoint(self.directory, name=self.name, keep=self.keep)
             result = self.flash.save(step, tree, contexts, meta)
         except (FlashError, OSError, ValueError) as exc:
             self._note(f"checkpoint of step {step} not taken: {exc}")

@@ -445,7 +445,8 @@ def init(backend: str | None = None, *, logical_workers: int | None = None,
         if not checkpoints:
             raise UsageError("TIDAL_CHECKPOINT_EVERY needs a checkpoint directory")
         job.periodic_checkpoint = PeriodicCheckpoint(checkpoints, worker_checkpoint_name(job.job_id, job.worker_id),
-                                                     parse_every(every))
+                                                     parse_every(every),
+                                                     keep=int(os.environ.get("TIDAL_CHECKPOINT_KEEP", "0") or 0))
     return job
 
 

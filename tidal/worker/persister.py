@@ -238,11 +238,12 @@ def _fsync_dir(path: Path) -> None:
 
 # ------------------------------------------------------------------ the process
 class Persister:
-    def __init__(self, directory: Path, name: str, shm_dir: Path, slots: int) -> None:
+    def __init__(self, directory: Path, name: str, shm_dir: Path, slots: int, keep: int = 0) -> None:
         self.directory = directory
         self.name = name
         self.shm_dir = shm_dir
         self.slots = slots
+        self.keep = keep  # checkpoints kept on disk, the newest by step (0: all)
         self.delay = float(os.environ.get("TIDAL_PERSIST_DELAY_S", "0") or 0)
         self._out_ok = True
 
@@ -317,6 +318,10 @@ class Persister:
                 set_state(buf, PERSISTED)
                 self.emit(event="persisted", step=head.step, slot=index, path=str(final),
                           seconds=round(time.perf_counter() - start, 6), bytes=head.payload_len)
+                if self.keep:
+                    pruned = prune(self.directory, self.keep, final)
+                    if pruned:
+                        self.emit(event="pruned", steps=pruned)
                 return True
             finally:
                 buf.close()
@@ -326,6 +331,23 @@ class Persister:
     def remove_slots(self) -> None:
         for index, step, path in remove_slots(self.shm_dir, self.name, self.slots):
             self.emit(event="kept", slot=index, step=step, path=str(path))
+
+
+def prune(directory: Path, keep: int, written: Path) -> list[int]:
+    """Delete the checkpoints of ``directory`` past the ``keep`` newest (by step), never the one
+    just ``written``; the steps deleted. Another saver's persister may prune the same directory:
+    a directory already gone is no error."""
+    steps = sorted((int(p.name[5:]), p) for p in directory.glob("step-*") if p.name[5:].isdigit())
+    doomed = [(step, path) for step, path in steps[:-keep] if path != written]
+    for _, path in doomed:
+        # renamed first, so that a reader never sees a half-deleted checkpoint under its step's name
+        trash = directory / f".old-{path.name}-{os.getpid()}"
+        try:
+            os.replace(path, trash)
+        except OSError:
+            continue
+        shutil.rmtree(trash, ignore_errors=True)
+    return [step for step, _ in doomed]
 
 
 def remove_slots(shm_dir: Path, name: str, slots: int) -> list[tuple[int, int, Path]]:
@@ -360,9 +382,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", required=True)
     parser.add_argument("--shm-dir", required=True)
     parser.add_argument("--slots", type=int, required=True)
+    parser.add_argument("--keep", type=int, default=0, help="checkpoints kept on disk, the newest (0: all)")
     parser.add_argument("--parent", type=int, required=True, help="the saver's pid")
     args = parser.parse_args(argv)
-    persister = Persister(Path(args.directory), args.name, Path(args.shm_dir), args.slots)
+    persister = Persister(Path(args.directory), args.name, Path(args.shm_dir), args.slots, args.keep)
 
     inbox: queue.Queue[dict[str, Any] | None] = queue.Queue()
 
