@@ -5,7 +5,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 PYTHON ?= python3
 
-.PHONY: setup chromium demo test lint unit bench clean
+.PHONY: setup chromium redis demo test lint unit bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -15,12 +15,17 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q -e '.[dev]'
 	touch $(STAMP)
 
-setup: $(STAMP) chromium
+setup: $(STAMP) chromium redis
 
 # Debian's headless browser for tests/master/test_dashboard.py (skipped without it); as root.
 chromium:
 	@command -v chromium >/dev/null || (apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null)
+
+# Redis for the stream-source tests (tests/redis_server.py starts its own servers; skipped without it); as root.
+redis:
+	@command -v redis-server >/dev/null || (apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null)
 
 demo: setup
 	$(VENV)/bin/tidal demo

@@ -26,7 +26,7 @@ def fail(message: str, code: int = 2) -> typer.Exit:
 
 def _register_commands() -> None:
     # Imported for their side effect of adding commands to ``app``.
-    from tidal.cli import brain, job, sim  # noqa: F401
+    from tidal.cli import brain, job, sim, stream  # noqa: F401
 
 
 def main() -> None:
