@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import threading
 import time
@@ -39,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import tidal.worker
 from examples.ctr.data import ClickDataset, roc_auc
 from examples.ctr.model import DLRM
+from examples.ctr.stream import ClickRecords
 
 
 def non_negative_float(text: str) -> float:
@@ -81,6 +83,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="cpu",
                    help="where the model trains (auto: cuda when available); tidal picks the workers' "
                         "process-group backend from it")
+    p.add_argument("--stream", default=None, metavar="URL",
+                   help="train on a stream of click records (tidal produce) instead of --samples of the dataset; "
+                        "default: the job's `tidal run --stream`")
     p.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="small",
                    help="small: the CPU-sized DLRM; large: wider MLPs and embeddings, so that a GPU step "
                         "is not bound by kernel launches")
@@ -135,8 +140,13 @@ def main(argv: list[str] | None = None) -> None:
         print(f"EMULATED accelerator time: {args.device_ms_per_step:g} ms/step + {args.device_us_per_sample:g} "
               "us/sample of sleep per step (not real compute)", flush=True)
 
+    stream = args.stream or os.environ.get("TIDAL_STREAM_URL")
+    if stream:  # online training: records of `tidal produce`, the same samples as the dataset's
+        loader = job.loader(stream=stream, batch_size=args.batch_size, decode=ClickRecords(args.seed).decode)
+    else:
+        loader = job.loader(train, batch_size=args.batch_size, epochs=args.epochs, seed=args.seed)
     t0, seen, logged = time.monotonic(), 0, -1
-    for batch in job.loader(train, batch_size=args.batch_size, epochs=args.epochs, seed=args.seed):
+    for batch in loader:
         started = time.monotonic()
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         optimizer.zero_grad(set_to_none=True)

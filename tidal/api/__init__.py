@@ -137,13 +137,19 @@ class JobState(StrEnum):
 
 
 class StepRecord(_Wire):
-    """The samples one worker contributed to one committed optimizer step: ``[start, end)``."""
+    """The samples one worker contributed to one committed optimizer step: ``[start, end)``.
+
+    In a stream job (``tidal run --stream``) ``epoch`` is the partition and the range is of
+    packed record ids (``tidal.api.streams``): ``start`` the position read after (the previous
+    committed record), ``first`` and ``end`` the first and last record trained, both included.
+    """
 
     step: int = Field(ge=0, le=_I64)
     worker: int = Field(ge=0, le=_I64)
     epoch: int = Field(ge=0, le=_I64)
     start: int = Field(ge=0, le=_I64)
     end: int = Field(ge=0, le=_I64)
+    first: int = Field(default=0, ge=0, le=_I64)
 
 
 class Shard(_Wire):
@@ -198,6 +204,7 @@ class RendezvousRequest(_Wire):
     records: list[StepRecord] = Field(default_factory=list, max_length=MAX_RECORDS_PER_REQUEST)
     failure: str = Field(default="", max_length=1000)  # why it left: a collective or group that failed
     restore_failed: RestoreFailure | None = None
+    stream_partitions: list[int] = Field(default_factory=list, max_length=65536)  # a stream job's, as seen
 
 
 class RendezvousResponse(_Wire):
@@ -217,6 +224,9 @@ class RendezvousResponse(_Wire):
     restore: bool = False
     restore_lineage: int = 0
     lineage: int = 0  # the job's rollbacks so far: workers write it into their checkpoints (tidal.master.checkpoints)
+    # a stream job: this worker's partitions and, for each, the packed id of its last committed
+    # record (tidal.api.streams; 0: none yet), which it reads after
+    stream: dict[int, int] = Field(default_factory=dict)
 
 
 class PauseReport(_Wire):
@@ -248,6 +258,10 @@ class ReportRequest(_Wire):
     # newest problem (a full or unwritable --checkpoint-dir), "" when none
     checkpoint_step: int = Field(default=-1, ge=-1, le=_I64)
     checkpoint_problem: str = Field(default="", max_length=1000)
+    # a stream job: records waiting in this worker's partitions after what it has read (-1: not
+    # measured), and the malformed records it skipped so far
+    stream_backlog: int = Field(default=-1, ge=-1, le=_I64)
+    stream_malformed: int = Field(default=0, ge=0, le=_I64)
 
 
 class ReportResponse(_Wire):
@@ -255,6 +269,7 @@ class ReportResponse(_Wire):
     reform: bool  # a new round is being formed: stop at the next step boundary
     finalized_step: int  # every record of steps <= this is durable in the journal
     incarnation: str = ""  # changes when the master restarts: workers then resend unfinalized records
+    stop: bool = False  # a stream job is over (drained, or `tidal stop`): finish at the next step boundary
 
 
 class LeaseRequest(_Wire):

@@ -138,6 +138,15 @@ def run(
         None, "--logical-workers",
         help="Train N logical workers over however many processes run (bitwise the same for any count).",
     ),
+    stream: str | None = typer.Option(
+        None, "--stream", metavar="URL",
+        help="Train online from a stream (redis://127.0.0.1:PORT/NAME or file:///DIR/NAME; the script reads it "
+             "with job.loader(stream=..., decode=...)): the master assigns partitions to workers each round and "
+             "journals, with every step, the last record it trained of each; --ledger lines name record ids."),
+    stop_when_drained: float | None = typer.Option(
+        None, "--stop-when-drained", metavar="SECONDS",
+        help="With --stream: end the job once every partition is drained and nothing new arrived for SECONDS "
+             "(tests and replays; without it a stream job runs until stopped)."),
     resume_dir: Path | None = typer.Option(
         None, "--resume", metavar="JOBDIR",
         help="Continue the job of JOBDIR (its master and workers gone) instead of starting one: SCRIPT and its "
@@ -207,6 +216,13 @@ def run(
         raise fail(f"--initial {initial} is outside --workers {low}:{high}")
     check_ledger(ledger)
     env = logical_env(logical_workers, high, checkpoint_dir, determinism)
+    if stream is not None:
+        check_stream(stream, logical_workers)
+        env["TIDAL_STREAM_URL"] = stream
+    elif stop_when_drained is not None:
+        raise fail("--stop-when-drained needs --stream")
+    if stop_when_drained is not None:
+        check_range("--stop-when-drained", stop_when_drained, (0.0, 86_400.0), " seconds")
     if checkpoint_every is not None:
         if checkpoint_dir is None:
             raise fail("--checkpoint-every needs --checkpoint-dir")
@@ -237,6 +253,7 @@ def run(
         round_timeout_s=round_timeout, progress_timeout_s=progress_timeout, max_restarts=max_restarts,
         cwd=os.getcwd(), env=env, gpus=gpus, backend=backend, planner=planner,
         planner_interval_s=planner_interval, history_path=history_path(history),
+        stream_url=stream, stop_when_drained_s=stop_when_drained,
     )
     _point_current(directory)
     typer.echo(f"tidal: job {job_id} on http://127.0.0.1:{spec.port} (job dir {directory}); "
@@ -244,6 +261,15 @@ def run(
     code, master = run_master(spec, directory / "journal.sqlite", sock=sock, follow_logs=not quiet)
     _print_summary(master)
     raise typer.Exit(code)
+
+
+def check_stream(url: str, logical_workers: int | None) -> None:
+    """A one-line error for a stream the job could not read (a bad URL, an unreachable Redis)."""
+    from tidal.data.streams import open_source
+
+    if logical_workers is not None:
+        raise ConfigError("--stream does not take --logical-workers yet")
+    open_source(url).close()
 
 
 def visible_gpus() -> list[str]:
@@ -465,19 +491,28 @@ def scale(
 @app.command()
 def audit(
     ledger: Path = typer.Argument(..., help="A ledger written by `tidal run --ledger`."),
-    size: int = typer.Option(..., "--size", help="Samples in the dataset (each epoch covers 0..SIZE-1)."),
+    size: int | None = typer.Option(None, "--size", help="Samples in the dataset (each epoch covers 0..SIZE-1)."),
     epochs: int | None = typer.Option(None, "--epochs", help="Epochs the job trained (default: those in the ledger)."),
+    stream: str | None = typer.Option(None, "--stream", metavar="URL",
+                                      help="A stream job's ledger: check it against the records of this stream "
+                                           "(redis://HOST:PORT/NAME or file:///DIR/NAME)."),
 ) -> None:
-    """Check that every sample of every epoch is in the ledger exactly once.
+    """Check that every sample of every epoch (--size) or every record of the stream (--stream) is
+    in the ledger exactly once.
 
     Rollback lines (`{"rollback_to_step": s}`, written when a job resumed from a checkpoint of
-    step s) void the earlier lines of steps above s. Exit status 0 when exactly once, 1 when not,
-    2 on bad input.
+    step s) void the earlier lines of steps above s. With --stream, each partition is checked
+    from its first record up to its highest committed id. Exit status 0 when exactly once, 1
+    when not, 2 on bad input.
     """
-    from tidal.master.audit import audit_ledger
+    from tidal.master.audit import audit_ledger, audit_stream
 
-    if size <= 0:
+    if (size is None) == (stream is None):
+        raise fail("give either --size (a dataset job's ledger) or --stream URL (a stream job's)")
+    if size is not None and size <= 0:
         raise fail("--size must be positive")
+    if epochs is not None and stream is not None:
+        raise fail("--epochs goes with --size, not --stream")
     if epochs is not None and epochs <= 0:
         raise fail("--epochs must be positive")
     try:
@@ -485,11 +520,31 @@ def audit(
     except OSError as exc:
         raise fail(f"cannot read ledger {ledger}: {exc.strerror}") from None
     try:
-        result = audit_ledger(lines, size, epochs)
+        result = audit_ledger(lines, size, epochs) if size is not None else audit_stream(lines, _stream_ids(stream))
     except ValueError as exc:
         raise fail(f"{ledger}: {exc}") from None
     typer.echo(result.summary())
     raise typer.Exit(0 if result.ok else 1)
+
+
+def _stream_ids(url: str | None) -> dict[int, list[str]]:
+    """Every partition's record ids, in order (a ConfigError names an unreachable stream)."""
+    from tidal.data.api import FIRST, StreamUnavailableError
+    from tidal.data.streams import open_source
+
+    assert url is not None
+    source = open_source(url)
+    ids: dict[int, list[str]] = {}
+    try:
+        for partition in source.partitions():
+            got = ids[partition] = []
+            while page := source.read(partition, got[-1] if got else FIRST, 10_000):
+                got.extend(r.id for r in page)
+    except StreamUnavailableError as exc:
+        raise fail(str(exc)) from None
+    finally:
+        source.close()
+    return ids
 
 
 def history_path(given: str | None) -> str | None:

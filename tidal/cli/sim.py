@@ -16,6 +16,15 @@ sim_app = typer.Typer(help="Evaluate scaling policies in simulation on real trac
 app.add_typer(sim_app, name="sim")
 
 
+def read_csv(path: Path) -> list[list[str]]:
+    """A trace's rows (``tidal.sim.online.load_trace`` reads them); a one-line error if unreadable."""
+    try:
+        with open(path, newline="") as f:
+            return list(csv.reader(f))
+    except OSError as exc:
+        raise fail(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
 @sim_app.command("online")
 def online(
     trace: Path = typer.Option(..., "--trace", help="CSV: time (timestamps or minutes) then counts per interval"),
@@ -60,11 +69,7 @@ def online(
     names = [p.strip() for p in policies.split(",") if p.strip()]
     if not names:
         raise fail("--policies is empty")
-    try:
-        with open(trace, newline="") as f:
-            rows = list(csv.reader(f))
-    except OSError as exc:
-        raise fail(f"cannot read {trace}: {exc.strerror or exc}") from None
+    rows = read_csv(trace)
     try:
         counts, interval = sim.load_trace(rows, column)
         cfg = sim.SimConfig(peak_workers=peak_workers, migration=migration, seed=seed, interval_s=interval,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import sys
 from pathlib import Path
 from typing import Any
@@ -48,6 +47,7 @@ def produce(
     --trim-after-commit` is the one way it deletes any). Prints progress every 2 s and, at the
     end, what it wrote per partition (count, first and last id).
     """
+    from tidal.cli.sim import read_csv
     from tidal.data.produce import arrival_rates, partition_shares
     from tidal.data.produce import produce as run_producer
     from tidal.data.streams import open_source
@@ -59,12 +59,7 @@ def produce(
         raise fail(f"--limit must be at least 1, got {limit}")
     if first_index < 0:
         raise fail("--first-index must not be negative")
-    try:
-        with open(trace, newline="") as f:
-            rows = list(csv.reader(f))
-    except OSError as exc:
-        raise fail(f"cannot read {trace}: {exc.strerror or exc}") from None
-    counts, interval = load_trace(rows, column)
+    counts, interval = load_trace(read_csv(trace), column)
     rates = arrival_rates(counts, interval, speedup, peak)
     shares = partition_shares(partitions, skew)
     records = _click_records(seed)

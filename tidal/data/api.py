@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from tidal.api import ConfigError, RetryableError
+from tidal.api import RetryableError
+from tidal.api.streams import format_id, parse_id
 
 __all__ = ["FIRST", "MAX_FIELDS", "MAX_FIELD_BYTES", "StreamRecord", "StreamSource", "StreamUnavailableError",
            "format_id", "parse_id"]
@@ -35,22 +36,6 @@ class StreamRecord:
     partition: int
     id: str  # "<ms>-<seq>"
     fields: dict[str, bytes]
-
-
-def parse_id(record_id: str) -> tuple[int, int]:
-    """``"<ms>-<seq>"`` as an integer pair, the order of ids within a partition.
-
-    Raises:
-        ConfigError: not an id.
-    """
-    ms, sep, seq = record_id.partition("-")
-    if not sep or not ms.isdigit() or not seq.isdigit():
-        raise ConfigError(f"{record_id!r} is not a stream record id (<ms>-<seq>)")
-    return int(ms), int(seq)
-
-
-def format_id(ms: int, seq: int) -> str:
-    return f"{ms}-{seq}"
 
 
 class StreamSource(Protocol):

@@ -106,6 +106,11 @@ class JobSpec:
     # where the nodes run, by name in tidal.backends.registry; journaled with the spec, so a
     # resumed master uses the backend that started the nodes it adopts
     backend: str = "local"
+    # a stream job (``tidal run --stream URL``): the workers read it (the master never talks to
+    # the stream system); ``stop_when_drained_s``: end the job once every partition is drained
+    # and nothing new arrived for that long (None: run until stopped)
+    stream_url: str | None = None
+    stop_when_drained_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

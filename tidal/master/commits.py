@@ -28,19 +28,23 @@ from operator import attrgetter
 from typing import TextIO
 
 from tidal.api import StepRecord, TidalError
+from tidal.api.streams import unpack_id
 from tidal.master.api import JournalUnavailableError
 from tidal.master.events import EventLog
 from tidal.master.journal import Journal
 from tidal.master.progress import MemberProgress
 from tidal.master.shards import CommittedRange, ShardManager
+from tidal.master.streams import StreamTable
 
 log = logging.getLogger(__name__)
 
 
 class Commits:
-    def __init__(self, journal: Journal, shards: ShardManager, events: EventLog, ledger_path: str | None) -> None:
+    def __init__(self, journal: Journal, shards: ShardManager, events: EventLog, ledger_path: str | None,
+                 streams: StreamTable | None = None) -> None:
         self.journal = journal
         self.shards = shards
+        self.streams = streams  # a stream job's positions (then ``shards`` stays empty)
         self.events = events
         self.ledger_path = ledger_path
         self.finalized_step = -1
@@ -60,7 +64,7 @@ class Commits:
             if rewrite:
                 with open(path, "w") as out:
                     for row in self.journal.load_ledger():
-                        out.write(ledger_line(row))
+                        out.write(self.line(row))
             self._ledger = open(path, "a")
         except OSError as exc:
             raise JournalUnavailableError(f"cannot write ledger {path}: {exc.strerror}") from exc
@@ -78,7 +82,7 @@ class Commits:
         """A member's record of a step it applied: tentative until every member has the step."""
         if record.step > self.finalized_step:
             self.tentative.setdefault(record.step, {})[(record.worker, record.start)] = record
-        elif not self.shards.is_committed(record.epoch, record.start, record.end):
+        elif not self._is_committed(record):
             # a step was finalized without this record: a protocol bug, never silent
             self.events.add("error", f"late record of final step {record.step} from worker {record.worker}")
             log.error("job %s: late record %s", self.events.job_id, record)
@@ -119,7 +123,9 @@ class Commits:
         the voided steps (trained again)."""
         rows = self.journal.load_ledger()
         kept = [r for r in rows if r.step <= step]
-        if self.shards.config is not None:
+        if self.streams is not None:
+            self.streams.restore(kept)
+        elif self.shards.config is not None:
             self.shards.rollback(kept)
         self.finalized_step = step
         self.tentative.clear()
@@ -132,7 +138,10 @@ class Commits:
             if r.end <= r.start:
                 continue
             try:
-                if self.shards.commit(r.epoch, r.start, r.end):
+                if self.streams is not None:
+                    if self.streams.commit(r.epoch, r.start, r.first, r.end):
+                        out.append(CommittedRange(r.epoch, r.first, r.end, r.step, r.worker))
+                elif self.shards.commit(r.epoch, r.start, r.end):
                     out.append(CommittedRange(r.epoch, r.start, r.end, r.step, r.worker))
             except TidalError as exc:  # a protocol bug must show, and must not stop the master
                 self.events.add("error", f"cannot commit step {r.step} of worker {r.worker}: {exc}")
@@ -152,10 +161,23 @@ class Commits:
         if self._ledger and (committed or rollback is not None):
             lines = [] if rollback is None else [f'{{"rollback_to_step": {rollback}}}\n']
             try:
-                self._ledger.write("".join(lines + [ledger_line(c) for c in committed]))
+                self._ledger.write("".join(lines + [self.line(c) for c in committed]))
                 self._ledger.flush()
             except OSError as exc:
                 raise JournalUnavailableError(f"cannot write ledger {self.ledger_path}: {exc.strerror}") from exc
+
+
+    def _is_committed(self, r: StepRecord) -> bool:
+        if self.streams is not None:
+            return self.streams.is_committed(r.epoch, r.end)
+        return self.shards.is_committed(r.epoch, r.start, r.end)
+
+    def line(self, c: CommittedRange) -> str:
+        """The ledger file's line of a committed range: a stream job's names record ids."""
+        if self.streams is not None:
+            return (f'{{"step": {c.step}, "worker": {c.worker}, "partition": {c.epoch}, '
+                    f'"ids": [["{unpack_id(c.start)}", "{unpack_id(c.end)}"]]}}\n')
+        return ledger_line(c)
 
 
 def ledger_line(c: CommittedRange) -> str:

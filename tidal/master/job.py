@@ -87,6 +87,7 @@ from tidal.master.planning import Planning, available_cpus, worker_observation
 from tidal.master.progress import MemberProgress
 from tidal.master.rounds import RoundState
 from tidal.master.shards import DatasetConfig, ShardManager
+from tidal.master.streams import StreamTable
 
 log = logging.getLogger(__name__)
 W = WorkerState
@@ -157,8 +158,12 @@ class JobMaster:
         self._restore_choice: Checkpoint | None = None  # the one the round being formed resumes from
         self.checkpoint_problem: str | None = None
         self.shards = ShardManager()
+        self.streams = StreamTable() if spec.stream_url else None
+        self.stream_stop: str | None = None  # why a stream job ends (drained, stopped): workers finish
+        self._stream_quiet_since: float | None = None  # drained, with no commit since
+        self._stream_positions: dict[int, int] = {}
         self.rounds = RoundState()
-        self.commits = Commits(self.journal, self.shards, self.log, spec.ledger_path)
+        self.commits = Commits(self.journal, self.shards, self.log, spec.ledger_path, self.streams)
         self.fleet = Fleet(spec, self.backend)
         self._next_plan_at = 0.0
         self._next_liveness_check = 0.0
@@ -257,7 +262,12 @@ class JobMaster:
         rs.assignments = {int(k): RendezvousResponse(**v) for k, v in (j.get_meta("assignments") or {}).items()}
         self.commits.finalized_step = meta.get("finalized_step", -1)
         dataset = meta.get("dataset")
-        self.shards.restore(DatasetConfig(**dataset) if dataset else None, j.load_shards(), j.load_ledger())
+        if self.streams is not None:
+            self.streams.restore(j.load_ledger())
+            self.streams.discover(meta.get("stream_partitions", []))
+            self.stream_stop = meta.get("stream_stop")
+        else:
+            self.shards.restore(DatasetConfig(**dataset) if dataset else None, j.load_shards(), j.load_ledger())
         self.fleet.restore(meta, j.load_workers(), self.clock())
         # Every member must report to this master before a step is final again. One found dead
         # holds finalization back, as in a running master, until the next round settles its steps:
@@ -360,6 +370,11 @@ class JobMaster:
         if rs.is_member(req.worker_id) and req.after_round == rs.round and not rs.reforming:
             self._start_reform(f"worker {req.worker_id} left the collective")
         self._check_records(req)
+        if self.streams is not None and self.streams.discover(req.stream_partitions):
+            self.log.add("stream", f"partitions {sorted(self.streams.partitions)} (new ones from worker "
+                                   f"{req.worker_id}); assigned at the next round")
+            if rs.round >= 0 and not rs.reforming:
+                self._start_reform("new stream partitions")
         if req.restore_failed is not None:
             self._restore_failed(req.restore_failed)
             if self.state is not JobState.RUNNING:
@@ -387,6 +402,15 @@ class JobMaster:
         crash when the round closes."""
         if not req.records:
             return
+        if self.streams is not None:
+            for r in req.records:
+                if r.step > req.applied_step:
+                    raise BadRequestError(f"record of step {r.step} is beyond applied_step {req.applied_step}")
+                if not r.start < r.first <= r.end:
+                    raise BadRequestError(f"record ids ({r.start}, {r.first}..{r.end}] are not in order")
+                if r.worker not in self.workers:
+                    raise BadRequestError(f"record of unknown worker {r.worker}")
+            return
         cfg = self.shards.config
         if cfg is None:
             raise BadRequestError("records before any shard was leased")
@@ -412,6 +436,12 @@ class JobMaster:
             rec.data_s, rec.compute_s, rec.comm_s = req.data_s, req.compute_s, req.comm_s
         if req.rss_bytes:
             rec.cpu_percent, rec.rss_bytes = req.cpu_percent, req.rss_bytes
+        if req.stream_backlog >= 0:
+            rec.stream_backlog = req.stream_backlog
+        if req.stream_malformed > rec.stream_malformed:
+            self.log.add("stream", f"worker {rec.worker_id} skipped {req.stream_malformed - rec.stream_malformed} "
+                                   f"malformed records ({req.stream_malformed} in all)", worker=rec.worker_id)
+            rec.stream_malformed = req.stream_malformed
         self._note_checkpoint(req.checkpoint_step, req.checkpoint_problem)
         if req.round == self.round and self.is_member(req.worker_id) and rec.state in (W.ACTIVE, W.WAITING):
             rec.progressed(req.applied_step, now)
@@ -428,7 +458,7 @@ class JobMaster:
         for pause in req.pauses:
             self.log.record_pause(pause.round, pause.seconds)
         return ReportResponse(round=self.round, reform=self.reforming, finalized_step=self.finalized_step,
-                              incarnation=self.incarnation)
+                              incarnation=self.incarnation, stop=self.stream_stop is not None)
 
     def _note_checkpoint(self, step: int, problem: str) -> None:
         """A worker's newest flash checkpoint (journaled with the next meta write) and the
@@ -498,9 +528,13 @@ class JobMaster:
             NotExhaustedError: samples the master knows of were never trained (409).
         """
         rec = self._worker(req.worker_id)
+        if self.streams is not None and self.stream_stop is None:
+            message = f"worker {req.worker_id} says training is over, but a stream job ends only when stopped"
+            self.log.add("error", f"finish refused: {message}")
+            raise NotExhaustedError(message)
         pending = self.commits.pending_ranges()
         pending += [(r.epoch, r.start, r.end) for r in req.records if r.step <= req.applied_step]
-        left = self.shards.unconsumed(pending)
+        left = self.shards.unconsumed(pending) if self.streams is None else {}
         if left:
             gaps = list(itertools.islice(self.shards.uncovered(pending), 3))
             message = (f"worker {req.worker_id} says training is over after step {req.applied_step}, but "
@@ -595,6 +629,8 @@ class JobMaster:
                 self._next_timeline = now + TIMELINE_S
                 active = self._active()
                 self.planning.record(now, sum(r.samples_per_s for r in active), len(active), self.target)
+            if self.streams is not None and self.spec.stop_when_drained_s is not None:
+                self._check_drained(now)
             self._launch_missing(now)
             cause = rounds.reform_cause(self.rounds, self.workers, self.target)
             if cause is not None:
@@ -604,6 +640,27 @@ class JobMaster:
             self._settle()
         elif self.state is JobState.FAILED:
             self.fleet.kill(self.fleet.alive_ids(), "job-failed")
+
+    def _check_drained(self, now: float) -> None:
+        """``--stop-when-drained S``: every member has read everything of its partitions, all of it
+        is committed, and no commit came for S seconds: the job stops (its workers finish)."""
+        assert self.streams is not None and self.spec.stop_when_drained_s is not None
+        if self.stream_stop is not None:
+            return
+        members = [self.workers[m] for m in self.rounds.members]
+        positions = dict(self.streams.positions)
+        drained = (bool(members) and not self.rounds.reforming and not self.commits.tentative
+                   and all(r.alive and r.stream_backlog == 0 for r in members))
+        if not drained or positions != self._stream_positions:
+            self._stream_positions = positions
+            self._stream_quiet_since = now if drained else None
+            return
+        if self._stream_quiet_since is None:
+            self._stream_quiet_since = now
+        elif now - self._stream_quiet_since >= self.spec.stop_when_drained_s:
+            self.stream_stop = f"every partition drained and nothing new for {self.spec.stop_when_drained_s:g} s"
+            self.log.add("job", f"stream job stops: {self.stream_stop}")
+            self._persist()
 
     def _handle_backend_reports(self) -> None:
         """Exits and launch errors, each dropped only once handled: a journal failure keeps it for
@@ -656,6 +713,8 @@ class JobMaster:
     def _data_problem(self) -> str | None:
         """Why the job's data is not wholly trained, or None: every shard of every epoch DONE and
         the journal's ledger covering every epoch exactly once."""
+        if self.streams is not None:
+            return None  # a stream has no end: what was trained is committed (the finish flushed it)
         left = self.shards.unconsumed()
         if left:
             return f"the workers finished, but {_samples_left(left)}"
@@ -766,6 +825,7 @@ class JobMaster:
         source_req = rs.waiting[form.source]
         committed = self.commits.settle_round(source_req.records, source_req.applied_step, form.has_state,
                                               form.members)
+        stream = self.streams.assign(form.members) if self.streams is not None else {}
         rs.round = prev_round + 1
         rs.round_start_step = form.resume_step
         cause = rs.reform_cause or ("start" if prev_round < 0 else "re-form")
@@ -784,7 +844,7 @@ class JobMaster:
                 status="ready", round=rs.round, rank=rank, world_size=len(form.members),
                 store_host=self.spec.host, store_port=self.store_port, source_rank=source_rank,
                 sync_state=form.sync_state, applied_step=form.resume_step, restore=form.restore,
-                lineage=self.checkpoints.lineage, restore_lineage=restore_lineage,
+                lineage=self.checkpoints.lineage, restore_lineage=restore_lineage, stream=stream.get(w, {}),
             )
         for w in form.leaving:
             rec = self.workers[w]
@@ -939,6 +999,8 @@ class JobMaster:
             "finalized_step": self.finalized_step, "target": self.target,
             "target_override": self.target_override, "error": self.error, "checkpoint_step": self.checkpoint_step,
             "checkpoints": self.checkpoints.to_meta(),
+            "stream_partitions": sorted(self.streams.partitions) if self.streams is not None else [],
+            "stream_stop": self.stream_stop,
             **self.fleet.to_meta(),
             "dataset": None if cfg is None else {
                 "size": cfg.size, "batch_size": cfg.batch_size, "batches_per_shard": cfg.batches_per_shard,

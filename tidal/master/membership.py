@@ -54,6 +54,8 @@ class WorkerRecord:
     comm_s: float = 0.0
     cpu_percent: float = 0.0  # of one core, as it reports (psutil; 0: not measured)
     rss_bytes: int = 0
+    stream_backlog: int = -1  # a stream job: records waiting after what it has read (-1: not reported)
+    stream_malformed: int = 0
     # the latest transitions (a worker moves ACTIVE <-> WAITING every round: bounded)
     history: deque[tuple[float, str]] = field(default_factory=lambda: deque(maxlen=HISTORY))
 

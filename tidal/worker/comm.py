@@ -26,9 +26,10 @@ from tidal.worker.store import MasterStore
 
 log = logging.getLogger(__name__)
 
-# Step header, one row per worker: samples, reform flag, epoch, start, end, worker id.
-HEADER_FIELDS = 6
-N, REFORM, EPOCH, START, END, WORKER = range(HEADER_FIELDS)
+# Step header, one row per worker: samples, reform flag, epoch, start, end, worker id, and a
+# stream job's first record (tidal.api.StepRecord: the range's fields in a stream job).
+HEADER_FIELDS = 7
+N, REFORM, EPOCH, START, END, WORKER, FIRST = range(HEADER_FIELDS)
 FORM_TIMEOUT_S = 10.0
 _CHUNKS, _CHUNK_BITS = 3, 21  # a header value in float32: three exact 21-bit pieces (< 2**63)
 _CHUNK_MASK = (1 << _CHUNK_BITS) - 1

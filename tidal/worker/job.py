@@ -98,6 +98,10 @@ class Job:
         self.checkpoint_dir: str | None = None
         self.periodic_checkpoint: PeriodicCheckpoint | None = None  # --checkpoint-every
         self.lineage = 0  # the job's rollbacks so far, written into every checkpoint (tidal.master.checkpoints)
+        # a stream job (tidal.worker.stream_loader): this round's partitions and the packed id each
+        # is committed up to, and the partitions its loader sees (told to the master at rendezvous)
+        self.stream_assignment: dict[int, int] = {}
+        self.stream_partitions: list[int] = []
         self._restore_failed: RestoreFailure | None = None  # for the master, with the next rendezvous
 
     # ------------------------------------------------------------------ public API
@@ -136,9 +140,36 @@ class Job:
             raise UsageError("call job.state(model, optimizer) before iterating the loader")
         return self._steps
 
-    def loader(self, dataset: Any, batch_size: int, epochs: int = 1, **options: Any) -> ElasticDataLoader:
-        """An elastic data loader over ``dataset`` (tidal.worker.loader.ElasticDataLoader)."""
+    def loader(self, dataset: Any = None, batch_size: int = 1, epochs: int = 1, *, stream: Any = None,
+               decode: Any = None, **options: Any) -> Any:
+        """An elastic data loader over ``dataset`` (tidal.worker.loader.ElasticDataLoader), or over
+        a stream (tidal.worker.stream_loader.StreamLoader: ``stream`` a URL or a ``StreamSource``,
+        default the job's ``--stream``; ``decode(records) -> (batch, malformed positions)``).
+
+        Raises:
+            tidal.worker.api.UsageError: both or neither of a dataset and a stream.
+        """
+        if stream is None and dataset is None and os.environ.get("TIDAL_STREAM_URL"):
+            stream = os.environ["TIDAL_STREAM_URL"]
+        if (stream is None) == (dataset is None):
+            raise UsageError("job.loader() takes a dataset or a stream (one of the two)")
+        if stream is not None:
+            from tidal.worker.stream_loader import StreamLoader
+
+            if decode is None:
+                raise UsageError("job.loader(stream=...) needs decode=fn(records) -> (batch, malformed positions)")
+            return StreamLoader(self, stream, batch_size=batch_size, decode=decode, **options)
         return ElasticDataLoader(self, dataset, batch_size=batch_size, epochs=epochs, **options)
+
+    def note_stream(self, backlog: int, malformed: int) -> None:
+        """A stream loader's backlog and malformed records, for the master's next report."""
+        if self._reporter is not None:
+            self._reporter.stream_backlog, self._reporter.stream_malformed = backlog, malformed
+
+    @property
+    def stop_requested(self) -> bool:
+        """The master ended this stream job (drained, or stopped): finish at this step boundary."""
+        return self._reporter is not None and self._reporter.stream_stop
 
     @property
     def applied_step(self) -> int:
@@ -290,7 +321,7 @@ class Job:
         restore_failed, self._restore_failed = self._restore_failed, None
         req = RendezvousRequest(worker_id=self.worker_id, after_round=self.round,
                                 applied_step=state.applied_step, records=records, failure=failure,
-                                restore_failed=restore_failed)
+                                restore_failed=restore_failed, stream_partitions=self.stream_partitions)
         while True:
             self._check_gone()
             try:
@@ -324,6 +355,7 @@ class Job:
         )
         self.rank, self.world_size = a.rank, a.world_size
         self.lineage = a.lineage
+        self.stream_assignment = dict(a.stream)
         if a.sync_state:
             sent: dict[str, Any] | None = None
             if a.rank == a.source_rank:

@@ -148,6 +148,10 @@ class Reporter:
         # the newest flash checkpoint and the persister's newest problem (set by the job)
         self.checkpoint_step = -1
         self.checkpoint_problem = ""
+        # a stream job: set by its loader; ``stream_stop``: the master ended the job (drained or stopped)
+        self.stream_backlog = -1
+        self.stream_malformed = 0
+        self.stream_stop = False
 
     # ------------------------------------------------------------------ the thread
     def start(self, heartbeat_interval_s: float | None = None) -> None:
@@ -269,7 +273,8 @@ class Reporter:
             samples_per_s=self._samples_per_s, pauses=pauses, incarnation=self._incarnation,
             data_s=_bounded(self._data_s), compute_s=_bounded(self._compute_s), comm_s=_bounded(self._comm_s),
             **self._usage.read(), checkpoint_step=self.checkpoint_step,
-            checkpoint_problem=self.checkpoint_problem[:1000],
+            checkpoint_problem=self.checkpoint_problem[:1000], stream_backlog=self.stream_backlog,
+            stream_malformed=self.stream_malformed,
         )
         try:
             resp = self._client.post("/v1/report", req, ReportResponse, patience_s=REPORT_PATIENCE_S)
@@ -291,6 +296,7 @@ class Reporter:
                        for r in self._records[step] if r.worker == self._worker_id]
                 self._unsent = own + [r for r in self._unsent if r not in own]
             self._incarnation = resp.incarnation
+            self.stream_stop = self.stream_stop or resp.stop
             if resp.round == self._round and resp.reform and self._comm is not None:
                 self._reform_notice = True
                 self._abort_stalled_collective(self._comm)

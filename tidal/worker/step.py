@@ -39,7 +39,7 @@ import torch
 
 from tidal.api import StepRecord
 from tidal.worker.api import CollectiveError, UsageError
-from tidal.worker.comm import END, EPOCH, REFORM, START, WORKER, N
+from tidal.worker.comm import END, EPOCH, FIRST, REFORM, START, WORKER, N
 from tidal.worker.logical import (
     GradientStash,
     Grads,
@@ -151,6 +151,7 @@ class PendingStep:
     end: int
     mine: int
     started: float
+    first: int = 0  # a stream job's first record (``begin_stream``)
 
 
 @dataclass
@@ -272,6 +273,17 @@ class StepRunner:
         self._pending = self._new_pending(epoch, start, end, end - start)
         return self._pending
 
+    def begin_stream(self, partition: int, after: int, first: int, last: int, count: int) -> PendingStep:
+        """The step this worker is about to compute on ``count`` records of ``partition``: the
+        packed ids ``first`` to ``last`` (both included), read after ``after`` (tidal.api.streams).
+
+        Raises:
+            UsageError: the previous batch's ``job.step()`` was never called.
+        """
+        pending = self.begin(partition, after, last)
+        pending.mine, pending.first = count, first
+        return pending
+
     def apply(self) -> StepOutcome:
         """Reduce the pending step's gradient over the round, ``optimizer.step()``, commit.
 
@@ -305,7 +317,7 @@ class StepRunner:
         state = self.state
         params = state.trainable()
         row = [pending.mine, int(self._host.reform_notice), pending.epoch, pending.start, pending.end,
-               self._worker_id]
+               self._worker_id, pending.first]
         t0 = self._clock()
         try:
             # each worker adds its samples' share; dividing by the step's total gives the mean
@@ -321,7 +333,8 @@ class StepRunner:
         comm.apply_reduced(params, 1.0 / total)
         if state.optimizer is not None:
             state.optimizer.step()
-        records = [StepRecord(step=pending.step, worker=h[WORKER], epoch=h[EPOCH], start=h[START], end=h[END])
+        records = [StepRecord(step=pending.step, worker=h[WORKER], epoch=h[EPOCH], start=h[START], end=h[END],
+                              first=h[FIRST])
                    for h in rows if h[N] > 0] if self._ledger else []
         self._publish(pending, total, records, t0, comm_s)
         if any(r[REFORM] for r in rows):
@@ -402,7 +415,7 @@ class StepRunner:
             if e <= s:  # no data for this EST at this step
                 self._stash.put_zeros(r, params)
         pending = lstep.pending
-        row = [pending.mine, int(self._host.reform_notice), pending.epoch, 0, 0, self._worker_id]
+        row = [pending.mine, int(self._host.reform_notice), pending.epoch, 0, 0, self._worker_id, 0]
         t0 = self._clock()
         try:
             local = self._stash.take()

@@ -1,0 +1,104 @@
+"""``tidal run --stream``: real jobs reading a real redis-server, exactly once through SIGKILLs of
+workers and of the master (issue 18). The ledger names record ids; `tidal audit --stream` reads
+the stream back (XRANGE) and checks every record up to the committed position once."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.jobtools import ROOT, TIDAL, Job, wait_for
+from tests.redis_server import redis_server
+from tidal.data.streams import open_source
+
+sys.path.insert(0, str(ROOT))
+from examples.ctr.stream import ClickRecords
+
+ARGS = ["--batch-size", "128", "--step-sleep", "0.02", "--log-every", "0"]
+
+
+def produce(url: str, partitions: int, per_partition: list[int], first_index: int = 0) -> int:
+    source = open_source(url)
+    records = ClickRecords()
+    at = first_index
+    try:
+        for p in range(partitions):
+            for start in range(0, per_partition[p], 1000):
+                n = min(1000, per_partition[p] - start)
+                source.append(p, records.encode(at, n))
+                at += n
+    finally:
+        source.close()
+    return at
+
+
+def audit(job: Job, url: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([TIDAL, "audit", str(job.ledger), "--stream", url], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_a_stream_job_trains_every_record_once_through_sigkills(tmp_path: Path) -> None:
+    rng = random.Random(7)
+    with redis_server(tmp_path / "redis") as server:
+        url = server.url("clicks")
+        produced = produce(url, 3, [6000, 3000, 2000])
+        job = Job(tmp_path, "2:2", ARGS, run_args=["--stream", url, "--stop-when-drained", "3"]).start()
+        try:
+            job.wait_step(5, 120)
+            for kill in range(3):
+                victim = rng.choice(job.active())
+                os.kill(victim["pid"], signal.SIGKILL)
+                step = job.status()["finalized_step"]
+                job.wait_step(step + 5, 120)
+                if kill == 1:  # and the master, while more records arrive
+                    assert job.proc is not None
+                    job.proc.send_signal(signal.SIGKILL)
+                    job.proc.wait(10)
+                    produced = produce(url, 3, [1500, 0, 500], first_index=produced)
+                    job.resume_master()
+                    st = job.wait_status(lambda s: s["state"] == "running", 60, "the resumed master")
+                    job.wait_step(st["finalized_step"] + 5, 120)
+            assert job.wait(300) == 0, job.output()[-3000:]
+        finally:
+            job.kill_all()
+        done = audit(job, url)
+        assert done.returncode == 0 and done.stdout.startswith("PASSED"), done.stdout + done.stderr
+        source = open_source(url)
+        try:
+            total = sum(len(source.read(p, "0-0", 100_000)) for p in source.partitions())
+        finally:
+            source.close()
+        assert total == produced == 13_000
+        assert "partition 0: 7500 records" in done.stdout and "partition 2: 2500 records" in done.stdout, done.stdout
+
+
+def test_a_partition_that_appears_while_the_job_runs_is_trained(tmp_path: Path) -> None:
+    with redis_server(tmp_path / "redis") as server:
+        url = server.url("clicks")
+        produce(url, 1, [3000])
+        job = Job(tmp_path, "2:2", ARGS, run_args=["--stream", url, "--stop-when-drained", "8"]).start()
+        try:
+            job.wait_step(3, 120)
+            produce(url, 3, [0, 0, 2000], first_index=3000)  # partition 2 appears
+            wait_for(lambda: any("partitions [0, 2]" in e["message"] for e in job.events()), 60,
+                     "the new partition", job)
+            assert job.wait(300) == 0, job.output()[-3000:]
+        finally:
+            job.kill_all()
+        done = audit(job, url)
+        assert done.returncode == 0 and "partition 2: 2000 records" in done.stdout, done.stdout + done.stderr
+
+
+def test_an_unreachable_stream_is_one_line(tmp_path: Path) -> None:
+    script = tmp_path / "t.py"
+    script.write_text("pass\n")
+    out = subprocess.run([TIDAL, "run", "--stream", "redis://127.0.0.1:1/x", str(script)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and "redis://127.0.0.1:1/x" in out.stderr and len(out.stderr.splitlines()) == 1
+    alone = subprocess.run([TIDAL, "run", "--stop-when-drained", "2", str(script)], capture_output=True, text=True,
+                           timeout=60)
+    assert alone.returncode == 2 and "--stop-when-drained needs --stream" in alone.stderr

@@ -1,0 +1,162 @@
+"""The elastic stream loader: batches read from the partitions the master assigns, one step at a time.
+
+``job.loader(stream=URL, batch_size=B, decode=fn)`` in a job run with ``tidal run --stream URL``.
+Each round the master gives this worker some partitions and, for each, the last committed record
+(``Job.stream_assignment``); the loader reads after it. Every step takes up to B records of one
+partition (the next of its partitions, round-robin, that has records), decodes them with the
+script's ``decode(list of field dicts) -> (batch, malformed positions)`` and yields the batch; the
+step's header carries the partition, the position read after and the first and last record
+(``StepRunner.begin_stream``), so the master commits exactly what the step trained. A re-form
+drops what was read and not committed: the next round reads again from the committed positions.
+
+A worker with nothing to read takes part in the step with no samples (after waiting up to
+``poll_s`` for a record); when no worker has any, the step applies nothing and the loop polls
+again. Malformed records (``decode`` says which) are logged with their ids, counted for the
+master and skipped; they are committed with the step (they never come back), and count in the
+step's sample weight. Every ``discover_s`` the loader lists the stream's partitions: a new one
+makes the worker re-form, and the master assigns it. When the master ends the job
+(``--stop-when-drained``), the loop calls ``job.finish()`` and stops.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+from tidal.api.streams import pack_id, unpack_id
+from tidal.data.api import StreamRecord, StreamSource
+from tidal.data.streams import open_source
+from tidal.worker.api import UsageError
+from tidal.worker.step import StepRunner
+
+log = logging.getLogger(__name__)
+
+BACKLOG_EVERY_S = 1.0
+
+Decode = Callable[[list[dict[str, bytes]]], tuple[Any, list[int]]]
+
+
+class StreamHost(Protocol):
+    """What the loader needs of its job (``tidal.worker.job.Job``)."""
+
+    @property
+    def worker_id(self) -> int: ...
+
+    @property
+    def generation(self) -> int: ...
+
+    @property
+    def steps(self) -> StepRunner: ...
+
+    @property
+    def stop_requested(self) -> bool: ...
+
+    stream_assignment: dict[int, int]
+    stream_partitions: list[int]
+
+    def ensure_round(self) -> None: ...
+
+    def leave_for_rendezvous(self, why: str) -> None: ...
+
+    def finish(self) -> None: ...
+
+    def note_stream(self, backlog: int, malformed: int) -> None: ...
+
+
+class StreamLoader:
+    def __init__(self, job: StreamHost, stream: str | StreamSource, batch_size: int, decode: Decode, *,
+                 poll_s: float = 0.2, discover_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+        if batch_size < 1:
+            raise UsageError("batch_size must be >= 1")
+        self.job = job
+        self.source: StreamSource = open_source(stream) if isinstance(stream, str) else stream
+        self.batch_size = batch_size
+        self.decode = decode
+        self.poll_s = poll_s
+        self.discover_s = discover_s
+        self.clock = clock
+        self.malformed = 0
+        self._generation = -1
+        self._positions: dict[int, int] = {}  # partition -> packed id read up to (this round)
+        self._order: list[int] = []
+        self._turn = 0
+        self._next_discover = 0.0
+        self._next_backlog = 0.0
+
+    def __iter__(self) -> Iterator[Any]:
+        """The batches of this worker; ``job.step()`` must follow each one.
+
+        Raises:
+            UsageError: ``job.state()`` was not called, logical workers (not supported on streams
+                yet), or ``job.step()`` was not called once for a batch.
+        """
+        job = self.job
+        steps = job.steps
+        if steps.logical is not None:
+            raise UsageError("logical workers do not read streams yet: run without --logical-workers")
+        job.stream_partitions = self.source.partitions()  # the master assigns what the workers see
+        self._next_discover = self.clock() + self.discover_s
+        while True:
+            job.ensure_round()
+            if self._generation != job.generation:
+                self._generation = job.generation
+                self._positions = dict(job.stream_assignment)
+                self._order, self._turn = sorted(self._positions), 0
+            if job.stop_requested:
+                job.finish()
+                return
+            if steps.pending is not None:
+                raise UsageError("call job.step() once for every batch of the elastic loader")
+            if self.clock() >= self._next_discover:
+                self._next_discover = self.clock() + self.discover_s
+                seen = self.source.partitions()
+                if set(seen) - set(job.stream_partitions):
+                    job.stream_partitions = seen
+                    job.leave_for_rendezvous(f"new stream partitions {sorted(set(seen) - set(self._positions))}")
+                    continue
+            picked = self._read()
+            if picked is None or self.clock() >= self._next_backlog:
+                # counting a backlog reads the stream: at most once a second, and when idle
+                self._next_backlog = self.clock() + BACKLOG_EVERY_S
+                job.note_stream(self._backlog(), self.malformed)
+            if picked is None:
+                steps.empty(0)  # nobody may have a record (nothing is applied then): poll again
+                continue
+            partition, records = picked
+            batch, bad = self.decode([r.fields for r in records])
+            if bad:
+                self.malformed += len(bad)
+                log.warning("worker %d: %d malformed records skipped in partition %d: %s", job.worker_id, len(bad),
+                            partition, ", ".join(records[i].id for i in bad[:5]))
+            after = self._positions[partition]
+            first, last = pack_id(records[0].id), pack_id(records[-1].id)
+            self._positions[partition] = last
+            pending = steps.begin_stream(partition, after, first, last, len(records))
+            yield batch
+            if steps.pending is pending:
+                raise UsageError("call job.step() once for every batch of the elastic loader")
+
+    def _read(self) -> tuple[int, list[StreamRecord]] | None:
+        """The next partition (round-robin) with records, and up to a batch of them; None when
+        none has any (having waited up to ``poll_s`` on the first)."""
+        order = self._order
+        for i in range(len(order)):
+            p = order[(self._turn + i) % len(order)]
+            records = self.source.read(p, unpack_id(self._positions[p]), self.batch_size)
+            if records:
+                self._turn = (self._turn + i + 1) % len(order)
+                return p, records
+        if order:
+            p = order[self._turn % len(order)]
+            records = self.source.read(p, unpack_id(self._positions[p]), self.batch_size, block_s=self.poll_s)
+            if records:
+                self._turn = (self._turn + 1) % len(order)
+                return p, records
+        else:
+            time.sleep(self.poll_s)
+        return None
+
+    def _backlog(self) -> int:
+        return sum(self.source.lag(p, unpack_id(pos)) for p, pos in self._positions.items())
