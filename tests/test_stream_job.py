@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
+
 from tests.jobtools import ROOT, TIDAL, Job, wait_for
 from tests.redis_server import redis_server
 from tidal.data.streams import open_source
@@ -102,3 +104,41 @@ def test_an_unreachable_stream_is_one_line(tmp_path: Path) -> None:
     alone = subprocess.run([TIDAL, "run", "--stop-when-drained", "2", str(script)], capture_output=True, text=True,
                            timeout=60)
     assert alone.returncode == 2 and "--stop-when-drained needs --stream" in alone.stderr
+
+
+def test_tidal_stop_ends_a_stream_job_and_status_shows_the_partitions(tmp_path: Path) -> None:
+    with redis_server(tmp_path / "redis") as server:
+        url = server.url("clicks")
+        produce(url, 2, [4000, 4000])
+        job = Job(tmp_path, "2:2", ARGS, run_args=["--stream", url]).start()  # no --stop-when-drained
+        try:
+            st = job.wait_status(lambda s: s["finalized_step"] >= 5 and all(p["lag"] >= 0 for p in s["stream"])
+                                 and len(s["stream"]) == 2, 120, "two partitions with their lag")
+            assert {p["worker"] for p in st["stream"]} == {w["worker_id"] for w in job.active()}
+            env = {**os.environ, "TIDAL_HOME": str(job.dir.parent / ".tidal")}
+            text = subprocess.run([TIDAL, "status", "--job-dir", str(job.dir)], capture_output=True, text=True,
+                                  timeout=60, env=env).stdout
+            assert "stream partitions: 0: committed" in text, text
+            metrics = httpx.get(job.info()["url"] + "/metrics", timeout=5,
+                                headers={"Authorization": f"Bearer {job.info()['token']}"}).text
+            assert 'tidal_stream_lag_records{partition="0"}' in metrics
+            stopped = subprocess.run([TIDAL, "stop", "--job-dir", str(job.dir)], capture_output=True, text=True,
+                                     timeout=60, env=env)
+            assert stopped.returncode == 0 and "tidal stop" in stopped.stdout, stopped.stderr
+            assert job.wait(120) == 0, job.output()[-3000:]
+        finally:
+            job.kill_all()
+        done = audit(job, url)
+        assert done.returncode == 0 and done.stdout.startswith("PASSED"), done.stdout + done.stderr
+
+
+def test_tidal_stop_of_a_dataset_job_is_refused(tmp_path: Path) -> None:
+    job = Job(tmp_path, "1:1", ["--samples", "200000", "--step-sleep", "0.01", "--log-every", "0"]).start()
+    try:
+        job.wait_step(2, 120)
+        env = {**os.environ, "TIDAL_HOME": str(job.dir.parent / ".tidal")}
+        out = subprocess.run([TIDAL, "stop", "--job-dir", str(job.dir)], capture_output=True, text=True, timeout=60,
+                             env=env)
+        assert out.returncode != 0 and "only a stream job stops" in out.stderr, out.stderr
+    finally:
+        job.kill_all()

@@ -75,6 +75,7 @@ __all__ = [
     "StoreSetResponse",
     "StoreValueResponse",
     "StreamObservation",
+    "StreamPartitionStatus",
     "ThroughputPoint",
     "TidalError",
     "TimelinePoint",
@@ -262,6 +263,7 @@ class ReportRequest(_Wire):
     # measured), and the malformed records it skipped so far
     stream_backlog: int = Field(default=-1, ge=-1, le=_I64)
     stream_malformed: int = Field(default=0, ge=0, le=_I64)
+    stream_lag: dict[int, int] = Field(default_factory=dict, max_length=65536)  # per partition it reads
 
 
 class ReportResponse(_Wire):
@@ -357,6 +359,16 @@ class Event(_Wire):
     cause: str | None = None  # pauses: what caused the new round
 
 
+class StreamPartitionStatus(_Wire):
+    """One partition of a stream job: the last committed record, its reader and the records
+    waiting after what the reader has read (-1: not reported yet)."""
+
+    partition: int
+    committed: str
+    worker: int | None = None
+    lag: int = -1
+
+
 class StatusResponse(_Wire):
     job_id: str
     state: JobState
@@ -375,6 +387,8 @@ class StatusResponse(_Wire):
     planner: PlannerStatus | None = None
     checkpoint_step: int = -1  # the newest flash checkpoint a worker reported (-1: none)
     checkpoint_problem: str | None = None  # the newest problem writing checkpoints
+    stream: list[StreamPartitionStatus] = Field(default_factory=list)  # a stream job's partitions
+    stream_stop: str | None = None  # why a stream job is ending (drained, `tidal stop`)
 
 
 class PlannerDecision(_Wire):

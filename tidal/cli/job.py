@@ -489,6 +489,17 @@ def scale(
 
 
 @app.command()
+def stop(
+    job_dir: Path | None = typer.Option(None, "--job-dir", help="The job's directory (default: the latest job)."),
+) -> None:
+    """End a stream job (`tidal run --stream`): its workers finish at their next step boundary, every
+    record they trained committed, and the job succeeds. A dataset job ends by itself once its
+    data are trained; interrupt its `tidal run` to abort it."""
+    data = _request(job_dir, "POST", "/v1/stop")
+    typer.echo(f"stopping: {data['stream_stop']}")
+
+
+@app.command()
 def audit(
     ledger: Path = typer.Argument(..., help="A ledger written by `tidal run --ledger`."),
     size: int | None = typer.Option(None, "--size", help="Samples in the dataset (each epoch covers 0..SIZE-1)."),
@@ -599,6 +610,11 @@ def _render_status(st: StatusResponse) -> None:
         console.print(f"[yellow]paused:[/] {st.paused}")
     if st.planner is not None:
         console.print(_planner_line(st.planner), markup=False, highlight=False)
+    if st.stream:
+        console.print("stream partitions: " + "; ".join(
+            f"{s.partition}: committed {s.committed}, worker {s.worker if s.worker is not None else '-'}, "
+            f"lag {s.lag if s.lag >= 0 else '?'}" for s in st.stream)
+            + (f" (stopping: {st.stream_stop})" if st.stream_stop else ""), markup=False, highlight=False)
     if st.checkpoint_step >= 0 or st.checkpoint_problem:
         console.print(f"newest flash checkpoint: step {st.checkpoint_step}"
                       + (f"; problem: {st.checkpoint_problem}" if st.checkpoint_problem else ""),

@@ -59,10 +59,12 @@ from tidal.api import (
     RestoreFailure,
     ShardCounts,
     StatusResponse,
+    StreamPartitionStatus,
     TimelineResponse,
     WorkerInfo,
     WorkerState,
 )
+from tidal.api.streams import unpack_id
 from tidal.backends.api import Backend
 from tidal.brain.api import Planner
 from tidal.master import liveness, rounds
@@ -437,7 +439,7 @@ class JobMaster:
         if req.rss_bytes:
             rec.cpu_percent, rec.rss_bytes = req.cpu_percent, req.rss_bytes
         if req.stream_backlog >= 0:
-            rec.stream_backlog = req.stream_backlog
+            rec.stream_backlog, rec.stream_lag = req.stream_backlog, dict(req.stream_lag)
         if req.stream_malformed > rec.stream_malformed:
             self.log.add("stream", f"worker {rec.worker_id} skipped {req.stream_malformed - rec.stream_malformed} "
                                    f"malformed records ({req.stream_malformed} in all)", worker=rec.worker_id)
@@ -640,6 +642,37 @@ class JobMaster:
             self._settle()
         elif self.state is JobState.FAILED:
             self.fleet.kill(self.fleet.alive_ids(), "job-failed")
+
+    def stop(self) -> str:
+        """``tidal stop``: a stream job's workers finish at their next step boundary (what they
+        trained is committed); the job then succeeds.
+
+        Raises:
+            BadRequestError: not a stream job (a dataset job ends when its data are trained), or
+                it has ended.
+        """
+        if self.streams is None:
+            raise BadRequestError("only a stream job stops: a dataset job ends once every sample is trained "
+                                  "(interrupt its `tidal run` to abort it)")
+        if self.state is not JobState.RUNNING:
+            raise BadRequestError(f"the job is {self.state.value}")
+        if self.stream_stop is None:
+            self.stream_stop = "stopped (tidal stop)"
+            self.log.add("job", "stream job stops: tidal stop")
+            self._persist()
+        return self.stream_stop
+
+    def stream_status(self) -> list[StreamPartitionStatus]:
+        if self.streams is None:
+            return []
+        owners = {p: w for w, a in self.rounds.assignments.items() if a.status == "ready" for p in a.stream}
+        out = []
+        for p in sorted(self.streams.partitions):
+            owner = owners.get(p)
+            rec = self.workers.get(owner) if owner is not None else None
+            out.append(StreamPartitionStatus(partition=p, committed=unpack_id(self.streams.positions.get(p, 0)),
+                                             worker=owner, lag=rec.stream_lag.get(p, -1) if rec else -1))
+        return out
 
     def _check_drained(self, now: float) -> None:
         """``--stop-when-drained S``: every member has read everything of its partitions, all of it
@@ -974,6 +1007,7 @@ class JobMaster:
             paused=self.paused,
             planner=self.planning.status(overridden=self.target_override is not None),
             checkpoint_step=self.checkpoint_step, checkpoint_problem=self.checkpoint_problem,
+            stream=self.stream_status(), stream_stop=self.stream_stop,
         )
 
     # ================================================================== helpers

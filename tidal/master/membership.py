@@ -56,6 +56,7 @@ class WorkerRecord:
     rss_bytes: int = 0
     stream_backlog: int = -1  # a stream job: records waiting after what it has read (-1: not reported)
     stream_malformed: int = 0
+    stream_lag: dict[int, int] = field(default_factory=dict)  # per partition it reads
     # the latest transitions (a worker moves ACTIVE <-> WAITING every round: bounded)
     history: deque[tuple[float, str]] = field(default_factory=lambda: deque(maxlen=HISTORY))
 

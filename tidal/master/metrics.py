@@ -112,6 +112,16 @@ class MasterCollector(Collector):
         committed.add_metric([], master.committed_samples())
         yield committed
 
+        partitions = master.stream_status()
+        if partitions:  # a stream job
+            lag = GaugeMetricFamily("tidal_stream_lag_records",
+                                    "Records waiting in a partition after what its worker has read.",
+                                    labels=["partition"])
+            for s in partitions:
+                if s.lag >= 0:
+                    lag.add_metric([str(s.partition)], s.lag)
+            yield lag
+
 
 def _step_seconds(active: list[WorkerRecord]) -> GaugeMetricFamily:
     """The mean split of a step over the active workers that measured theirs."""

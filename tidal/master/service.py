@@ -343,6 +343,12 @@ def _user_router(master: JobMaster) -> APIRouter:
         assert req.workers is not None  # the model requires one of them
         return {"target_workers": master.scale(req.workers)}
 
+    @router.post("/v1/stop", responses={400: {}})
+    async def stop() -> dict[str, str]:
+        """End a stream job: its workers finish at the next step boundary, what they trained
+        committed (400 for a dataset job, which ends when its data are trained)."""
+        return {"stream_stop": master.stop()}
+
     @router.get("/v1/status", response_model=StatusResponse)
     async def status() -> StatusResponse:
         return master.status()

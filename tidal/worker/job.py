@@ -161,10 +161,12 @@ class Job:
             return StreamLoader(self, stream, batch_size=batch_size, decode=decode, **options)
         return ElasticDataLoader(self, dataset, batch_size=batch_size, epochs=epochs, **options)
 
-    def note_stream(self, backlog: int, malformed: int) -> None:
-        """A stream loader's backlog and malformed records, for the master's next report."""
+    def note_stream(self, lag: dict[int, int], malformed: int) -> None:
+        """A stream loader's records waiting per partition and malformed records, for the master's
+        next report."""
         if self._reporter is not None:
-            self._reporter.stream_backlog, self._reporter.stream_malformed = backlog, malformed
+            r = self._reporter
+            r.stream_lag, r.stream_backlog, r.stream_malformed = lag, sum(lag.values()), malformed
 
     @property
     def stop_requested(self) -> bool:

@@ -150,6 +150,7 @@ class Reporter:
         self.checkpoint_problem = ""
         # a stream job: set by its loader; ``stream_stop``: the master ended the job (drained or stopped)
         self.stream_backlog = -1
+        self.stream_lag: dict[int, int] = {}
         self.stream_malformed = 0
         self.stream_stop = False
 
@@ -274,7 +275,7 @@ class Reporter:
             data_s=_bounded(self._data_s), compute_s=_bounded(self._compute_s), comm_s=_bounded(self._comm_s),
             **self._usage.read(), checkpoint_step=self.checkpoint_step,
             checkpoint_problem=self.checkpoint_problem[:1000], stream_backlog=self.stream_backlog,
-            stream_malformed=self.stream_malformed,
+            stream_malformed=self.stream_malformed, stream_lag=self.stream_lag,
         )
         try:
             resp = self._client.post("/v1/report", req, ReportResponse, patience_s=REPORT_PATIENCE_S)

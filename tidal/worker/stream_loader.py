@@ -62,7 +62,7 @@ class StreamHost(Protocol):
 
     def finish(self) -> None: ...
 
-    def note_stream(self, backlog: int, malformed: int) -> None: ...
+    def note_stream(self, lag: dict[int, int], malformed: int) -> None: ...
 
 
 class StreamLoader:
@@ -120,7 +120,7 @@ class StreamLoader:
             if picked is None or self.clock() >= self._next_backlog:
                 # counting a backlog reads the stream: at most once a second, and when idle
                 self._next_backlog = self.clock() + BACKLOG_EVERY_S
-                job.note_stream(self._backlog(), self.malformed)
+                job.note_stream(self._lag(), self.malformed)
             if picked is None:
                 steps.empty(0)  # nobody may have a record (nothing is applied then): poll again
                 continue
@@ -158,5 +158,6 @@ class StreamLoader:
             time.sleep(self.poll_s)
         return None
 
-    def _backlog(self) -> int:
-        return sum(self.source.lag(p, unpack_id(pos)) for p, pos in self._positions.items())
+    def _lag(self) -> dict[int, int]:
+        """Records waiting after what this worker has read, per partition it reads."""
+        return {p: self.source.lag(p, unpack_id(pos)) for p, pos in self._positions.items()}
