@@ -142,3 +142,20 @@ def test_tidal_stop_of_a_dataset_job_is_refused(tmp_path: Path) -> None:
         assert out.returncode != 0 and "only a stream job stops" in out.stderr, out.stderr
     finally:
         job.kill_all()
+
+
+def test_redis_restarting_while_the_job_runs_loses_and_repeats_nothing(tmp_path: Path) -> None:
+    with redis_server(tmp_path / "redis", persistent=True) as server:
+        url = server.url("clicks")
+        produce(url, 2, [4000, 2000])
+        job = Job(tmp_path, "2:2", ARGS, run_args=["--stream", url, "--stop-when-drained", "3"]).start()
+        try:
+            job.wait_step(5, 120)
+            server.restart(down_s=2.0)  # the workers' reads retry with backoff meanwhile
+            step = job.status()["finalized_step"]
+            job.wait_step(step + 5, 120)
+            assert job.wait(300) == 0, job.output()[-3000:]
+        finally:
+            job.kill_all()
+        done = audit(job, url)
+        assert done.returncode == 0 and "partition 0: 4000 records" in done.stdout, done.stdout + done.stderr
