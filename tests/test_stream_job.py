@@ -4,6 +4,7 @@ the stream back (XRANGE) and checks every record up to the committed position on
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -15,6 +16,7 @@ import httpx
 
 from tests.jobtools import ROOT, TIDAL, Job, wait_for
 from tests.redis_server import redis_server
+from tidal.api.streams import parse_id
 from tidal.data.streams import open_source
 
 sys.path.insert(0, str(ROOT))
@@ -103,7 +105,7 @@ def test_an_unreachable_stream_is_one_line(tmp_path: Path) -> None:
     assert out.returncode == 2 and "redis://127.0.0.1:1/x" in out.stderr and len(out.stderr.splitlines()) == 1
     alone = subprocess.run([TIDAL, "run", "--stop-when-drained", "2", str(script)], capture_output=True, text=True,
                            timeout=60)
-    assert alone.returncode == 2 and "--stop-when-drained needs --stream" in alone.stderr
+    assert alone.returncode == 2 and "--stop-when-drained and --trim-after-commit need --stream" in alone.stderr
 
 
 def test_tidal_stop_ends_a_stream_job_and_status_shows_the_partitions(tmp_path: Path) -> None:
@@ -159,3 +161,28 @@ def test_redis_restarting_while_the_job_runs_loses_and_repeats_nothing(tmp_path:
             job.kill_all()
         done = audit(job, url)
         assert done.returncode == 0 and "partition 0: 4000 records" in done.stdout, done.stdout + done.stderr
+
+
+def test_trim_after_commit_deletes_only_committed_records(tmp_path: Path) -> None:
+    with redis_server(tmp_path / "redis") as server:
+        url = server.url("clicks")
+        produce(url, 2, [3000, 3000])
+        job = Job(tmp_path, "2:2", ARGS,
+                  run_args=["--stream", url, "--stop-when-drained", "3", "--trim-after-commit"]).start()
+        try:
+            assert job.wait(300) == 0, job.output()[-3000:]
+        finally:
+            job.kill_all()
+        committed: dict[int, str] = {}
+        for line in job.ledger.read_text().splitlines():
+            row = json.loads(line)
+            committed[row["partition"]] = row["ids"][-1][1]
+        source = open_source(url)
+        try:
+            left = {p: source.read(p, "0-0", 10_000) for p in (0, 1)}
+        finally:
+            source.close()
+    for p in (0, 1):  # records were deleted as they were committed; what is left was committed too (drained)
+        assert len(left[p]) < 3000
+        assert all(parse_id(r.id) <= parse_id(committed[p]) for r in left[p])
+    assert sum(len(v) for v in left.values()) < 6000

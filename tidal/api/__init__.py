@@ -272,6 +272,9 @@ class ReportResponse(_Wire):
     finalized_step: int  # every record of steps <= this is durable in the journal
     incarnation: str = ""  # changes when the master restarts: workers then resend unfinalized records
     stop: bool = False  # a stream job is over (drained, or `tidal stop`): finish at the next step boundary
+    # ``--trim-after-commit``: the committed positions of the partitions this worker reads, up to
+    # which it deletes records from the stream
+    stream_committed: dict[int, int] = Field(default_factory=dict)
 
 
 class LeaseRequest(_Wire):

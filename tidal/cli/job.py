@@ -147,6 +147,10 @@ def run(
         None, "--stop-when-drained", metavar="SECONDS",
         help="With --stream: end the job once every partition is drained and nothing new arrived for SECONDS "
              "(tests and replays; without it a stream job runs until stopped)."),
+    trim_after_commit: bool = typer.Option(
+        False, "--trim-after-commit",
+        help="With --stream: delete records from the stream once the step that trained them is committed "
+             "(tidal deletes nothing otherwise; an audit against the stream then sees only what is left)."),
     resume_dir: Path | None = typer.Option(
         None, "--resume", metavar="JOBDIR",
         help="Continue the job of JOBDIR (its master and workers gone) instead of starting one: SCRIPT and its "
@@ -219,8 +223,10 @@ def run(
     if stream is not None:
         check_stream(stream, logical_workers)
         env["TIDAL_STREAM_URL"] = stream
-    elif stop_when_drained is not None:
-        raise fail("--stop-when-drained needs --stream")
+        if trim_after_commit:
+            env["TIDAL_STREAM_TRIM"] = "1"
+    elif stop_when_drained is not None or trim_after_commit:
+        raise fail("--stop-when-drained and --trim-after-commit need --stream")
     if stop_when_drained is not None:
         check_range("--stop-when-drained", stop_when_drained, (0.0, 86_400.0), " seconds")
     if checkpoint_every is not None:
@@ -253,7 +259,7 @@ def run(
         round_timeout_s=round_timeout, progress_timeout_s=progress_timeout, max_restarts=max_restarts,
         cwd=os.getcwd(), env=env, gpus=gpus, backend=backend, planner=planner,
         planner_interval_s=planner_interval, history_path=history_path(history),
-        stream_url=stream, stop_when_drained_s=stop_when_drained,
+        stream_url=stream, stop_when_drained_s=stop_when_drained, trim_after_commit=trim_after_commit,
     )
     _point_current(directory)
     typer.echo(f"tidal: job {job_id} on http://127.0.0.1:{spec.port} (job dir {directory}); "

@@ -111,6 +111,7 @@ class JobSpec:
     # and nothing new arrived for that long (None: run until stopped)
     stream_url: str | None = None
     stop_when_drained_s: float | None = None
+    trim_after_commit: bool = False  # workers delete committed records from the stream
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -459,8 +459,13 @@ class JobMaster:
                 self.commits.finalize_reported(self._save_meta)
         for pause in req.pauses:
             self.log.record_pause(pause.round, pause.seconds)
+        trim: dict[int, int] = {}
+        if self.streams is not None and self.spec.trim_after_commit:
+            assigned = self.rounds.assignments.get(req.worker_id)
+            positions = self.streams.positions
+            trim = {p: positions[p] for p in (assigned.stream if assigned is not None else ()) if p in positions}
         return ReportResponse(round=self.round, reform=self.reforming, finalized_step=self.finalized_step,
-                              incarnation=self.incarnation, stop=self.stream_stop is not None)
+                              incarnation=self.incarnation, stop=self.stream_stop is not None, stream_committed=trim)
 
     def _note_checkpoint(self, step: int, problem: str) -> None:
         """A worker's newest flash checkpoint (journaled with the next meta write) and the

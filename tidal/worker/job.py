@@ -169,6 +169,11 @@ class Job:
             r.stream_lag, r.stream_backlog, r.stream_malformed = lag, sum(lag.values()), malformed
 
     @property
+    def stream_committed(self) -> dict[int, int]:
+        """``--trim-after-commit``: the committed positions of this worker's partitions (packed ids)."""
+        return dict(self._reporter.stream_committed) if self._reporter is not None else {}
+
+    @property
     def stop_requested(self) -> bool:
         """The master ended this stream job (drained, or stopped): finish at this step boundary."""
         return self._reporter is not None and self._reporter.stream_stop

@@ -153,6 +153,7 @@ class Reporter:
         self.stream_lag: dict[int, int] = {}
         self.stream_malformed = 0
         self.stream_stop = False
+        self.stream_committed: dict[int, int] = {}
 
     # ------------------------------------------------------------------ the thread
     def start(self, heartbeat_interval_s: float | None = None) -> None:
@@ -298,6 +299,8 @@ class Reporter:
                 self._unsent = own + [r for r in self._unsent if r not in own]
             self._incarnation = resp.incarnation
             self.stream_stop = self.stream_stop or resp.stop
+            if resp.stream_committed:
+                self.stream_committed = dict(resp.stream_committed)
             if resp.round == self._round and resp.reform and self._comm is not None:
                 self._reform_notice = True
                 self._abort_stalled_collective(self._comm)

@@ -21,6 +21,7 @@ makes the worker re-form, and the master assigns it. When the master ends the jo
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
@@ -64,6 +65,9 @@ class StreamHost(Protocol):
 
     def note_stream(self, lag: dict[int, int], malformed: int) -> None: ...
 
+    @property
+    def stream_committed(self) -> dict[int, int]: ...
+
 
 class StreamLoader:
     def __init__(self, job: StreamHost, stream: str | StreamSource, batch_size: int, decode: Decode, *,
@@ -84,6 +88,8 @@ class StreamLoader:
         self._turn = 0
         self._next_discover = 0.0
         self._next_backlog = 0.0
+        self.trim = os.environ.get("TIDAL_STREAM_TRIM") == "1"  # tidal run --trim-after-commit
+        self._trimmed: dict[int, int] = {}
 
     def __iter__(self) -> Iterator[Any]:
         """The batches of this worker; ``job.step()`` must follow each one.
@@ -121,6 +127,8 @@ class StreamLoader:
                 # counting a backlog reads the stream: at most once a second, and when idle
                 self._next_backlog = self.clock() + BACKLOG_EVERY_S
                 job.note_stream(self._lag(), self.malformed)
+                if self.trim:
+                    self._trim(job.stream_committed)
             if picked is None:
                 steps.empty(0)  # nobody may have a record (nothing is applied then): poll again
                 continue
@@ -157,6 +165,14 @@ class StreamLoader:
         else:
             time.sleep(self.poll_s)
         return None
+
+    def _trim(self, committed: dict[int, int]) -> None:
+        """``--trim-after-commit``: delete this worker's partitions' records up to the committed
+        position the master last reported (never past it: those may still be trained again)."""
+        for p, pos in committed.items():
+            if p in self._positions and pos > self._trimmed.get(p, 0):
+                self.source.trim(p, unpack_id(pos))
+                self._trimmed[p] = pos
 
     def _lag(self) -> dict[int, int]:
         """Records waiting after what this worker has read, per partition it reads."""
