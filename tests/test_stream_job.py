@@ -186,3 +186,50 @@ def test_trim_after_commit_deletes_only_committed_records(tmp_path: Path) -> Non
         assert len(left[p]) < 3000
         assert all(parse_id(r.id) <= parse_id(committed[p]) for r in left[p])
     assert sum(len(v) for v in left.values()) < 6000
+
+
+def test_a_stream_planner_scales_a_live_job_from_its_backlog_and_busy_share(tmp_path: Path) -> None:
+    """HPA on the workers' busy share (Kale's baseline): handed the job at 1 worker with a backlog,
+    it scales out; once the stream is drained and the workers idle, it scales in (its windows in
+    trace time: --time-scale 60 makes the 5-minute scale-down window 5 real seconds)."""
+    with redis_server(tmp_path / "redis") as server:
+        url = server.url("clicks")
+        produce(url, 2, [10_000, 10_000])
+        args = ["--batch-size", "128", "--step-sleep", "0.1", "--log-every", "0"]
+        job = Job(tmp_path, "1:3", args, run_args=[
+            "--planner", "hpa", "--time-scale", "60", "--planner-interval", "0.5", "--stream", url,
+            "--stop-when-drained", "12"]).start()
+        try:
+            job.wait_step(3, 120)
+            job.scale(1)  # the user holds it at 1 ...
+            job.wait_status(lambda s: len([w for w in s["workers"] if w["state"] == "active"]) == 1, 60, "1 worker")
+            info = job.info()
+            httpx.post(info["url"] + "/v1/scale", json={"auto": True}, timeout=5,
+                       headers={"Authorization": f"Bearer {info['token']}"}).raise_for_status()  # ... then hands back
+            job.wait_status(lambda s: s["target_workers"] >= 2, 60, "hpa scaling out under the backlog")
+            job.wait_status(lambda s: any(e["kind"] == "scale" and "-> 1 workers" in e["message"]
+                                          for e in s["events"]), 180, "hpa scaling in once drained")
+            assert job.wait(300) == 0, job.output()[-3000:]
+        finally:
+            job.kill_all()
+        done = audit(job, url)
+        assert done.returncode == 0 and done.stdout.startswith("PASSED"), done.stdout + done.stderr
+
+
+def test_kale_runs_live_on_a_stream_job(tmp_path: Path) -> None:
+    """Kale is the default planner of a stream job: it plans from the live observation (arrivals,
+    backlog, lag, busy share) without failing; with no traffic history its forecaster is not fitted
+    yet, so its threshold fallback is what acts (section 3.4.3)."""
+    with redis_server(tmp_path / "redis") as server:
+        url = server.url("clicks")
+        produce(url, 2, [3000, 3000])
+        job = Job(tmp_path, "1:2", ARGS, run_args=["--planner", "kale", "--time-scale", "600", "--planner-interval",
+                                                    "0.5", "--stream", url, "--stop-when-drained", "3"]).start()
+        try:
+            st = job.wait_status(lambda s: s["planner"] is not None and s["finalized_step"] >= 3, 120, "kale")
+            assert st["planner"]["name"] == "kale"
+            assert job.wait(300) == 0, job.output()[-3000:]
+        finally:
+            job.kill_all()
+        assert "planner kale failed" not in job.output(), job.output()[-3000:]
+        assert audit(job, url).returncode == 0

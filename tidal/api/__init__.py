@@ -151,6 +151,7 @@ class StepRecord(_Wire):
     start: int = Field(ge=0, le=_I64)
     end: int = Field(ge=0, le=_I64)
     first: int = Field(default=0, ge=0, le=_I64)
+    samples: int = Field(default=0, ge=0, le=_I64)  # a stream job's records in the range (ids are sparse)
 
 
 class Shard(_Wire):
@@ -264,6 +265,10 @@ class ReportRequest(_Wire):
     stream_backlog: int = Field(default=-1, ge=-1, le=_I64)
     stream_malformed: int = Field(default=0, ge=0, le=_I64)
     stream_lag: dict[int, int] = Field(default_factory=dict, max_length=65536)  # per partition it reads
+    # the arrival time (ms since the epoch, from its id) of the oldest record waiting in its
+    # partitions (0: none waits), and the share of the last second its steps had records (-1: unknown)
+    stream_oldest_ms: int = Field(default=0, ge=0, le=_I64)
+    stream_busy: float = Field(default=-1.0, ge=-1.0, le=1.0)
 
 
 class ReportResponse(_Wire):

@@ -174,12 +174,17 @@ def run(
              "(gloo on CPU; nccl on GPUs when each worker has its own, one GPU per worker from "
              "CUDA_VISIBLE_DEVICES or the machine's; gloo over CUDA where they must share)."),
     backend: str = typer.Option("local", "--backend", metavar="NAME", help=backends_help()),
-    planner: str = typer.Option(
-        "dlrover-rm", "--planner", metavar="NAME",
+    planner: str | None = typer.Option(
+        None, "--planner", metavar="NAME",
         help="The policy that sets the number of workers while the job runs: max, fixed, es, optimus, dlrover, "
-             "dlrover-rm (see tidal.brain.planners; `tidal scale N` overrides it until `tidal scale --auto`). "
-             "Default dlrover-rm: measures the job at the counts it tries, refits its throughput model and "
-             "settles on the fewest workers within 10% of the best throughput; warm-starts from --history."),
+             "dlrover-rm; for a --stream job also kale, hpa, autopilot, madu, adequate (see tidal.brain.planners; "
+             "`tidal scale N` overrides it until `tidal scale --auto`). Default dlrover-rm (kale with --stream): "
+             "measures the job at the counts it tries, refits its throughput model and settles on the fewest "
+             "workers within 10% of the best throughput; warm-starts from --history."),
+    time_scale: float = typer.Option(
+        1.0, "--time-scale", metavar="X",
+        help="With --stream: the stream replays a trace X times faster than it happened (tidal produce "
+             "--speedup X); a stream planner then sees trace time (its intervals, lags and rates scaled by X)."),
     history: str | None = typer.Option(
         None, "--history", metavar="PATH",
         help="SQLite file of finished jobs: a planner warm-starts from similar ones, and this job is added "
@@ -211,7 +216,12 @@ def run(
     check_range("--progress-timeout", progress_timeout, PROGRESS_TIMEOUT_S, " seconds")
     check_range("--max-restarts", max_restarts, (0, MAX_RESTARTS))
     check_range("--planner-interval", planner_interval, PLANNER_INTERVAL_S, " seconds")
+    planner = planner or ("kale" if stream else "dlrover-rm")
     check_planner(planner)
+    if time_scale != 1.0:
+        if stream is None:
+            raise fail("--time-scale needs --stream")
+        check_range("--time-scale", time_scale, (0.001, 1e6))
     if backend not in backends.names():
         raise fail(f"unknown --backend {backend!r}; known: {', '.join(backends.names())}")
     if not script.is_file():
@@ -260,6 +270,7 @@ def run(
         cwd=os.getcwd(), env=env, gpus=gpus, backend=backend, planner=planner,
         planner_interval_s=planner_interval, history_path=history_path(history),
         stream_url=stream, stop_when_drained_s=stop_when_drained, trim_after_commit=trim_after_commit,
+        time_scale=time_scale,
     )
     _point_current(directory)
     typer.echo(f"tidal: job {job_id} on http://127.0.0.1:{spec.port} (job dir {directory}); "

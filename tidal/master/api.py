@@ -112,6 +112,9 @@ class JobSpec:
     stream_url: str | None = None
     stop_when_drained_s: float | None = None
     trim_after_commit: bool = False  # workers delete committed records from the stream
+    # the stream's time runs this many times faster than the trace it replays (``tidal produce
+    # --speedup``): a stream planner sees trace time (its intervals, lags and rates scaled)
+    time_scale: float = 1.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

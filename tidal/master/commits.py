@@ -139,7 +139,7 @@ class Commits:
                 continue
             try:
                 if self.streams is not None:
-                    if self.streams.commit(r.epoch, r.start, r.first, r.end):
+                    if self.streams.commit(r.epoch, r.start, r.first, r.end, r.samples):
                         out.append(CommittedRange(r.epoch, r.first, r.end, r.step, r.worker))
                 elif self.shards.commit(r.epoch, r.start, r.end):
                     out.append(CommittedRange(r.epoch, r.start, r.end, r.step, r.worker))

@@ -267,6 +267,7 @@ class JobMaster:
         if self.streams is not None:
             self.streams.restore(j.load_ledger())
             self.streams.discover(meta.get("stream_partitions", []))
+            self.streams.records = int(meta.get("stream_records", 0))
             self.stream_stop = meta.get("stream_stop")
         else:
             self.shards.restore(DatasetConfig(**dataset) if dataset else None, j.load_shards(), j.load_ledger())
@@ -440,6 +441,7 @@ class JobMaster:
             rec.cpu_percent, rec.rss_bytes = req.cpu_percent, req.rss_bytes
         if req.stream_backlog >= 0:
             rec.stream_backlog, rec.stream_lag = req.stream_backlog, dict(req.stream_lag)
+            rec.stream_oldest_ms, rec.stream_busy = req.stream_oldest_ms, req.stream_busy
         if req.stream_malformed > rec.stream_malformed:
             self.log.add("stream", f"worker {rec.worker_id} skipped {req.stream_malformed - rec.stream_malformed} "
                                    f"malformed records ({req.stream_malformed} in all)", worker=rec.worker_id)
@@ -807,16 +809,22 @@ class JobMaster:
     def _observe(self, now: float, active: list[WorkerRecord], ready: bool) -> JobObservation:
         """What the planner sees now."""
         cfg = self.shards.config
+        stream = None
+        if self.streams is not None:
+            members = [self.workers[m] for m in self.rounds.members if m in self.workers]
+            stream = self.planning.observe_stream(
+                now, self.spec.planner_interval_s, self.spec.time_scale, self.committed_samples(), members, ready)
         return self.planning.observe(
             job_id=self.spec.job_id, now=now, min_workers=self.spec.min_workers, max_workers=self.spec.max_workers,
             target=self.target, active=active, ready=ready, applied_step=self.finalized_step,
             batch_size=0 if cfg is None else cfg.batch_size, committed=self.committed_samples(),
             total=0 if cfg is None or cfg.epochs is None else cfg.size * cfg.epochs, pauses=self.log.pauses(),
+            stream=stream, time_scale=self.spec.time_scale,
         )
 
     def committed_samples(self) -> int:
-        """Samples in committed ranges, over every epoch."""
-        return self.shards.samples_done
+        """Samples in committed ranges, over every epoch (a stream job: records committed)."""
+        return self.streams.records if self.streams is not None else self.shards.samples_done
 
     def _launch_missing(self, now: float) -> None:
         # journal first: a process the journal does not know would be an orphan after a reload
@@ -1039,6 +1047,7 @@ class JobMaster:
             "target_override": self.target_override, "error": self.error, "checkpoint_step": self.checkpoint_step,
             "checkpoints": self.checkpoints.to_meta(),
             "stream_partitions": sorted(self.streams.partitions) if self.streams is not None else [],
+            "stream_records": self.streams.records if self.streams is not None else 0,
             "stream_stop": self.stream_stop,
             **self.fleet.to_meta(),
             "dataset": None if cfg is None else {

@@ -57,6 +57,8 @@ class WorkerRecord:
     stream_backlog: int = -1  # a stream job: records waiting after what it has read (-1: not reported)
     stream_malformed: int = 0
     stream_lag: dict[int, int] = field(default_factory=dict)  # per partition it reads
+    stream_oldest_ms: int = 0  # arrival of the oldest record waiting in its partitions (0: none)
+    stream_busy: float = -1.0  # share of the last second its steps had records
     # the latest transitions (a worker moves ACTIVE <-> WAITING every round: bounded)
     history: deque[tuple[float, str]] = field(default_factory=lambda: deque(maxlen=HISTORY))
 

@@ -27,6 +27,7 @@ from tidal.api import (
     PlannerDecision,
     PlannerStatus,
     ResourcePlan,
+    StreamObservation,
     ThroughputPoint,
     TimelinePoint,
     WorkerObservation,
@@ -53,6 +54,7 @@ class Planning:
         self.last_plan: ResourcePlan | None = None
         self.timeline: deque[TimelinePoint] = deque(maxlen=MAX_TIMELINE)
         self._pauses_seen = 0.0  # the time of the newest pause already handed to the planner
+        self._stream_seen: tuple[int, int] | None = None  # (records committed, backlog) at the previous call
 
     # ------------------------------------------------------------------ measurements
     @property
@@ -72,16 +74,36 @@ class Planning:
                                            workers=workers, target=target))
 
     # ------------------------------------------------------------------ observation and decision
+    def observe_stream(self, now: float, interval_s: float, time_scale: float, committed: int,
+                       members: Sequence[WorkerRecord], ready: bool) -> StreamObservation:
+        """A stream job's side of the observation (Kale), in trace time (``time_scale``): the
+        records that arrived since the previous call (those committed since, plus the growth of
+        what waits), the backlog the members report, the age of the oldest waiting record (from
+        its id), the members' busy share, and the rate they trained at while busy."""
+        backlog = sum(max(0, r.stream_backlog) for r in members)
+        before = self._stream_seen or (committed, backlog)
+        self._stream_seen = (committed, backlog)
+        arrived = max(0, (committed - before[0]) + (backlog - before[1]))
+        oldest = [r.stream_oldest_ms for r in members if r.stream_oldest_ms > 0]
+        lag_s = max(0.0, now - min(oldest) / 1000.0) * time_scale if oldest else 0.0
+        busy = [r.stream_busy for r in members if r.stream_busy >= 0]
+        utilization = sum(busy) / len(busy) if busy else 0.0
+        rate = sum(r.samples_per_s for r in members) / time_scale
+        measured = [(float(len(members)), rate)] if ready and members and utilization >= 0.9 else []
+        return StreamObservation(interval_s=interval_s * time_scale, arrivals=[float(arrived)], measured=measured,
+                                 backlog=float(backlog), lag_s=lag_s, utilization=min(1.0, utilization))
+
     def observe(
         self, *, job_id: str, now: float, min_workers: int, max_workers: int, target: int,
         active: Sequence[WorkerRecord], ready: bool, applied_step: int, batch_size: int,
-        committed: int, total: int, pauses: Iterable[Event],
+        committed: int, total: int, pauses: Iterable[Event], stream: StreamObservation | None = None,
+        time_scale: float = 1.0,
     ) -> JobObservation:
         new_pauses = [p for p in pauses if p.seconds is not None and p.time > self._pauses_seen]
         if new_pauses:
             self._pauses_seen = max(p.time for p in new_pauses)
         return JobObservation(
-            job_id=job_id, now_s=now - self.started_at, min_workers=min_workers, max_workers=max_workers,
+            job_id=job_id, now_s=(now - self.started_at) * time_scale, min_workers=min_workers, max_workers=max_workers,
             current_workers=len(active), target_workers=target, ready=ready,
             samples_per_s=sum(r.samples_per_s for r in active), applied_step=applied_step,
             stragglers=sum(r.straggler for r in active), throughput=self.throughput(),
@@ -89,7 +111,7 @@ class Planning:
             workers=[worker_observation(r) for r in active],
             pauses=[PauseObservation(at_s=p.time - self.started_at, seconds=p.seconds or 0.0, cause=p.cause or "")
                     for p in new_pauses],
-            cpus_available=self.cpus,
+            cpus_available=self.cpus, stream=stream,
         )
 
     def decided(self, obs: JobObservation, plan: ResourcePlan, target: int, reason: str) -> PlannerDecision:

@@ -27,6 +27,7 @@ class StreamTable:
     def __init__(self) -> None:
         self.positions: dict[int, int] = {}  # partition -> packed id of its last committed record
         self.partitions: set[int] = set()  # every partition a worker has seen
+        self.records = 0  # records committed, over every partition (journaled with the meta)
 
     def discover(self, partitions: Iterable[int]) -> bool:
         """Partitions a worker sees; whether any is new (the next round assigns it)."""
@@ -44,7 +45,7 @@ class StreamTable:
             out[members[i % len(members)]][p] = self.positions.get(p, 0)
         return out
 
-    def commit(self, partition: int, after: int, first: int, last: int) -> bool:
+    def commit(self, partition: int, after: int, first: int, last: int, samples: int = 0) -> bool:
         """Records ``first..last`` of ``partition``, read after ``after``, are consumed. False if
         they already were (idempotent).
 
@@ -59,6 +60,7 @@ class StreamTable:
                                      f"its committed position {at}")
         self.positions[partition] = last
         self.partitions.add(partition)
+        self.records += samples
         return True
 
     def is_committed(self, partition: int, last: int) -> bool:

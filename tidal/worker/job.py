@@ -161,12 +161,13 @@ class Job:
             return StreamLoader(self, stream, batch_size=batch_size, decode=decode, **options)
         return ElasticDataLoader(self, dataset, batch_size=batch_size, epochs=epochs, **options)
 
-    def note_stream(self, lag: dict[int, int], malformed: int) -> None:
-        """A stream loader's records waiting per partition and malformed records, for the master's
-        next report."""
+    def note_stream(self, lag: dict[int, int], oldest_ms: int, busy: float, malformed: int) -> None:
+        """A stream loader's records waiting per partition, the arrival of the oldest waiting, its
+        busy share and its malformed records, for the master's next report."""
         if self._reporter is not None:
             r = self._reporter
             r.stream_lag, r.stream_backlog, r.stream_malformed = lag, sum(lag.values()), malformed
+            r.stream_oldest_ms, r.stream_busy = oldest_ms, busy
 
     @property
     def stream_committed(self) -> dict[int, int]:

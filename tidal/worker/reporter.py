@@ -151,6 +151,8 @@ class Reporter:
         # a stream job: set by its loader; ``stream_stop``: the master ended the job (drained or stopped)
         self.stream_backlog = -1
         self.stream_lag: dict[int, int] = {}
+        self.stream_oldest_ms = 0
+        self.stream_busy = -1.0
         self.stream_malformed = 0
         self.stream_stop = False
         self.stream_committed: dict[int, int] = {}
@@ -277,6 +279,7 @@ class Reporter:
             **self._usage.read(), checkpoint_step=self.checkpoint_step,
             checkpoint_problem=self.checkpoint_problem[:1000], stream_backlog=self.stream_backlog,
             stream_malformed=self.stream_malformed, stream_lag=self.stream_lag,
+            stream_oldest_ms=self.stream_oldest_ms, stream_busy=self.stream_busy,
         )
         try:
             resp = self._client.post("/v1/report", req, ReportResponse, patience_s=REPORT_PATIENCE_S)

@@ -334,7 +334,7 @@ class StepRunner:
         if state.optimizer is not None:
             state.optimizer.step()
         records = [StepRecord(step=pending.step, worker=h[WORKER], epoch=h[EPOCH], start=h[START], end=h[END],
-                              first=h[FIRST])
+                              first=h[FIRST], samples=h[N])
                    for h in rows if h[N] > 0] if self._ledger else []
         self._publish(pending, total, records, t0, comm_s)
         if any(r[REFORM] for r in rows):

@@ -63,7 +63,7 @@ class StreamHost(Protocol):
 
     def finish(self) -> None: ...
 
-    def note_stream(self, lag: dict[int, int], malformed: int) -> None: ...
+    def note_stream(self, lag: dict[int, int], oldest_ms: int, busy: float, malformed: int) -> None: ...
 
     @property
     def stream_committed(self) -> dict[int, int]: ...
@@ -88,6 +88,7 @@ class StreamLoader:
         self._turn = 0
         self._next_discover = 0.0
         self._next_backlog = 0.0
+        self._busy_s, self._busy_since = 0.0, clock()
         self.trim = os.environ.get("TIDAL_STREAM_TRIM") == "1"  # tidal run --trim-after-commit
         self._trimmed: dict[int, int] = {}
 
@@ -125,8 +126,12 @@ class StreamLoader:
             picked = self._read()
             if picked is None or self.clock() >= self._next_backlog:
                 # counting a backlog reads the stream: at most once a second, and when idle
-                self._next_backlog = self.clock() + BACKLOG_EVERY_S
-                job.note_stream(self._lag(), self.malformed)
+                now = self.clock()
+                busy = self._busy_s / (now - self._busy_since) if now > self._busy_since else -1.0
+                self._busy_s, self._busy_since = 0.0, now
+                self._next_backlog = now + BACKLOG_EVERY_S
+                lag, oldest_ms = self._lag()
+                job.note_stream(lag, oldest_ms, min(1.0, busy), self.malformed)
                 if self.trim:
                     self._trim(job.stream_committed)
             if picked is None:
@@ -142,7 +147,9 @@ class StreamLoader:
             first, last = pack_id(records[0].id), pack_id(records[-1].id)
             self._positions[partition] = last
             pending = steps.begin_stream(partition, after, first, last, len(records))
+            began = self.clock()
             yield batch
+            self._busy_s += self.clock() - began  # the step's compute and reduction: busy with records
             if steps.pending is pending:
                 raise UsageError("call job.step() once for every batch of the elastic loader")
 
@@ -174,6 +181,15 @@ class StreamLoader:
                 self.source.trim(p, unpack_id(pos))
                 self._trimmed[p] = pos
 
-    def _lag(self) -> dict[int, int]:
-        """Records waiting after what this worker has read, per partition it reads."""
-        return {p: self.source.lag(p, unpack_id(pos)) for p, pos in self._positions.items()}
+    def _lag(self) -> tuple[dict[int, int], int]:
+        """Records waiting after what this worker has read, per partition it reads, and the
+        arrival time (ms, from the id) of the oldest of them (0: none waits)."""
+        lag, oldest = {}, 0
+        for p, pos in self._positions.items():
+            lag[p] = self.source.lag(p, unpack_id(pos))
+            if lag[p]:
+                head = self.source.read(p, unpack_id(pos), 1)
+                if head:
+                    ms = int(head[0].id.partition("-")[0])
+                    oldest = ms if not oldest else min(oldest, ms)
+        return lag, oldest
