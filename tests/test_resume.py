@@ -48,8 +48,11 @@ def test_every_worker_killed_resumes_from_the_flash_checkpoint(tmp_path: Path) -
         assert job.wait(240) == 0, job.output()[-3000:]
     finally:
         job.kill_all()
-    (back,) = rollbacks(job)
-    assert back >= 19 and (back + 1) % 10 == 0  # a checkpoint, not scratch
+    # one rollback; more if a restore round failed (a checkpoint torn by the kill, a new worker
+    # lost), each to the same or an earlier checkpoint
+    backs = rollbacks(job)
+    back = backs[-1]
+    assert backs == sorted(backs, reverse=True) and back >= 19 and (back + 1) % 10 == 0  # a checkpoint
     audit = job.audit(samples, epochs)
     assert audit.ok, audit.summary()  # every sample once in the model's lineage
     job_id = job.info()["job_id"]
@@ -88,8 +91,8 @@ def test_a_job_killed_entirely_resumes_to_the_same_model(tmp_path: Path) -> None
     finally:
         job.kill_all()
     assert fingerprint(latest_checkpoint(tmp_path / "cut-ckpt")) == expected
-    (back,) = rollbacks(job)
-    assert back >= 9
+    backs = rollbacks(job)
+    assert backs == sorted(backs, reverse=True) and backs[-1] >= 9
     audit = job.audit(4096, 2)
     assert audit.ok, audit.summary()
 

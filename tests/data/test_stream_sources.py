@@ -205,6 +205,20 @@ class TestStreamSourceContract:
         assert source.trim(0, FIRST) == 0
         assert ids_of(source.range(0, FIRST, ids[-1])) == ids[2:]
 
+    def test_appended_counts_every_record_ever_appended_trimmed_ones_too(self, source: StreamSource) -> None:
+        assert source.appended(0) == 0
+        ids = source.append(0, [rec(i) for i in range(5)])
+        assert source.appended(0) == 5
+        source.trim(0, ids[2])
+        source.trim(0, ids[3])
+        source.append(0, [rec(9)])
+        assert source.appended(0) == 6 and source.lag(0, FIRST) == 2
+        again = open_source(source.url)  # another reader sees the same count (the file keeps it in its marker)
+        try:
+            assert again.appended(0) == 6
+        finally:
+            again.close()
+
     def test_trim_to_an_id_between_records(self, source: StreamSource) -> None:
         ids, between = two_apart(source)
         assert source.lag(0, between) == 1

@@ -73,6 +73,12 @@ class StreamSource(Protocol):
         that has committed up to ``after``)."""
         ...
 
+    def appended(self, partition: int) -> int:
+        """How many records were ever appended to ``partition`` (trimmed ones included): O(1), so
+        that a reader can follow its backlog as ``lag`` once plus what arrived since, minus
+        what it read (``lag`` itself may have to walk the stream)."""
+        ...
+
     def append(self, partition: int, records: list[dict[str, bytes]]) -> list[str]:
         """Append records (a producer: ``tidal produce``); their new ids, in order."""
         ...

@@ -358,6 +358,9 @@ class JobMaster:
         rec.last_seen = now
         rs = self.rounds
         if self.state is not JobState.RUNNING:
+            # it exits 0 on this answer: a process the master cannot reap (adopted after a
+            # failover) is then known to have ended cleanly, as one that called finish
+            rec.finished = True
             return RendezvousResponse(status="finished")
         if req.after_round > rs.round:
             raise StaleRoundMasterError(f"round {req.after_round} is ahead of the master's round {rs.round}")

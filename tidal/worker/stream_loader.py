@@ -91,6 +91,9 @@ class StreamLoader:
         self._busy_s, self._busy_since = 0.0, clock()
         self.trim = os.environ.get("TIDAL_STREAM_TRIM") == "1"  # tidal run --trim-after-commit
         self._trimmed: dict[int, int] = {}
+        self._backlog0: dict[int, int] = {}  # per partition, at the round's start
+        self._appended0: dict[int, int] = {}
+        self._taken: dict[int, int] = {}  # records read since the round's start
 
     def __iter__(self) -> Iterator[Any]:
         """The batches of this worker; ``job.step()`` must follow each one.
@@ -111,6 +114,7 @@ class StreamLoader:
                 self._generation = job.generation
                 self._positions = dict(job.stream_assignment)
                 self._order, self._turn = sorted(self._positions), 0
+                self._count_backlog()
             if job.stop_requested:
                 job.finish()
                 return
@@ -146,6 +150,7 @@ class StreamLoader:
             after = self._positions[partition]
             first, last = pack_id(records[0].id), pack_id(records[-1].id)
             self._positions[partition] = last
+            self._taken[partition] = self._taken.get(partition, 0) + len(records)
             pending = steps.begin_stream(partition, after, first, last, len(records))
             began = self.clock()
             yield batch
@@ -181,12 +186,20 @@ class StreamLoader:
                 self.source.trim(p, unpack_id(pos))
                 self._trimmed[p] = pos
 
+    def _count_backlog(self) -> None:
+        """A new round's partitions: count what waits after their positions once (``lag`` may
+        walk the stream); ``_lag`` then follows it from the records appended since, O(1)."""
+        self._backlog0 = {p: self.source.lag(p, unpack_id(pos)) for p, pos in self._positions.items()}
+        self._appended0 = {p: self.source.appended(p) for p in self._positions}
+        self._taken = {}
+
     def _lag(self) -> tuple[dict[int, int], int]:
         """Records waiting after what this worker has read, per partition it reads, and the
         arrival time (ms, from the id) of the oldest of them (0: none waits)."""
         lag, oldest = {}, 0
         for p, pos in self._positions.items():
-            lag[p] = self.source.lag(p, unpack_id(pos))
+            arrived = self.source.appended(p) - self._appended0.get(p, 0)
+            lag[p] = max(0, self._backlog0.get(p, 0) + arrived - self._taken.get(p, 0))
             if lag[p]:
                 head = self.source.read(p, unpack_id(pos), 1)
                 if head:

@@ -61,6 +61,7 @@ class _Index:
     ids: list[tuple[int, int]] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)  # byte offset of each record's line
     floor: tuple[int, int] = (0, 0)  # the last id a trim deleted (the marker line)
+    trimmed: int = 0  # records trims deleted (the marker line)
 
     def newest(self) -> tuple[int, int]:
         return max(self.ids[-1], self.floor) if self.ids else self.floor
@@ -140,6 +141,11 @@ class FileStreamSource:
             index = self._refresh(partition, path)
             return 0 if index is None else len(index.ids) - bisect_right(index.ids, position)
 
+    def appended(self, partition: int) -> int:
+        with self._lock:
+            index = self._refresh(partition, self._path(partition))
+            return 0 if index is None else index.trimmed + len(index.ids)
+
     def append(self, partition: int, records: list[dict[str, bytes]]) -> list[str]:
         path = self._path(partition)
         if not records:
@@ -185,7 +191,7 @@ class FileStreamSource:
                 return 0
             floor = max(index.floor, index.ids[n - 1])
             keep_from = index.starts[n] if n < len(index.ids) else index.offset
-            marker = (json.dumps({"trimmed": format_id(*floor)}) + "\n").encode()
+            marker = (json.dumps({"trimmed": format_id(*floor), "count": index.trimmed + n}) + "\n").encode()
             try:
                 self._replace(path, [marker], index.file, keep_from, index.offset)
             except OSError as exc:
@@ -287,8 +293,9 @@ class FileStreamSource:
                 obj = json.loads(line)
             except ValueError as exc:
                 raise ConfigError(f"{path} at byte {index.offset}: not a stream record ({exc})") from exc
-            if isinstance(obj, dict) and set(obj) == {"trimmed"} and index.offset == 0:
+            if isinstance(obj, dict) and "trimmed" in obj and set(obj) <= {"trimmed", "count"} and index.offset == 0:
                 index.floor = parse_id(str(obj["trimmed"]))
+                index.trimmed = int(obj.get("count", 0))
                 return
             if not isinstance(obj, dict) or not isinstance(obj.get("id"), str):
                 raise ConfigError(f"{path} at byte {index.offset}: not a stream record (no string \"id\")")

@@ -183,6 +183,17 @@ class RedisStreamSource:
             backward = self._call("XREVRANGE", self._redis.xrevrange, key, bend, "-", count=_PAGE)
             behind += len(backward)
 
+    def appended(self, partition: int) -> int:
+        """``XINFO STREAM``'s entries-added (Redis 7); XLEN on an older server (then trimmed
+        records are not counted)."""
+        key = self._key(partition)
+        try:
+            info = self._call("XINFO STREAM", self._redis.xinfo_stream, key)
+        except ConfigError:  # no such key: nothing appended yet
+            return 0
+        added = info.get("entries-added")
+        return int(added) if added is not None else int(info.get("length", 0))
+
     def append(self, partition: int, records: list[dict[str, bytes]]) -> list[str]:
         key = self._key(partition)
         if not records:
