@@ -24,6 +24,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 from tidal.api.streams import pack_id, unpack_id
@@ -91,6 +92,8 @@ class StreamLoader:
         self._busy_s, self._busy_since = 0.0, clock()
         self.trim = os.environ.get("TIDAL_STREAM_TRIM") == "1"  # tidal run --trim-after-commit
         self._trimmed: dict[int, int] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._prefetch: tuple[Any, Future[Any]] | None = None
         self._backlog0: dict[int, int] = {}  # per partition, at the round's start
         self._appended0: dict[int, int] = {}
         self._taken: dict[int, int] = {}  # records read since the round's start
@@ -127,7 +130,8 @@ class StreamLoader:
                     job.stream_partitions = seen
                     job.leave_for_rendezvous(f"new stream partitions {sorted(set(seen) - set(self._positions))}")
                     continue
-            picked = self._read()
+            fetched = self._take_prefetched()
+            picked = fetched[0] if fetched is not None else self._read()
             if picked is None or self.clock() >= self._next_backlog:
                 # counting a backlog reads the stream: at most once a second, and when idle
                 now = self.clock()
@@ -142,7 +146,7 @@ class StreamLoader:
                 steps.empty(0)  # nobody may have a record (nothing is applied then): poll again
                 continue
             partition, records = picked
-            batch, bad = self.decode([r.fields for r in records])
+            batch, bad = fetched[1] if fetched is not None else self.decode([r.fields for r in records])
             if bad:
                 self.malformed += len(bad)
                 log.warning("worker %d: %d malformed records skipped in partition %d: %s", job.worker_id, len(bad),
@@ -151,6 +155,7 @@ class StreamLoader:
             first, last = pack_id(records[0].id), pack_id(records[-1].id)
             self._positions[partition] = last
             self._taken[partition] = self._taken.get(partition, 0) + len(records)
+            self._start_prefetch()  # the next batch is read and decoded while this one trains
             pending = steps.begin_stream(partition, after, first, last, len(records))
             began = self.clock()
             yield batch
@@ -158,16 +163,57 @@ class StreamLoader:
             if steps.pending is pending:
                 raise UsageError("call job.step() once for every batch of the elastic loader")
 
+    # One batch ahead: once a batch is handed out, the next is read and decoded by a background
+    # thread while the script trains on it (the socket read and the C reply parser leave the GIL
+    # to the training thread most of the time). It is taken only if nothing moved meanwhile
+    # (same round, same positions); otherwise it is dropped and read again.
+    def _start_prefetch(self) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tidal-stream")
+        key = (self._generation, self._turn, tuple(sorted(self._positions.items())))
+        self._prefetch = (key, self._pool.submit(self._read_ahead, dict(self._positions), self._turn))
+
+    def _read_ahead(self, positions: dict[int, int], turn: int) -> tuple[tuple[int, list[StreamRecord]] | None,
+                                                                          int, tuple[Any, list[int]] | None]:
+        picked, turn = self._next_records(positions, turn)
+        return picked, turn, (self.decode([r.fields for r in picked[1]]) if picked is not None else None)
+
+    def _take_prefetched(self) -> tuple[tuple[int, list[StreamRecord]], tuple[Any, list[int]]] | None:
+        """The batch read ahead, with its decoded form, if it still follows what was handed out."""
+        if self._prefetch is None:
+            return None
+        (key, future), self._prefetch = self._prefetch, None
+        if key != (self._generation, self._turn, tuple(sorted(self._positions.items()))):
+            future.cancel()
+            return None
+        try:
+            picked, turn, decoded = future.result()
+        except Exception as exc:  # e.g. the stream unavailable: read again in this thread, which raises
+            log.debug("worker %d: read ahead failed: %s", self.job.worker_id, exc)
+            return None
+        if picked is None or decoded is None:
+            return None
+        self._turn = turn
+        return picked, decoded
+
+    def _next_records(self, positions: dict[int, int], turn: int) -> tuple[tuple[int, list[StreamRecord]] | None, int]:
+        """The next partition after ``turn`` (round-robin) with records, up to a batch of them,
+        and the turn after it; without waiting."""
+        order = self._order
+        for i in range(len(order)):
+            p = order[(turn + i) % len(order)]
+            records = self.source.read(p, unpack_id(positions[p]), self.batch_size)
+            if records:
+                return (p, records), (turn + i + 1) % len(order)
+        return None, turn
+
     def _read(self) -> tuple[int, list[StreamRecord]] | None:
         """The next partition (round-robin) with records, and up to a batch of them; None when
         none has any (having waited up to ``poll_s`` on the first)."""
         order = self._order
-        for i in range(len(order)):
-            p = order[(self._turn + i) % len(order)]
-            records = self.source.read(p, unpack_id(self._positions[p]), self.batch_size)
-            if records:
-                self._turn = (self._turn + i + 1) % len(order)
-                return p, records
+        picked, self._turn = self._next_records(self._positions, self._turn)
+        if picked is not None:
+            return picked
         if order:
             p = order[self._turn % len(order)]
             records = self.source.read(p, unpack_id(self._positions[p]), self.batch_size, block_s=self.poll_s)

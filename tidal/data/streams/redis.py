@@ -274,10 +274,20 @@ class RedisStreamSource:
 
     @staticmethod
     def _records(partition: int, entries: Any) -> list[StreamRecord]:
+        """Redis' entries as records. Ids are Redis' own (well-formed by construction): the first
+        and last of a reply are checked, which bounds the others (a reply is in id order). Field
+        names repeat from record to record: each is decoded once per reply."""
+        if entries:
+            parse_id(entries[0][0].decode())
+            parse_id(entries[-1][0].decode())
+        names: dict[bytes, str] = {}
         out = []
         for raw_id, raw_fields in entries:
-            record_id = raw_id.decode()
-            parse_id(record_id)
-            fields = {name.decode("utf-8", "backslashreplace"): value for name, value in (raw_fields or {}).items()}
-            out.append(StreamRecord(partition, record_id, fields))
+            fields = {}
+            for name, value in (raw_fields or {}).items():
+                text = names.get(name)
+                if text is None:
+                    text = names[name] = name.decode("utf-8", "backslashreplace")
+                fields[text] = value
+            out.append(StreamRecord(partition, raw_id.decode(), fields))
         return out
