@@ -97,6 +97,8 @@ class StreamLoader:
         self._backlog0: dict[int, int] = {}  # per partition, at the round's start
         self._appended0: dict[int, int] = {}
         self._taken: dict[int, int] = {}  # records read since the round's start
+        self._counting: Future[tuple[dict[int, int], dict[int, int]]] | None = None
+        self._counter: ThreadPoolExecutor | None = None
 
     def __iter__(self) -> Iterator[Any]:
         """The batches of this worker; ``job.step()`` must follow each one.
@@ -133,13 +135,14 @@ class StreamLoader:
             fetched = self._take_prefetched()
             picked = fetched[0] if fetched is not None else self._read()
             if picked is None or self.clock() >= self._next_backlog:
-                # counting a backlog reads the stream: at most once a second, and when idle
+                # the backlog and the oldest waiting record: at most once a second, and when idle
                 now = self.clock()
                 busy = self._busy_s / (now - self._busy_since) if now > self._busy_since else -1.0
                 self._busy_s, self._busy_since = 0.0, now
                 self._next_backlog = now + BACKLOG_EVERY_S
-                lag, oldest_ms = self._lag()
-                job.note_stream(lag, oldest_ms, min(1.0, busy), self.malformed)
+                counted = self._lag()
+                if counted is not None:
+                    job.note_stream(counted[0], counted[1], min(1.0, busy), self.malformed)
                 if self.trim:
                     self._trim(job.stream_committed)
             if picked is None:
@@ -233,15 +236,36 @@ class StreamLoader:
                 self._trimmed[p] = pos
 
     def _count_backlog(self) -> None:
-        """A new round's partitions: count what waits after their positions once (``lag`` may
-        walk the stream); ``_lag`` then follows it from the records appended since, O(1)."""
-        self._backlog0 = {p: self.source.lag(p, unpack_id(pos)) for p, pos in self._positions.items()}
-        self._appended0 = {p: self.source.appended(p) for p in self._positions}
+        """A new round's partitions: count what waits after their positions once, in the
+        background (``lag`` may walk the stream: seconds for a backlog of millions, which must
+        not stall the round); ``_lag`` then follows it from the records appended since, O(1)."""
+        positions = dict(self._positions)
         self._taken = {}
 
-    def _lag(self) -> tuple[dict[int, int], int]:
+        def count() -> tuple[dict[int, int], dict[int, int]]:
+            # the count first, then the appended total: records arriving in between are then
+            # left out of both, never counted twice (which would keep a drained job from stopping)
+            lag = {p: self.source.lag(p, unpack_id(pos)) for p, pos in positions.items()}
+            return lag, {p: self.source.appended(p) for p in positions}
+
+        if self._counter is None:  # its own thread: the read-ahead must not wait behind a count
+            self._counter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tidal-stream-count")
+        self._counting = self._counter.submit(count)
+
+    def _lag(self) -> tuple[dict[int, int], int] | None:
         """Records waiting after what this worker has read, per partition it reads, and the
-        arrival time (ms, from the id) of the oldest of them (0: none waits)."""
+        arrival time (ms, from the id) of the oldest of them (0: none waits); None while the
+        round's first count runs."""
+        if self._counting is not None:
+            if not self._counting.done():
+                return None
+            try:
+                self._backlog0, self._appended0 = self._counting.result()
+            except Exception as exc:  # the stream unavailable: count again at the next call
+                log.debug("worker %d: counting the backlog failed: %s", self.job.worker_id, exc)
+                self._count_backlog()
+                return None
+            self._counting = None
         lag, oldest = {}, 0
         for p, pos in self._positions.items():
             arrived = self.source.appended(p) - self._appended0.get(p, 0)
