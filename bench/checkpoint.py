@@ -78,6 +78,7 @@ import torch.distributed.checkpoint as dcp
 
 from bench.common import MACHINE, ROOT, load_average, median, table
 from tidal.worker.flash import FlashCheckpoint, remove_shm
+from tidal.worker.state import split_tree
 
 GB = 10**9
 SHM = Path("/dev/shm")
@@ -128,13 +129,7 @@ def build_state(nbytes: int, seed: int = 0) -> dict[str, Any]:
 
 
 def tensors_of(tree: Any) -> list[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, dict):
-        return [t for v in tree.values() for t in tensors_of(v)]
-    if isinstance(tree, list | tuple):
-        return [t for v in tree for t in tensors_of(v)]
-    return []
+    return list(split_tree(tree, copy=False)[1].values())
 
 
 def describe(tree: dict[str, Any]) -> str:

@@ -8,7 +8,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -205,4 +206,22 @@ def mount_tmpfs(point: Path, size: str) -> None:
 def umount_lazy(points: list[Path]) -> None:
     for point in points:
         subprocess.run(["umount", "-l", str(point)], check=False)
+
+
+@contextmanager
+def tmpfs_mounts(directory: Path) -> Iterator[Callable[[str, str], Path]]:
+    """``mount(name, size)`` mounts a tmpfs of ``size`` at ``directory/name`` (a real disk that
+    fills up, ``mount_tmpfs``); every one is unmounted on exit."""
+    mounted: list[Path] = []
+
+    def mount(name: str, size: str) -> Path:
+        point = directory / name
+        mount_tmpfs(point, size)
+        mounted.append(point)
+        return point
+
+    try:
+        yield mount
+    finally:
+        umount_lazy(mounted)
 

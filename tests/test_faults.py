@@ -17,7 +17,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.jobtools import Job, alive, example_args, mount_tmpfs, umount_lazy, wait_for
+from tests.jobtools import Job, alive, example_args, tmpfs_mounts, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -25,18 +25,10 @@ pytestmark = pytest.mark.slow
 @pytest.fixture
 def small_fs(tmp_path: Path, jobs: list[Job]) -> Iterator[Callable[[str, int], Path]]:
     """Mounts tmpfs filesystems of a given size; unmounted after the test's jobs are killed."""
-    mounted: list[Path] = []
-
-    def mount(name: str, size_mb: int) -> Path:
-        point = tmp_path / name
-        mount_tmpfs(point, f"{size_mb}m")
-        mounted.append(point)
-        return point
-
-    yield mount
-    for job in jobs:
-        job.kill_all()
-    umount_lazy(mounted)
+    with tmpfs_mounts(tmp_path) as mount:
+        yield lambda name, size_mb: mount(name, f"{size_mb}m")
+        for job in jobs:
+            job.kill_all()
 
 
 def fill(directory: Path) -> Path:

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.jobtools import mount_tmpfs, umount_lazy
+from tests.jobtools import tmpfs_mounts
 from tidal.worker import checkpoint, persister
 from tidal.worker.checkpoint import MANIFEST, CheckpointError, load_checkpoint, verify
 from tidal.worker.flash import (
@@ -32,6 +32,7 @@ from tidal.worker.flash import (
     load_step,
     remove_shm,
 )
+from tidal.worker.state import split_tree
 
 SHM = Path("/dev/shm")
 
@@ -137,13 +138,7 @@ def test_save_persist_load_gives_back_exactly_the_state(make: Callable[..., Flas
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, dict):
-        return [t for v in tree.values() for t in _tensors(v)]
-    if isinstance(tree, list | tuple):
-        return [t for v in tree for t in _tensors(v)]
-    return []
+    return list(split_tree(tree, copy=False)[1].values())
 
 
 def test_saves_of_one_layout_reuse_the_slot_files(make: Callable[..., FlashCheckpoint], name: str) -> None:
@@ -371,17 +366,9 @@ def test_too_little_shared_memory_falls_back_to_disk(make: Callable[..., FlashCh
 
 @pytest.fixture
 def small_fs(tmp_path: Path) -> Iterator[Callable[[str, int], Path]]:
-    """Mounts tmpfs filesystems of a given size (a real ENOSPC); unmounted after the test."""
-    mounted: list[Path] = []
-
-    def mount(name: str, size_kb: int) -> Path:
-        point = tmp_path / name
-        mount_tmpfs(point, f"{size_kb}k")
-        mounted.append(point)
-        return point
-
-    yield mount
-    umount_lazy(mounted)
+    """Mounts tmpfs filesystems of a given size in KB (a real ENOSPC); unmounted after the test."""
+    with tmpfs_mounts(tmp_path) as mount:
+        yield lambda name, size_kb: mount(name, f"{size_kb}k")
 
 
 def test_a_full_disk_is_reported_and_the_previous_checkpoint_stays(

@@ -408,22 +408,16 @@ class JobMaster:
         crash when the round closes."""
         if not req.records:
             return
-        if self.streams is not None:
-            for r in req.records:
-                if r.step > req.applied_step:
-                    raise BadRequestError(f"record of step {r.step} is beyond applied_step {req.applied_step}")
-                if not r.start < r.first <= r.end:
-                    raise BadRequestError(f"record ids ({r.start}, {r.first}..{r.end}] are not in order")
-                if r.worker not in self.workers:
-                    raise BadRequestError(f"record of unknown worker {r.worker}")
-            return
         cfg = self.shards.config
-        if cfg is None:
+        if self.streams is None and cfg is None:
             raise BadRequestError("records before any shard was leased")
         for r in req.records:
             if r.step > req.applied_step:
                 raise BadRequestError(f"record of step {r.step} is beyond applied_step {req.applied_step}")
-            if not r.start < r.end <= cfg.size:
+            if self.streams is not None:  # packed ids: read after ``start``, ``first`` to ``end``
+                if not r.start < r.first <= r.end:
+                    raise BadRequestError(f"record ids ({r.start}, {r.first}..{r.end}] are not in order")
+            elif cfg is not None and not r.start < r.end <= cfg.size:
                 raise BadRequestError(f"record range [{r.start}, {r.end}) is not inside the dataset")
             if r.worker not in self.workers:  # records may be of an earlier round's members
                 raise BadRequestError(f"record of unknown worker {r.worker}")

@@ -140,15 +140,17 @@ class Job:
             raise UsageError("call job.state(model, optimizer) before iterating the loader")
         return self._steps
 
-    def loader(self, dataset: Any = None, batch_size: int = 1, epochs: int = 1, *, stream: Any = None,
+    def loader(self, dataset: Any = None, batch_size: int | None = None, epochs: int = 1, *, stream: Any = None,
                decode: Any = None, **options: Any) -> Any:
         """An elastic data loader over ``dataset`` (tidal.worker.loader.ElasticDataLoader), or over
         a stream (tidal.worker.stream_loader.StreamLoader: ``stream`` a URL or a ``StreamSource``,
         default the job's ``--stream``; ``decode(records) -> (batch, malformed positions)``).
 
         Raises:
-            tidal.worker.api.UsageError: both or neither of a dataset and a stream.
+            tidal.worker.api.UsageError: both or neither of a dataset and a stream, or no batch size.
         """
+        if batch_size is None:
+            raise UsageError("job.loader() needs batch_size (samples per worker per step)")
         if stream is None and dataset is None and os.environ.get("TIDAL_STREAM_URL"):
             stream = os.environ["TIDAL_STREAM_URL"]
         if (stream is None) == (dataset is None):

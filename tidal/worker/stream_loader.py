@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
-from tidal.api.streams import pack_id, unpack_id
+from tidal.api.streams import pack_id, parse_id, unpack_id
 from tidal.data.api import StreamRecord, StreamSource
 from tidal.data.streams import open_source
 from tidal.worker.api import UsageError
@@ -273,6 +273,6 @@ class StreamLoader:
             if lag[p]:
                 head = self.source.read(p, unpack_id(pos), 1)
                 if head:
-                    ms = int(head[0].id.partition("-")[0])
+                    ms = parse_id(head[0].id)[0]  # a Redis id's first part: its arrival, ms
                     oldest = ms if not oldest else min(oldest, ms)
         return lag, oldest
