@@ -29,10 +29,15 @@ the redis-server, so any CPU the read path costs is taken from training.
 
 Below the main table, where a step's time goes, measured in this process (median of repeats):
 one ``source.read(p, after, B)`` (XRANGE through tidal's RedisStreamSource), the same XRANGE
-with a bare redis-py client, ``ClickRecords.decode`` of the B records, ``ClickDataset.get_range``
+with a bare redis-py client that keeps hiredis' reply as it is (what ``read`` adds is building the
+records), ``ClickRecords.decode`` of the B records, ``ClickDataset.get_range``
 of B samples, one training step of the model on B samples (forward, backward, Adam), and
 ``source.lag`` half-way through an N-record partition, which the stream loader calls (at most
-once a second) to report the backlog.
+once a second) to report the backlog. Then both loops in this process, alternated in blocks of 20
+steps (``interleaved``): steps on ``get_range`` batches against steps whose next batch a thread
+reads and decodes meanwhile, as the stream loader does. On shared cores this ratio is steadier
+than the jobs' (a slow phase of the machine hits both loops within seconds), though it leaves out
+what both jobs share (the master, the step's reduction).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +69,10 @@ from bench.common import (
     table,
     tidal_argv,
 )
+from examples.ctr.data import ClickDataset
 from examples.ctr.stream import ClickRecords
 from tests.redis_server import RedisServer
+from tidal.data.api import FIRST, StreamSource
 from tidal.data.streams import open_source
 
 RUN_OPTS = ["--planner", "fixed", "--history", "none"]
@@ -140,6 +148,7 @@ def micro(server: RedisServer, samples: int, batch: int, model_size: str) -> dic
     produce(url, samples, 1)
     source = open_source(url)
     bare = redis.Redis(host="127.0.0.1", port=server.port, protocol=2, decode_responses=False)
+    bare.set_response_callback("XRANGE", lambda reply, **options: reply)  # as RedisStreamSource does
     records = ClickRecords()
     try:
         ids = [r.id for r in source.read(0, "0-0", 2 * batch + 1)]
@@ -154,12 +163,18 @@ def micro(server: RedisServer, samples: int, batch: int, model_size: str) -> dic
         loss_fn = torch.nn.BCEWithLogitsLoss()
         b = data.get_range(batch, 2 * batch)
 
-        def train_step() -> None:
+        def train_on(b: dict[str, torch.Tensor]) -> None:
             opt.zero_grad(set_to_none=True)
             loss_fn(model(b["dense"], b["sparse"]), b["label"]).backward()
             opt.step()
 
+        def train_step() -> None:
+            train_on(b)
+
+        dataset_step, stream_step = interleaved(source, records, data, train_on, batch)
         return {
+            "interleaved_dataset": dataset_step,
+            "interleaved_stream": stream_step,
             "read": timed(lambda: source.read(0, after, batch), 50),
             "xrange_bare": timed(lambda: bare.xrange("micro:0", f"({after}", "+", count=batch), 50),
             "decode": timed(lambda: records.decode(fields), 50),
@@ -170,6 +185,45 @@ def micro(server: RedisServer, samples: int, batch: int, model_size: str) -> dic
     finally:
         bare.close()
         source.close()
+
+
+def interleaved(source: StreamSource, records: ClickRecords, data: ClickDataset,
+                train_on: Callable[[dict[str, Any]], None], batch: int, blocks: int = 15,
+                steps: int = 20) -> tuple[float, float]:
+    """Seconds per step (median over blocks) of two loops in this process, alternated in blocks of
+    ``steps`` steps, so that a slow phase of shared cores hits both: the dataset's (``get_range``,
+    then the step) and the stream's (the step, while a thread reads and decodes the next batch, as
+    the stream loader does). No master, no reduction: the read path's cost alone, GIL included."""
+    pool = ThreadPoolExecutor(max_workers=1)
+    after = FIRST
+
+    def fetch(after: str) -> tuple[str, dict[str, Any]]:
+        got = source.read(0, after, batch)
+        if len(got) < batch:  # the end of the stream: start over
+            got = source.read(0, FIRST, batch)
+        return got[-1].id, records.decode([r.fields for r in got])[0]
+
+    per_step: dict[str, list[float]] = {"dataset": [], "stream": []}
+    at = 0
+    try:
+        for _ in range(blocks):
+            t = time.perf_counter()
+            for _ in range(steps):
+                train_on(data.get_range(at, at + batch))
+                at = (at + batch) % (len(data) - batch)
+            per_step["dataset"].append((time.perf_counter() - t) / steps)
+            after, b = fetch(after)
+            ahead = pool.submit(fetch, after)
+            t = time.perf_counter()
+            for _ in range(steps):
+                train_on(b)
+                after, b = ahead.result()
+                ahead = pool.submit(fetch, after)
+            per_step["stream"].append((time.perf_counter() - t) / steps)
+            after = ahead.result()[0]
+    finally:
+        pool.shutdown()
+    return statistics.median(per_step["dataset"]), statistics.median(per_step["stream"])
 
 
 def main() -> int:
@@ -251,11 +305,14 @@ def main() -> int:
             [f"per batch of {args.batch_size} (in-process, median)", "ms"],
             ["dataset: ClickDataset.get_range", f"{ms['get_range']:.2f}"],
             ["stream: source.read (XRANGE via RedisStreamSource)", f"{ms['read']:.2f}"],
-            ["  of which the bare redis-py XRANGE", f"{ms['xrange_bare']:.2f}"],
+            ["  of which the bare XRANGE (hiredis' reply, no records built)", f"{ms['xrange_bare']:.2f}"],
             ["stream: ClickRecords.decode", f"{ms['decode']:.2f}"],
             [f"training step ({args.model_size} model: forward, backward, Adam)", f"{ms['train_step']:.2f}"],
             [f"stream: source.lag half-way through {args.samples:,} records (<= 1/s)", f"{ms['lag_half']:.1f}"],
         ]))
+        print(f"interleaved in this process (blocks of 20 steps, alternated): dataset {ms['interleaved_dataset']:.2f} "
+              f"ms a step, stream (read and decode ahead on a thread) {ms['interleaved_stream']:.2f} ms: "
+              f"{ms['interleaved_dataset'] / ms['interleaved_stream']:.2f}x")
         step_d = ms["get_range"] + ms["train_step"]
         step_s = ms["read"] + ms["decode"] + ms["train_step"]
         print(f"step without the backlog count: dataset {step_d:.2f} ms, stream {step_s:.2f} ms "

@@ -19,6 +19,7 @@ import torch
 from examples.ctr import train
 from examples.ctr.data import ClickDataset, roc_auc
 from examples.ctr.model import DLRM
+from examples.ctr.stream import FIELD, ClickRecords
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -116,6 +117,56 @@ def test_roc_auc_matches_pairwise_bruteforce_with_ties() -> None:
     assert roc_auc(y, np.zeros(4)) == 0.5
     with pytest.raises(ValueError):
         roc_auc(np.ones(3), np.arange(3.0))
+
+
+def test_stream_records_decode_to_the_datasets_samples() -> None:
+    records = ClickRecords(seed=5)
+    encoded = records.encode(1000, 700)
+    assert [records.index_of(r) for r in encoded] == list(range(1000, 1700))
+    assert all(r.keys() == {FIELD} and len(r[FIELD]) == records.layout.itemsize for r in encoded)
+    batch, bad = records.decode(encoded)
+    assert not bad
+    _assert_same(batch, records.dataset(1700).get_range(1000, 1700))
+    assert all(t.is_contiguous() and t.numpy().flags.writeable for t in batch.values())
+    empty, bad = records.decode([])
+    assert not bad and empty["dense"].shape == (0, 4) and empty["sparse"].shape == (0, 8)
+    assert records.encode(0, 0) == []
+
+
+def _patched(record: dict[str, bytes], layout: np.dtype, key: str, value: object) -> dict[str, bytes]:
+    packed = np.frombuffer(record[FIELD], dtype=layout).copy()
+    packed[key] = value
+    return {FIELD: packed.tobytes()}
+
+
+def test_malformed_stream_records_are_returned_apart_one_by_one() -> None:
+    records = ClickRecords(seed=2)
+    good = records.encode(0, 20)
+    layout = records.layout
+    broken = {
+        1: {},  # no field
+        3: {"dense": good[3][FIELD]},  # another field's name
+        4: {FIELD: good[4][FIELD][:-1]},  # one byte short
+        5: {FIELD: good[5][FIELD] + b"\0"},  # one byte long (with 4: the batch's total size is right)
+        7: _patched(good[7], layout, "version", 2),  # a layout this decoder does not know
+        9: _patched(good[9], layout, "label", 2),
+        11: _patched(good[11], layout, "dense", [0.0, float("nan"), 0.0, 0.0]),
+        12: _patched(good[12], layout, "dense", [float("inf"), 0.0, 0.0, 0.0]),
+        13: _patched(good[13], layout, "sparse", [0, 0, 0, 0, 0, 0, 0, -1]),
+        16: _patched(good[16], layout, "sparse", [records.hash_size] + [0] * 7),
+        19: {FIELD: b""},
+    }
+    batch, bad = records.decode([broken.get(i, r) for i, r in enumerate(good)])
+    assert bad == sorted(broken)
+    kept = [i for i in range(20) if i not in broken]
+    expected = records.dataset(20).get_indices(np.array(kept))
+    _assert_same(batch, expected)
+    with_extra = {**good[0], "note": b"ignored"}  # fields beside the record's own are left alone
+    assert records.decode([with_extra])[1] == []
+    none, bad = records.decode([broken[1], broken[7]])
+    assert bad == [0, 1] and none["label"].shape == (0,)
+    with pytest.raises(ValueError, match="not a click record"):
+        records.index_of(broken[4])
 
 
 def test_dlrm_shapes_and_gradients() -> None:

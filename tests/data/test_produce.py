@@ -61,7 +61,7 @@ def test_arrivals_follow_the_trace_and_the_split_is_exact(tmp_path: Path) -> Non
     original_append = source.append
 
     def append(partition: int, batch: list[dict[str, bytes]]) -> list[str]:
-        seen.append((t.now, partition, [int(r["index"]) for r in batch]))
+        seen.append((t.now, partition, [records.index_of(r) for r in batch]))
         return original_append(partition, batch)
 
     source.append = append  # type: ignore[method-assign]
@@ -80,7 +80,7 @@ def test_arrivals_follow_the_trace_and_the_split_is_exact(tmp_path: Path) -> Non
         assert abs(done.per_partition[p] - 60 * shares[p]) < 1
         got = source.read(p, FIRST, 1000)
         assert len(got) == done.per_partition[p] and got[0].id == done.first_ids[p] and got[-1].id == done.last_ids[p]
-    indices = sorted(int(r.fields["index"]) for p in range(3) for r in source.read(p, FIRST, 1000))
+    indices = sorted(records.index_of(r.fields) for p in range(3) for r in source.read(p, FIRST, 1000))
     assert indices == list(range(60))  # every sample once over the partitions
     source.close()
 
@@ -107,8 +107,9 @@ def test_tidal_produce_writes_the_examples_samples(tmp_path: Path) -> None:
     source = open_source(url)
     records = [r for p in (0, 1) for r in source.read(p, FIRST, 1000)]
     source.close()
-    order = np.argsort([int(r.fields["index"]) for r in records])
-    batch, bad = ClickRecords(seed=3).decode([records[i].fields for i in order])
+    clicks = ClickRecords(seed=3)
+    order = np.argsort([clicks.index_of(r.fields) for r in records])
+    batch, bad = clicks.decode([records[i].fields for i in order])
     expected = ClickDataset(180, seed=3).get_range(0, 180)
     assert not bad and all(torch.equal(batch[k], expected[k]) for k in expected)
 

@@ -10,6 +10,8 @@ answer (a wrong host or port is a configuration problem, not worth half a minute
 After that, every call retries connection errors and timeouts (Redis restarting, or still
 loading its data) with exponential backoff for up to ``retry_s`` seconds, then raises
 ``StreamUnavailableError``. redis-py's own retries are off so that this loop is the only one.
+Replies of XRANGE, XREVRANGE and XREAD are taken as hiredis parses them (``[id, [name, value,
+...]]``), without redis-py's conversion to dicts: records are built from them in one pass.
 Reads are naturally idempotent. An ``append`` whose reply was lost may or may not have been
 applied; its records go in one ``MULTI``/``EXEC`` (all or none), and before sending them again
 the source looks for them after the partition's last id of before the attempt, so a retry does
@@ -92,6 +94,8 @@ class RedisStreamSource:
             socket_timeout=_SOCKET_TIMEOUT_S, socket_connect_timeout=connect_timeout_s,
             retry=Retry(NoBackoff(), 0), client_name="tidal-stream",
         )
+        for command in ("XRANGE", "XREVRANGE", "XREAD"):  # this client's own table, not redis-py's
+            self._redis.set_response_callback(command, _raw_reply)
         self.check()
 
     def check(self) -> None:
@@ -265,7 +269,9 @@ class RedisStreamSource:
             if len(page) < _PAGE:
                 break
             start = "(" + page[-1][0].decode()
-        wanted = [{name.encode(): bytes(value) for name, value in fields.items()} for fields in records]
+        # XADD keeps a record's fields in the order given: the reply lists them the same way
+        wanted = [[part for name, value in fields.items() for part in (name.encode(), bytes(value))]
+                  for fields in records]
         n = len(wanted)
         for i in range(len(entries) - n + 1):
             if all(entries[i + j][1] == wanted[j] for j in range(n)):
@@ -274,20 +280,38 @@ class RedisStreamSource:
 
     @staticmethod
     def _records(partition: int, entries: Any) -> list[StreamRecord]:
-        """Redis' entries as records. Ids are Redis' own (well-formed by construction): the first
-        and last of a reply are checked, which bounds the others (a reply is in id order). Field
-        names repeat from record to record: each is decoded once per reply."""
-        if entries:
-            parse_id(entries[0][0].decode())
-            parse_id(entries[-1][0].decode())
+        """Redis' raw entries as records. Ids are Redis' own (well-formed by construction): the first
+        and last of a reply are checked, which bounds the others (a reply is in id order). A
+        stream's records usually have the same one field: a record whose only field is named as
+        the first record's takes the short path; the others go through ``_fields``."""
+        if not entries:
+            return []
+        parse_id(entries[0][0].decode())
+        parse_id(entries[-1][0].decode())
         names: dict[bytes, str] = {}
-        out = []
-        for raw_id, raw_fields in entries:
-            fields = {}
-            for name, value in (raw_fields or {}).items():
-                text = names.get(name)
-                if text is None:
-                    text = names[name] = name.decode("utf-8", "backslashreplace")
-                fields[text] = value
-            out.append(StreamRecord(partition, raw_id.decode(), fields))
-        return out
+        head = entries[0][1]
+        name = head[0] if head and len(head) == 2 else None
+        text = _field_name(names, name) if name is not None else ""
+        new = tuple.__new__  # StreamRecord(...) runs a Python __new__: a quarter of this loop
+        return [new(StreamRecord, (partition, raw_id.decode(),
+                                   {text: raw[1]} if raw and len(raw) == 2 and raw[0] == name else _fields(names, raw)))
+                for raw_id, raw in entries]
+
+
+def _raw_reply(response: Any, **options: Any) -> Any:
+    """A response callback that keeps hiredis' lists (redis-py's would build a dict per record)."""
+    return response
+
+
+def _field_name(names: dict[bytes, str], name: bytes) -> str:
+    """A field name as text, decoded once per reply (names repeat from record to record)."""
+    text = names.get(name)
+    if text is None:
+        text = names[name] = name.decode("utf-8", "backslashreplace")
+    return text
+
+
+def _fields(names: dict[bytes, str], raw: list[bytes] | None) -> dict[str, bytes]:
+    """``[name, value, ...]`` as a dict (None or empty: a record without fields)."""
+    it = iter(raw or ())
+    return {_field_name(names, name): value for name, value in zip(it, it, strict=False)}
