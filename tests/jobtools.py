@@ -159,13 +159,21 @@ class Job:
         if not job_id:
             return
         # every worker of the job, also those no status showed (they run in sessions of their
-        # own, so killing the master's process group does not reach them)
-        for p in psutil.process_iter():
-            try:
-                if p.environ().get("TIDAL_JOB_ID") == job_id:
-                    p.kill()
-            except psutil.Error:
-                pass
+        # own, so killing the master's process group does not reach them); scanned again until
+        # none is left: a process forked while the scan ran (a persister) is not in it
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            found = []
+            for p in psutil.process_iter():
+                try:
+                    if p.environ().get("TIDAL_JOB_ID") == job_id:
+                        p.kill()
+                        found.append(p)
+                except psutil.Error:
+                    pass
+            if not found:
+                return
+            psutil.wait_procs(found, timeout=5)
 
 
 def example_args(samples: int, epochs: int, batch: int = 256, sleep: float = 0.0, *extra: str) -> list[str]:

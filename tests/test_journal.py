@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -357,6 +358,16 @@ def test_sqlite_ledger_row_of_a_broken_size_is_a_config_error(tmp_path: Path) ->
     j._db.execute("INSERT INTO ledger (ranges) VALUES (?)", (b"\0" * 41,))
     with pytest.raises(ConfigError, match="whole number of ranges"):
         j.load_ledger()
+    j.close()
+
+
+def test_stream_ranges_keep_after_and_rows_of_five_fields_still_load(tmp_path: Path) -> None:
+    j = SqliteJournal(tmp_path / "j.sqlite")
+    rows = [CommittedRange(0, 21, 30, 1, 1, 20), CommittedRange(2, 2**62, 2**62 + 5, 2, 0, 2**61)]
+    j.append_ledger(rows)
+    old = array("q", [1, 0, 8, 0, 3])  # a blob written before ranges carried ``after``
+    j._db.execute("INSERT INTO ledger (ranges) VALUES (?)", (old.tobytes(),))
+    assert j.load_ledger() == [*rows, CommittedRange(1, 0, 8, 0, 3, 0)]
     j.close()
 
 

@@ -105,7 +105,7 @@ def test_an_unreachable_stream_is_one_line(tmp_path: Path) -> None:
     assert out.returncode == 2 and "redis://127.0.0.1:1/x" in out.stderr and len(out.stderr.splitlines()) == 1
     alone = subprocess.run([TIDAL, "run", "--stop-when-drained", "2", str(script)], capture_output=True, text=True,
                            timeout=60)
-    assert alone.returncode == 2 and "--stop-when-drained and --trim-after-commit need --stream" in alone.stderr
+    assert alone.returncode == 2 and "--stop-when-drained, --trim-after-commit and --global-shuffle need --stream" in alone.stderr
 
 
 def test_tidal_stop_ends_a_stream_job_and_status_shows_the_partitions(tmp_path: Path) -> None:

@@ -40,6 +40,7 @@ READ_PAGE = """(() => {
     series: [...document.querySelectorAll("svg polyline.series")].map((p) => p.dataset.series),
     decisions: document.querySelectorAll("#decisions tr[data-decision]").length,
     pauses: document.querySelectorAll("#pauses tr[data-pause]").length,
+    lag_hidden: document.getElementById("lag-section").hidden && document.getElementById("lag-kv").hidden,
     address: location.href, cookie: document.cookie,
   };
 })()"""
@@ -150,6 +151,7 @@ def test_the_browser_draws_the_job(job: Job, tmp_path: Path) -> None:
         assert shown["split"] >= 1
         assert shown["decisions"] >= 1  # the planner's 1 -> 2
         assert shown["pauses"] >= 1  # the round that took the second worker in
+        assert shown["lag_hidden"]  # a dataset job has no stream lag (tests/test_stream_slo.py draws one)
         assert "token" not in shown["address"]  # the page took it out of the address bar
         assert shown["cookie"] == ""  # HttpOnly: the page's script cannot read the token
         assert browser.errors() == []  # no exception, no failed fetch, nothing the CSP blocked

@@ -153,3 +153,32 @@ def test_throughput_is_measured_only_while_the_count_holds() -> None:
     restored = Planning(ScriptedPlanner(), started_at=99.0)
     restored.restore(p.to_meta())
     assert restored.points == p.points and restored.started_at == 0.0
+
+
+def test_a_slow_planner_does_not_hold_up_the_master(tmp_path: Path) -> None:
+    import threading
+    import time
+
+    master, clock, _ = make_master(tmp_path, "1:4")
+    planner = master.planning.planner = ScriptedPlanner()
+    master.target_override = None
+    release = threading.Event()
+    scripted = planner.plan
+
+    def slow(obs: JobObservation) -> ResourcePlan:  # a forecaster fitting a week of history
+        release.wait(30)
+        return scripted(obs)
+
+    planner.plan = slow  # type: ignore[method-assign]
+    planner.workers = 3
+    t0 = time.monotonic()
+    for _ in range(5):  # the master goes on ticking (heartbeats, rounds) while the planner thinks
+        master.tick()
+        clock.now += 1.0
+    assert time.monotonic() - t0 < 3.0 and master.target != 3 and planner.calls == 0
+    release.set()
+    deadline = time.monotonic() + 10
+    while master.target != 3 and time.monotonic() < deadline:
+        master.tick()
+        clock.now += 1.0
+    assert master.target == 3 and planner.calls == 1  # applied at a later tick, asked once meanwhile

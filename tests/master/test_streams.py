@@ -23,15 +23,15 @@ def test_packed_ids_keep_the_order_of_ids_and_round_trip() -> None:
         pack_id(f"1-{1 << SEQ_BITS}")
 
 
-def test_a_range_commits_only_if_it_continues_the_partition() -> None:
+def test_a_range_that_continues_the_partition_moves_its_position() -> None:
     t = StreamTable()
     assert t.commit(0, 0, 5, 9, samples=3)
     assert t.positions == {0: 9} and t.records == 3
     assert not t.commit(0, 0, 5, 9, samples=3)  # the same range again: idempotent
     with pytest.raises(ShardConflictError):
-        t.commit(0, 12, 14, 20)  # skips (9, 12]
-    with pytest.raises(ShardConflictError):
         t.commit(0, 9, 9, 12)  # first not after the position read after
+    with pytest.raises(ShardConflictError):
+        t.commit(0, 4, 5, 12)  # repeats (4, 9]
     assert t.commit(0, 9, 10, 12, samples=2) and t.records == 5 and t.is_committed(0, 12)
     assert t.commit(1, 0, 1, 1, samples=1) and t.partitions == {0, 1}
 
@@ -51,3 +51,34 @@ def test_positions_are_rebuilt_from_the_journal_rows() -> None:
     assert t.positions == {0: 9, 1: 6} and t.partitions == {0, 1}
     t.restore([CommittedRange(0, 1, 4, 0, 0)])  # a rollback to step 0
     assert t.positions == {0: 4}
+
+
+def test_ranges_committed_beyond_a_gap_wait_until_it_closes() -> None:
+    # global shuffling: (10, 20] forwarded and trained after (20, 30] of the same partition
+    t = StreamTable()
+    assert t.commit(0, 0, 1, 10, samples=4)
+    assert t.commit(0, 20, 21, 30, samples=3)  # beyond the gap (10, 20]
+    assert t.positions == {0: 10} and t.ahead == {0: {20: 30}} and t.skips([0]) == {0: [[20, 30]]}
+    assert t.is_committed(0, 30) and not t.is_committed(0, 20)
+    assert not t.commit(0, 20, 21, 30, samples=3)  # the same range again: idempotent
+    assert t.commit(0, 35, 36, 40) and t.skips([0, 1]) == {0: [[20, 30], [35, 40]]}
+    for overlapping in [(25, 26, 33), (15, 16, 22), (5, 6, 12), (18, 19, 50)]:
+        with pytest.raises(ShardConflictError):
+            t.commit(0, *overlapping)
+    assert t.commit(0, 10, 11, 20, samples=2)  # the gap closes: the position passes (20, 30] too
+    assert t.positions == {0: 30} and t.ahead == {0: {35: 40}} and t.records == 9
+    assert t.commit(0, 30, 31, 35)
+    assert t.positions == {0: 40} and t.ahead == {} and t.skips([0]) == {}
+
+
+def test_positions_and_ranges_ahead_are_rebuilt_from_rows_that_carry_after() -> None:
+    rows = [CommittedRange(0, 1, 10, 0, 0, 0), CommittedRange(0, 21, 30, 1, 1, 20),
+            CommittedRange(0, 11, 20, 2, 0, 10), CommittedRange(0, 41, 50, 2, 1, 40)]
+    t = StreamTable()
+    t.restore(rows)
+    assert t.positions == {0: 30} and t.ahead == {0: {40: 50}}
+    t.restore([r for r in rows if r.step <= 1])  # a rollback to step 1: (20, 30] is beyond a gap again
+    assert t.positions == {0: 10} and t.ahead == {0: {20: 30}}
+    # rows journaled before ranges carried ``after`` continue the one before them
+    t.restore([CommittedRange(0, 1, 4, 0, 0), CommittedRange(0, 5, 9, 1, 0)])
+    assert t.positions == {0: 9} and t.ahead == {}

@@ -74,6 +74,7 @@ __all__ = [
     "StoreSetRequest",
     "StoreSetResponse",
     "StoreValueResponse",
+    "StreamLagStatus",
     "StreamObservation",
     "StreamPartitionStatus",
     "ThroughputPoint",
@@ -229,6 +230,10 @@ class RendezvousResponse(_Wire):
     # a stream job: this worker's partitions and, for each, the packed id of its last committed
     # record (tidal.api.streams; 0: none yet), which it reads after
     stream: dict[int, int] = Field(default_factory=dict)
+    # and, per partition, the ranges committed beyond that position ([after, last] packed ids, in
+    # order; global shuffling commits forwarded ranges out of order): read up to ``after``, then on
+    # after ``last``
+    stream_skip: dict[int, list[list[int]]] = Field(default_factory=dict)
 
 
 class PauseReport(_Wire):
@@ -269,6 +274,11 @@ class ReportRequest(_Wire):
     # partitions (0: none waits), and the share of the last second its steps had records (-1: unknown)
     stream_oldest_ms: int = Field(default=0, ge=0, le=_I64)
     stream_busy: float = Field(default=-1.0, ge=-1.0, le=1.0)
+    # with global shuffling (tidal.worker.shuffle): records in its local queue (-1: no shuffling),
+    # and records it forwarded to others and received from them so far
+    stream_queued: int = Field(default=-1, ge=-1, le=_I64)
+    stream_forwarded_out: int = Field(default=0, ge=0, le=_I64)
+    stream_forwarded_in: int = Field(default=0, ge=0, le=_I64)
 
 
 class ReportResponse(_Wire):
@@ -346,6 +356,13 @@ class WorkerInfo(_Wire):
     samples_per_s: float
     straggler: bool
     exit_code: int | None = None
+    # a stream job: records waiting for it (in its partitions after what it read, and in its local
+    # queue; -1: not reported); with global shuffling (--global-shuffle): records in its local
+    # queue (-1: none), forwarded to other workers and received from them
+    stream_backlog: int = -1
+    stream_queued: int = -1
+    stream_forwarded_out: int = 0
+    stream_forwarded_in: int = 0
 
 
 class ShardCounts(_Wire):
@@ -377,6 +394,21 @@ class StreamPartitionStatus(_Wire):
     lag: int = -1
 
 
+class StreamLagStatus(_Wire):
+    """A stream job's lag against its SLO (``tidal run --lag-slo``), all in trace time (the
+    stream replays its trace ``time_scale`` times faster), scored as ``tidal sim online`` scores
+    a policy (Kale 4.1): ``violation_ratio`` is the share of the ``observed_s`` seconds whose lag
+    exceeded ``slo_s``; ``accumulated_lag_min`` the integral of the lag (Eq. 11), in minutes of
+    lag times minutes, the simulator's ``accumulated_lag_min``."""
+
+    lag_s: float
+    slo_s: float
+    time_scale: float = 1.0
+    observed_s: float = 0.0
+    violation_ratio: float = 0.0
+    accumulated_lag_min: float = 0.0
+
+
 class StatusResponse(_Wire):
     job_id: str
     state: JobState
@@ -397,6 +429,7 @@ class StatusResponse(_Wire):
     checkpoint_problem: str | None = None  # the newest problem writing checkpoints
     stream: list[StreamPartitionStatus] = Field(default_factory=list)  # a stream job's partitions
     stream_stop: str | None = None  # why a stream job is ending (drained, `tidal stop`)
+    stream_lag: StreamLagStatus | None = None  # a stream job's lag against its SLO, once a worker reported
 
 
 class PlannerDecision(_Wire):
@@ -425,6 +458,7 @@ class TimelinePoint(_Wire):
     samples_per_s: float
     workers: int
     target: int
+    lag_s: float | None = None  # a stream job: the lag in trace time (None: not known yet)
 
 
 class TimelineResponse(_Wire):
@@ -438,6 +472,7 @@ class TimelineResponse(_Wire):
     pauses: list[PauseObservation]
     decisions: list[PlannerDecision]
     workers: list[WorkerObservation]
+    lag_slo_s: float | None = None  # a stream job's lag SLO in trace time (the points' ``lag_s``)
 
 
 class PlannerStatus(_Wire):
@@ -452,6 +487,8 @@ class PlannerStatus(_Wire):
     params: dict[str, float] = Field(default_factory=dict)
     error_pct: float | None = None
     warm_start: str = ""
+    history_bins: int = 0  # intervals of past traffic it was seeded with (``--traffic-history``)
+    history_interval_s: float = 0.0  # their length, trace time
 
 
 class ResourcePlan(_Wire):

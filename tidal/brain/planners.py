@@ -42,12 +42,15 @@ class PlannerContext:
         features: its signature, compared with finished jobs' for the warm start.
         history: finished jobs (``tidal.brain.history``); None: no warm start.
         cpus: cores the job's workers may use (0: not known).
+        lag_slo_s: an online-training job's lag SLO in trace time (Kale's 20 minutes); kale
+            plans for a quarter of it and falls back to reacting at three quarters.
     """
 
     job_id: str = ""
     features: Mapping[str, Feature] = field(default_factory=dict)
     history: HistoryStore | None = None
     cpus: float = 0.0
+    lag_slo_s: float = 1200.0
 
 
 class MaxWorkersPlanner:
@@ -69,7 +72,7 @@ def _builtin() -> dict[str, Callable[[PlannerContext], Planner]]:
         FixedWorkers,
         OptimusWorkers,
     )
-    from tidal.brain.kale import KalePlanner
+    from tidal.brain.kale import KalePlanner, ThresholdFallback
 
     return {
         "max": lambda _: MaxWorkersPlanner(),
@@ -78,7 +81,9 @@ def _builtin() -> dict[str, Callable[[PlannerContext], Planner]]:
         "optimus": lambda _: OptimusWorkers(),
         "dlrover": lambda ctx: DLRoverWorkers(cpus=ctx.cpus),
         "dlrover-rm": lambda ctx: DLRoverRMWorkers(features=ctx.features, history=ctx.history),
-        "kale": lambda _: KalePlanner(),
+        # at the default SLO (20 min) these are KalePlanner's own defaults: 5 and 15 minutes
+        "kale": lambda ctx: KalePlanner(planned_lag_s=ctx.lag_slo_s / 4,
+                                        fallback=ThresholdFallback(lag_bound_s=ctx.lag_slo_s * 3 / 4)),
         "hpa": lambda _: HPAPlanner(),
         "autopilot": lambda _: AutopilotPlanner(),
         "madu": lambda _: MaduPlanner(),

@@ -18,7 +18,7 @@ import httpx
 import typer
 
 from tidal import backends
-from tidal.api import ConfigError, PlannerStatus, StatusResponse, parse_every
+from tidal.api import ConfigError, PlannerStatus, StatusResponse, StreamLagStatus, parse_every
 from tidal.cli import app, fail
 
 HOME_ENV = "TIDAL_HOME"
@@ -151,6 +151,12 @@ def run(
         False, "--trim-after-commit",
         help="With --stream: delete records from the stream once the step that trained them is committed "
              "(tidal deletes nothing otherwise; an audit against the stream then sees only what is left)."),
+    global_shuffle: str | None = typer.Option(
+        None, "--global-shuffle", metavar="LOWER:UPPER",
+        help="With --stream: Kale's global shuffling (tidal.worker.shuffle). Each worker keeps a local queue "
+             "of records read from its partitions; above UPPER records it forwards what it reads next to "
+             "workers that accept (those whose queue fell below LOWER), over ZeroMQ on 127.0.0.1. Evens out "
+             "uneven partitions; every record is still trained exactly once. E.g. 1024:4096."),
     resume_dir: Path | None = typer.Option(
         None, "--resume", metavar="JOBDIR",
         help="Continue the job of JOBDIR (its master and workers gone) instead of starting one: SCRIPT and its "
@@ -185,6 +191,19 @@ def run(
         1.0, "--time-scale", metavar="X",
         help="With --stream: the stream replays a trace X times faster than it happened (tidal produce "
              "--speedup X); a stream planner then sees trace time (its intervals, lags and rates scaled by X)."),
+    lag_slo: float | None = typer.Option(
+        None, "--lag-slo", metavar="SECONDS",
+        help="With --stream: the lag SLO in trace time (default 1200, Kale's 20 minutes; in wall time SECONDS / "
+             "--time-scale). tidal status, /metrics and the dashboard show the lag against it, the share of "
+             "the time over it and the accumulated lag (as `tidal sim online` scores them); kale plans for it."),
+    traffic_history: Path | None = typer.Option(
+        None, "--traffic-history", metavar="CSV",
+        help="With --stream: the stream's past traffic, seeded into the planner's forecaster before its first "
+             "decision (kale and madu keep an arrival history; other planners refuse it). A trace CSV as "
+             "`tidal produce --trace` reads it (time, then a count per interval), in trace time and in the "
+             "stream's records: e.g. the days before the one produced, scaled as it is."),
+    traffic_column: str | None = typer.Option(
+        None, "--traffic-column", metavar="NAME", help="The count column of --traffic-history (default: the second)."),
     history: str | None = typer.Option(
         None, "--history", metavar="PATH",
         help="SQLite file of finished jobs: a planner warm-starts from similar ones, and this job is added "
@@ -222,6 +241,16 @@ def run(
         if stream is None:
             raise fail("--time-scale needs --stream")
         check_range("--time-scale", time_scale, (0.001, 1e6))
+    if stream is None and (lag_slo is not None or traffic_history is not None or traffic_column is not None):
+        raise fail("--lag-slo, --traffic-history and --traffic-column need --stream")
+    if lag_slo is not None:
+        check_range("--lag-slo", lag_slo, (0.001, 1e9), " seconds")
+    if traffic_column is not None and traffic_history is None:
+        raise fail("--traffic-column needs --traffic-history")
+    seed: tuple[list[float], float] = ([], 60.0)
+    if traffic_history is not None:
+        check_history_planner(planner)
+        seed = read_traffic_history(traffic_history, traffic_column)
     if backend not in backends.names():
         raise fail(f"unknown --backend {backend!r}; known: {', '.join(backends.names())}")
     if not script.is_file():
@@ -235,8 +264,11 @@ def run(
         env["TIDAL_STREAM_URL"] = stream
         if trim_after_commit:
             env["TIDAL_STREAM_TRIM"] = "1"
-    elif stop_when_drained is not None or trim_after_commit:
-        raise fail("--stop-when-drained and --trim-after-commit need --stream")
+        if global_shuffle is not None:
+            lower, upper = shuffle_thresholds(global_shuffle)
+            env["TIDAL_STREAM_SHUFFLE"] = f"{lower}:{upper}"
+    elif stop_when_drained is not None or trim_after_commit or global_shuffle is not None:
+        raise fail("--stop-when-drained, --trim-after-commit and --global-shuffle need --stream")
     if stop_when_drained is not None:
         check_range("--stop-when-drained", stop_when_drained, (0.0, 86_400.0), " seconds")
     if checkpoint_every is not None:
@@ -270,7 +302,8 @@ def run(
         cwd=os.getcwd(), env=env, gpus=gpus, backend=backend, planner=planner,
         planner_interval_s=planner_interval, history_path=history_path(history),
         stream_url=stream, stop_when_drained_s=stop_when_drained, trim_after_commit=trim_after_commit,
-        time_scale=time_scale,
+        time_scale=time_scale, lag_slo_s=1200.0 if lag_slo is None else lag_slo,
+        traffic_history=seed[0], traffic_history_interval_s=seed[1],
     )
     _point_current(directory)
     typer.echo(f"tidal: job {job_id} on http://127.0.0.1:{spec.port} (job dir {directory}); "
@@ -278,6 +311,14 @@ def run(
     code, master = run_master(spec, directory / "journal.sqlite", sock=sock, follow_logs=not quiet)
     _print_summary(master)
     raise typer.Exit(code)
+
+
+def shuffle_thresholds(text: str) -> tuple[int, int]:
+    """``--global-shuffle LOWER:UPPER``, or a one-line error."""
+    lower, sep, upper = text.partition(":")
+    if not (sep and lower.isdigit() and upper.isdigit() and 0 <= int(lower) <= int(upper) and int(upper) > 0):
+        raise fail(f"--global-shuffle takes LOWER:UPPER records with 0 <= LOWER <= UPPER and UPPER > 0, got {text!r}")
+    return int(lower), int(upper)
 
 
 def check_stream(url: str, logical_workers: int | None) -> None:
@@ -599,11 +640,48 @@ def check_planner(name: str) -> None:
         raise fail(f"--planner: {exc}") from None
 
 
+MAX_HISTORY_INTERVALS = 1_000_000  # a year of minutes and more: the spec (and the journal) carries them
+
+
+def check_history_planner(name: str) -> None:
+    """``--traffic-history`` for a planner that keeps an arrival history, or a one-line error."""
+    from tidal.brain import planners
+
+    if not hasattr(planners.get(name), "observe_history"):
+        keeps = [n for n in planners.names() if hasattr(planners.get(n), "observe_history")]
+        raise fail(f"--traffic-history: planner {name} keeps no arrival history ({', '.join(keeps)} do)")
+
+
+def read_traffic_history(path: Path, column: str | None) -> tuple[list[float], float]:
+    """``--traffic-history``: counts per interval and the interval (trace seconds), read as
+    ``tidal produce`` and ``tidal sim online`` read a trace; a one-line error for a file that is
+    missing or empty, a column it lacks, a count that is not a number or is negative."""
+    from tidal.cli.sim import read_csv
+    from tidal.sim.online import load_trace
+
+    if not path.is_file():
+        raise fail(f"--traffic-history {path}: no such file")
+    rows = read_csv(path)
+    try:
+        counts, interval = load_trace(rows, column)
+    except ConfigError as exc:
+        raise fail(f"--traffic-history {path}: {exc}") from None
+    index = 1 if column is None else [h.strip() for h in rows[0]].index(column)
+    for line, row in enumerate(rows[1:], start=2):
+        if float(row[index]) < 0:  # load_trace counts a negative as zero: here it is a mistake
+            raise fail(f"--traffic-history {path}: line {line}: negative count {row[index].strip()}")
+    if len(counts) > MAX_HISTORY_INTERVALS:
+        raise fail(f"--traffic-history {path}: {len(counts)} intervals, at most {MAX_HISTORY_INTERVALS}")
+    return [float(c) for c in counts], interval
+
+
 def _planner_line(p: PlannerStatus) -> str:
     """The planner in a few lines: name, the user's override, the last decision and its model."""
     lines = [f"planner {p.name}" + (" (overridden by `tidal scale`; `tidal scale --auto` hands back)"
                                     if p.overridden_by_user else "") + f", {p.decisions} decision(s)"
-             + (f", warm start {p.warm_start}" if p.warm_start else "")]
+             + (f", warm start {p.warm_start}" if p.warm_start else "")
+             + (f", seeded with {p.history_bins} bins of {p.history_interval_s:g} s traffic history"
+                if p.history_bins else "")]
     if p.last is not None:
         lines.append(f"  last: at {p.last.at_s:.1f}s {p.last.from_workers} -> {p.last.to_workers} workers: {p.last.reason}")
     if p.params:
@@ -611,6 +689,14 @@ def _planner_line(p: PlannerStatus) -> str:
         error = "" if p.error_pct is None else f", error {p.error_pct:.1f}% on the measured counts"
         lines.append(f"  model {p.model}: {fitted}{error}")
     return "\n".join(lines)
+
+
+def _lag_line(lag: StreamLagStatus) -> str:
+    """The stream's lag against its SLO, in trace time (as `tidal sim online` reports a policy)."""
+    scale = f", wall time / {lag.time_scale:g}" if lag.time_scale != 1.0 else ""
+    return (f"stream lag {lag.lag_s:.1f} s vs SLO {lag.slo_s:g} s (trace time{scale}): "
+            f"{'OVER' if lag.lag_s > lag.slo_s else 'within'}; SLO violated {100 * lag.violation_ratio:.1f}% "
+            f"of {lag.observed_s / 60:.1f} min, accumulated lag {lag.accumulated_lag_min:.1f} min")
 
 
 def _render_status(st: StatusResponse) -> None:
@@ -632,6 +718,13 @@ def _render_status(st: StatusResponse) -> None:
             f"{s.partition}: committed {s.committed}, worker {s.worker if s.worker is not None else '-'}, "
             f"lag {s.lag if s.lag >= 0 else '?'}" for s in st.stream)
             + (f" (stopping: {st.stream_stop})" if st.stream_stop else ""), markup=False, highlight=False)
+    if st.stream_lag is not None:
+        console.print(_lag_line(st.stream_lag), markup=False, highlight=False)
+    shuffling = [w for w in st.workers if w.stream_queued >= 0]
+    if shuffling:
+        console.print("global shuffling (queued / forwarded out / in, records): " + "; ".join(
+            f"worker {w.worker_id}: {w.stream_queued} / {w.stream_forwarded_out} / {w.stream_forwarded_in}"
+            for w in shuffling), markup=False, highlight=False)
     if st.checkpoint_step >= 0 or st.checkpoint_problem:
         console.print(f"newest flash checkpoint: step {st.checkpoint_step}"
                       + (f"; problem: {st.checkpoint_problem}" if st.checkpoint_problem else ""),

@@ -115,6 +115,13 @@ class JobSpec:
     # the stream's time runs this many times faster than the trace it replays (``tidal produce
     # --speedup``): a stream planner sees trace time (its intervals, lags and rates scaled)
     time_scale: float = 1.0
+    # a stream job's lag SLO, trace time (``--lag-slo``; Kale's 20 minutes), scored as the simulator does
+    lag_slo_s: float = 1200.0
+    # the stream's past traffic (``--traffic-history``): records per interval of
+    # ``traffic_history_interval_s`` trace seconds, oldest first; kept in the spec (and so in the
+    # journal) so that a master that takes over seeds its planner with it again
+    traffic_history: list[float] = field(default_factory=list)
+    traffic_history_interval_s: float = 60.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

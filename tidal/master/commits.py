@@ -140,7 +140,7 @@ class Commits:
             try:
                 if self.streams is not None:
                     if self.streams.commit(r.epoch, r.start, r.first, r.end, r.samples):
-                        out.append(CommittedRange(r.epoch, r.first, r.end, r.step, r.worker))
+                        out.append(CommittedRange(r.epoch, r.first, r.end, r.step, r.worker, r.start))
                 elif self.shards.commit(r.epoch, r.start, r.end):
                     out.append(CommittedRange(r.epoch, r.start, r.end, r.step, r.worker))
             except TidalError as exc:  # a protocol bug must show, and must not stop the master

@@ -39,6 +39,7 @@ import itertools
 import logging
 import secrets
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from tidal.api import (
@@ -56,6 +57,7 @@ from tidal.api import (
     RendezvousResponse,
     ReportRequest,
     ReportResponse,
+    ResourcePlan,
     RestoreFailure,
     ShardCounts,
     StatusResponse,
@@ -85,7 +87,7 @@ from tidal.master.events import EventLog
 from tidal.master.fleet import Fleet
 from tidal.master.journal import Journal
 from tidal.master.membership import WorkerRecord
-from tidal.master.planning import Planning, available_cpus, worker_observation
+from tidal.master.planning import Planning, available_cpus, stream_lag_s, worker_observation
 from tidal.master.progress import MemberProgress
 from tidal.master.rounds import RoundState
 from tidal.master.shards import DatasetConfig, ShardManager
@@ -99,6 +101,7 @@ JOURNAL_PROBE_S = 0.5  # how often a paused master tries its journal again
 CHECK_S = 0.5  # how often progress and stragglers are judged
 LIVENESS_S = 0.1  # heartbeat leases are seconds long: a scan of every worker per 20 ms tick is waste
 TIMELINE_S = 1.0  # one timeline point a second
+PLAN_WAIT_S = 0.2  # how long a tick waits for the planner before going on (its answer comes at a later tick)
 MAX_TIMELINE_PAUSES = 200  # the newest pauses the dashboard is sent
 
 
@@ -143,8 +146,13 @@ class JobMaster:
         self.paused_since = 0.0
         self._next_journal_probe = 0.0
         # the planner's measurements, decisions and timeline (journaled with each decision)
-        self.planning = Planning(planner, clock(), cpus=available_cpus())
+        self.planning = Planning(planner, clock(), cpus=available_cpus(), lag_slo_s=spec.lag_slo_s)
+        self.planning.seed_history(spec.traffic_history, spec.traffic_history_interval_s)
         self._planner_problem: str | None = None  # the last error of the planner, logged once
+        # the planner runs in a thread of its own: a forecaster's fit (kale on a week of history)
+        # takes seconds, and the master's loop must answer heartbeats meanwhile
+        self._planner_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tidal-planner")
+        self._planning: tuple[JobObservation, Future[ResourcePlan]] | None = None
         self._next_timeline = 0.0
         self._init_runtime()
 
@@ -284,11 +292,13 @@ class JobMaster:
                     a.store_port = self.store_port
         self.commits.open_ledger(rewrite=True)
         self.planning.restore(j.get_meta("planner"))
+        self.planning.lag.restore(j.get_meta("stream_lag"))
         self.log.add("job", f"{why} at round {rs.round}, step {self.finalized_step}")
         self._persist()
 
     def close(self) -> None:
         self.commits.close()
+        self._planner_pool.shutdown(wait=False, cancel_futures=True)
 
     # ================================================================== journal outages
     def _pause(self, why: str) -> None:
@@ -439,6 +449,8 @@ class JobMaster:
         if req.stream_backlog >= 0:
             rec.stream_backlog, rec.stream_lag = req.stream_backlog, dict(req.stream_lag)
             rec.stream_oldest_ms, rec.stream_busy = req.stream_oldest_ms, req.stream_busy
+            rec.stream_queued = req.stream_queued
+            rec.stream_forwarded_out, rec.stream_forwarded_in = req.stream_forwarded_out, req.stream_forwarded_in
         if req.stream_malformed > rec.stream_malformed:
             self.log.add("stream", f"worker {rec.worker_id} skipped {req.stream_malformed - rec.stream_malformed} "
                                    f"malformed records ({req.stream_malformed} in all)", worker=rec.worker_id)
@@ -634,7 +646,8 @@ class JobMaster:
             if now >= self._next_timeline:
                 self._next_timeline = now + TIMELINE_S
                 active = self._active()
-                self.planning.record(now, sum(r.samples_per_s for r in active), len(active), self.target)
+                lag = self._track_lag(now) if self.streams is not None else None
+                self.planning.record(now, sum(r.samples_per_s for r in active), len(active), self.target, lag)
             if self.streams is not None and self.spec.stop_when_drained_s is not None:
                 self._check_drained(now)
             self._launch_missing(now)
@@ -677,6 +690,16 @@ class JobMaster:
             out.append(StreamPartitionStatus(partition=p, committed=unpack_id(self.streams.positions.get(p, 0)),
                                              worker=owner, lag=rec.stream_lag.get(p, -1) if rec else -1))
         return out
+
+    def _track_lag(self, now: float) -> float | None:
+        """The stream's lag now (trace time; None: no member reported yet), added to the SLO
+        bookkeeping, which is journaled (a master that takes over carries on from it)."""
+        members = [self.workers[m] for m in self.rounds.members if m in self.workers]
+        lag = stream_lag_s(now, self.spec.time_scale, members)
+        if lag is not None:
+            self.planning.lag.observe(now, lag, self.spec.time_scale)
+            self.journal.put_meta("stream_lag", self.planning.lag.to_meta())
+        return lag
 
     def _check_drained(self, now: float) -> None:
         """``--stop-when-drained S``: every member has read everything of its partitions, all of it
@@ -769,18 +792,28 @@ class JobMaster:
         journaled with the observation it rested on and the planner's reason."""
         active = self._active()
         ready = self._measure(now, active)
-        if self.target_override is not None:
-            return  # measured all the same: the planner decides from it once handed back
-        obs = self._observe(now, active, ready)
+        if self._planning is None:
+            if self.target_override is not None:
+                return  # measured all the same: the planner decides from it once handed back
+            obs = self._observe(now, active, ready)
+            self._planning = (obs, self._planner_pool.submit(self.planner.plan, obs))
+        obs, future = self._planning
         try:
-            plan = self.planner.plan(obs)
+            # a quick planner's answer is applied at once; a slow one's at a later tick
+            plan = future.result(timeout=PLAN_WAIT_S)
+        except TimeoutError:
+            return
+        except Exception as exc:  # a policy's bug must not stop the job
+            self._planning = None
+            self._planner_failed(exc)
+            return
+        self._planning = None
+        if self.target_override is not None:
+            return  # the user took over while the planner thought
+        try:
             wanted = int(plan.workers)
         except Exception as exc:  # a policy's bug must not stop the job
-            problem = f"planner {self.planner.name} failed: {type(exc).__name__}: {exc}"
-            if problem != self._planner_problem:
-                self._planner_problem = problem
-                self.log.add("error", f"{problem}; keeping {self.target} workers")
-                log.exception("job %s: %s", self.spec.job_id, problem)
+            self._planner_failed(exc)
             return
         self._planner_problem = None
         self.planning.last_plan = plan
@@ -794,6 +827,14 @@ class JobMaster:
             with self.journal.transaction():
                 self._save_meta_and_workers()
                 self.journal.put_meta("planner", self.planning.to_meta())
+
+    def _planner_failed(self, exc: Exception) -> None:
+        """Keep the current target; say so once per distinct error."""
+        problem = f"planner {self.planner.name} failed: {type(exc).__name__}: {exc}"
+        if problem != self._planner_problem:
+            self._planner_problem = problem
+            self.log.add("error", f"{problem}; keeping {self.target} workers")
+            log.error("job %s: %s", self.spec.job_id, problem, exc_info=exc)
 
     def _measure(self, now: float, active: list[WorkerRecord]) -> bool:
         """Close the throughput interval since the previous call; whether the job ran at its
@@ -888,6 +929,7 @@ class JobMaster:
                 store_host=self.spec.host, store_port=self.store_port, source_rank=source_rank,
                 sync_state=form.sync_state, applied_step=form.resume_step, restore=form.restore,
                 lineage=self.checkpoints.lineage, restore_lineage=restore_lineage, stream=stream.get(w, {}),
+                stream_skip=self.streams.skips(stream.get(w, {})) if self.streams is not None else {},
             )
         for w in form.leaving:
             rec = self.workers[w]
@@ -994,6 +1036,7 @@ class JobMaster:
                     for p in self.log.pauses()[-MAX_TIMELINE_PAUSES:]],
             decisions=list(self.planning.decisions),
             workers=[worker_observation(r) for r in self._active()],
+            lag_slo_s=self.spec.lag_slo_s if self.streams is not None else None,
         )
 
     def status(self) -> StatusResponse:
@@ -1005,7 +1048,9 @@ class JobMaster:
                 WorkerInfo(
                     worker_id=r.worker_id, pid=r.pid, state=r.state, rank=r.rank if r.state is W.ACTIVE else -1,
                     applied_step=r.applied_step, samples_per_s=round(r.samples_per_s, 1),
-                    straggler=r.straggler, exit_code=r.exit_code,
+                    straggler=r.straggler, exit_code=r.exit_code, stream_backlog=r.stream_backlog,
+                    stream_queued=r.stream_queued,
+                    stream_forwarded_out=r.stream_forwarded_out, stream_forwarded_in=r.stream_forwarded_in,
                 )
                 for r in sorted(self.workers.values(), key=lambda r: r.worker_id)
             ],
@@ -1018,6 +1063,7 @@ class JobMaster:
             planner=self.planning.status(overridden=self.target_override is not None),
             checkpoint_step=self.checkpoint_step, checkpoint_problem=self.checkpoint_problem,
             stream=self.stream_status(), stream_stop=self.stream_stop,
+            stream_lag=self.planning.lag.status(self.spec.time_scale) if self.streams is not None else None,
         )
 
     # ================================================================== helpers

@@ -143,7 +143,7 @@ CREATE TABLE IF NOT EXISTS shards (
     epoch INTEGER NOT NULL, start INTEGER NOT NULL, "end" INTEGER NOT NULL, done_to INTEGER NOT NULL,
     state TEXT NOT NULL, worker INTEGER, batch_size INTEGER NOT NULL, ord REAL NOT NULL,
     PRIMARY KEY (epoch, start));
--- one row per append: (epoch, start, end, step, worker) int64 quintuples, packed little-endian
+-- one row per append: packed little-endian int64 ranges (see _pack_ranges)
 CREATE TABLE IF NOT EXISTS ledger (seq INTEGER PRIMARY KEY AUTOINCREMENT, ranges BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS workers (id INTEGER PRIMARY KEY, row TEXT NOT NULL);
 """
@@ -303,22 +303,32 @@ def _checkpoint_loop(db: sqlite3.Connection, stop: threading.Event, every_s: flo
         db.close()
 
 
+# A ledger blob: int64s, little-endian. One written since stream ranges carry ``after`` starts
+# with _SIX and holds (epoch, start, end, step, worker, after) sextuples; an older blob holds
+# (epoch, start, end, step, worker) quintuples (after 0), and is read as before.
+_SIX = -6
+
+
 def _pack_ranges(rows: list[CommittedRange]) -> bytes:
-    """(epoch, start, end, step, worker) int64 quintuples, little-endian: one blob per append."""
-    packed = array("q", [x for r in rows for x in r])
+    """One blob per append (see ``_SIX``)."""
+    packed = array("q", [_SIX])
+    packed.extend(x for r in rows for x in r)
     if sys.byteorder != "little":
         packed.byteswap()
     return packed.tobytes()
 
 
 def _unpack_ranges(blob: bytes) -> list[CommittedRange]:
-    if len(blob) % 40:
+    if len(blob) % 8:
         raise ConfigError(f"journal ledger row of {len(blob)} bytes is not a whole number of ranges")
     flat = array("q")
     flat.frombytes(blob)
     if sys.byteorder != "little":
         flat.byteswap()
-    return [CommittedRange(*flat[i:i + 5]) for i in range(0, len(flat), 5)]
+    width, at = (6, 1) if flat and flat[0] == _SIX else (5, 0)
+    if (len(flat) - at) % width:
+        raise ConfigError(f"journal ledger row of {len(blob)} bytes is not a whole number of ranges")
+    return [CommittedRange(*flat[i:i + width]) for i in range(at, len(flat), width)]
 
 
 def _shard_row(e: ShardEntry) -> tuple:

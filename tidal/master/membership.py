@@ -59,6 +59,9 @@ class WorkerRecord:
     stream_lag: dict[int, int] = field(default_factory=dict)  # per partition it reads
     stream_oldest_ms: int = 0  # arrival of the oldest record waiting in its partitions (0: none)
     stream_busy: float = -1.0  # share of the last second its steps had records
+    stream_queued: int = -1  # global shuffling: records in its local queue (-1: none)
+    stream_forwarded_out: int = 0  # records it forwarded to others, and received from them
+    stream_forwarded_in: int = 0
     # the latest transitions (a worker moves ACTIVE <-> WAITING every round: bounded)
     history: deque[tuple[float, str]] = field(default_factory=lambda: deque(maxlen=HISTORY))
 

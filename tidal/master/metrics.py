@@ -26,6 +26,18 @@ The metrics and where each comes from:
   A commit moves a shard's prefix by exactly its range and a repeated commit moves nothing, so
   this is the ledger's sum; a restarted master rebuilds the prefixes from the journal's ledger
   (``ShardManager.restore``), so the count survives a restart too.
+
+A stream job adds (``tidal.master.planning.StreamLag``; trace time, as ``tidal sim online`` scores):
+
+* ``tidal_stream_lag_records{partition}``: records waiting in a partition after what its worker read;
+* ``tidal_stream_lag_seconds``: the age of the oldest waiting record, and
+  ``tidal_stream_lag_slo_seconds`` the SLO it is held to (``--lag-slo``);
+* ``tidal_stream_slo_violation_ratio``: the share of the job's stream time whose lag exceeded the SLO;
+* ``tidal_stream_accumulated_lag_minutes_total``: Kale's accumulated lag (Eq. 11), minutes of lag
+  times minutes; like the ratio, journaled, so both survive a master failover;
+* ``tidal_stream_queued_records{worker}`` and ``tidal_stream_forwarded_records_total{worker,
+  direction}``: with global shuffling, each worker's local queue and the records it forwarded
+  (``out``) and received (``in``).
 """
 
 from __future__ import annotations
@@ -121,6 +133,50 @@ class MasterCollector(Collector):
                 if s.lag >= 0:
                     lag.add_metric([str(s.partition)], s.lag)
             yield lag
+            yield from _stream_slo(master)
+            yield from _shuffle(active)
+
+
+def _shuffle(active: list[WorkerRecord]) -> Iterator[Metric]:
+    """Global shuffling (``--global-shuffle``): each worker's local queue and what it forwarded."""
+    shuffling = [r for r in active if r.stream_queued >= 0]
+    if not shuffling:
+        return
+    queued = GaugeMetricFamily("tidal_stream_queued_records", "Records in a worker's local queue (global shuffling).",
+                               labels=["worker"])
+    forwarded = CounterMetricFamily("tidal_stream_forwarded_records",
+                                    "Records a worker forwarded to other workers (out) or received from them (in).",
+                                    labels=["worker", "direction"])
+    for r in shuffling:
+        queued.add_metric([str(r.worker_id)], r.stream_queued)
+        forwarded.add_metric([str(r.worker_id), "out"], r.stream_forwarded_out)
+        forwarded.add_metric([str(r.worker_id), "in"], r.stream_forwarded_in)
+    yield queued
+    yield forwarded
+
+
+def _stream_slo(master: JobMaster) -> Iterator[Metric]:
+    """The stream's lag against its SLO, once a worker has reported it (trace time)."""
+    book = master.planning.lag
+    slo = GaugeMetricFamily("tidal_stream_lag_slo_seconds",
+                            "The stream lag the job is held to (--lag-slo), trace time.")
+    slo.add_metric([], book.slo_s)
+    yield slo
+    if book.last_at is None:
+        return
+    lag = GaugeMetricFamily("tidal_stream_lag_seconds",
+                            "Age of the oldest record waiting in the stream, trace time.")
+    lag.add_metric([], book.lag_s)
+    yield lag
+    ratio = GaugeMetricFamily("tidal_stream_slo_violation_ratio",
+                              "Share of the job's stream time (trace time) whose lag exceeded the SLO.")
+    ratio.add_metric([], book.violation_ratio)
+    yield ratio
+    accumulated = CounterMetricFamily("tidal_stream_accumulated_lag_minutes",
+                                      "Accumulated lag (Kale Eq. 11): the integral of the lag, "
+                                      "minutes of lag times minutes, trace time.")
+    accumulated.add_metric([], book.accumulated_lag_min)
+    yield accumulated
 
 
 def _step_seconds(active: list[WorkerRecord]) -> GaugeMetricFamily:

@@ -10,7 +10,10 @@
 * the decisions (``decide``): every change of the target, with the inputs it rested on, the
   reason and the throughput model the planner fitted; the master journals them (``to_meta``,
   restored by ``restore`` on failover) and shows them in ``tidal status`` and the dashboard;
-* the timeline the dashboard draws: throughput, workers and target, one point a second.
+* the timeline the dashboard draws: throughput, workers and target, one point a second;
+* a stream job's lag against its SLO (``StreamLag``, scored as ``tidal.sim.online`` scores a
+  policy, so live and simulated runs compare), journaled by the master under its own key;
+* the past traffic the planner was seeded with (``seed_history``, ``--traffic-history``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import os
 from collections import deque
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from tidal.api import (
@@ -27,6 +31,7 @@ from tidal.api import (
     PlannerDecision,
     PlannerStatus,
     ResourcePlan,
+    StreamLagStatus,
     StreamObservation,
     ThroughputPoint,
     TimelinePoint,
@@ -36,18 +41,95 @@ from tidal.brain.api import Planner
 from tidal.brain.meter import ThroughputMeter
 from tidal.master.membership import WorkerRecord
 
-__all__ = ["MAX_DECISIONS", "MAX_TIMELINE", "Planning"]
+__all__ = ["MAX_DECISIONS", "MAX_TIMELINE", "Planning", "StreamLag", "stream_lag_s"]
 
 MAX_DECISIONS = 200  # decisions kept (and journaled); the count of all of them is kept too
 MAX_TIMELINE = 3600  # timeline points kept: an hour at one a second
 
 
+def stream_lag_s(now: float, time_scale: float, members: Sequence[WorkerRecord]) -> float | None:
+    """The age of the oldest record waiting in the stream, in trace time: from the arrival time
+    (its id) the members report of the oldest record waiting after what they read; 0 when
+    nothing waits; None while no member has reported its partitions (the master never reads the
+    stream: the lag is not known)."""
+    if not any(r.stream_backlog >= 0 for r in members):
+        return None
+    oldest = [r.stream_oldest_ms for r in members if r.stream_oldest_ms > 0]
+    return max(0.0, now - min(oldest) / 1000.0) * time_scale if oldest else 0.0
+
+
+@dataclass
+class StreamLag:
+    """A stream job's lag against its SLO over the job's life, in trace time (Kale 4.1).
+
+    The same definitions as ``tidal.sim.online`` so that live and simulated runs compare: the
+    time between two observations counts with the lag seen at its end (the simulator: the lag
+    at the end of each minute); the SLO-violation ratio is the share of that time whose lag
+    exceeded ``slo_s``; the accumulated lag (Eq. 11, the integral of the lag) is in minutes of
+    lag times minutes, the sum of the per-minute lag the simulator reports.
+
+    The clock starts at the first observation with a known lag (a member reported): the master
+    never reads the stream, so before that the lag is unknown. ``last_at`` (wall clock) is
+    journaled with the rest: a master that takes over counts the time since with the lag it then
+    sees, so an outage of the master is scored, not skipped.
+    """
+
+    slo_s: float = 1200.0
+    lag_s: float = 0.0
+    observed_s: float = 0.0
+    violated_s: float = 0.0
+    accumulated_lag_min: float = 0.0
+    last_at: float | None = None
+
+    @property
+    def violation_ratio(self) -> float:
+        return self.violated_s / self.observed_s if self.observed_s > 0 else 0.0
+
+    def observe(self, now: float, lag_s: float, time_scale: float) -> None:
+        """The lag seen at wall time ``now`` (trace seconds) closes the interval since the previous call."""
+        if self.last_at is not None and now > self.last_at:
+            dt = (now - self.last_at) * time_scale
+            self.observed_s += dt
+            if lag_s > self.slo_s:
+                self.violated_s += dt
+            self.accumulated_lag_min += lag_s / 60.0 * dt / 60.0
+        if self.last_at is None or now > self.last_at:
+            self.last_at = now
+        self.lag_s = lag_s
+
+    def status(self, time_scale: float) -> StreamLagStatus | None:
+        if self.last_at is None:
+            return None
+        return StreamLagStatus(lag_s=round(self.lag_s, 3), slo_s=self.slo_s, time_scale=time_scale,
+                               observed_s=round(self.observed_s, 3), violation_ratio=self.violation_ratio,
+                               accumulated_lag_min=self.accumulated_lag_min)
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"lag_s": self.lag_s, "observed_s": self.observed_s, "violated_s": self.violated_s,
+                "accumulated_lag_min": self.accumulated_lag_min, "last_at": self.last_at}
+
+    def restore(self, meta: dict[str, Any] | None) -> None:
+        """Carry on from a journaled ``to_meta`` (the SLO is the spec's, not the journal's)."""
+        if not meta:
+            return
+        self.lag_s = float(meta.get("lag_s", 0.0))
+        self.observed_s = float(meta.get("observed_s", 0.0))
+        self.violated_s = float(meta.get("violated_s", 0.0))
+        self.accumulated_lag_min = float(meta.get("accumulated_lag_min", 0.0))
+        last = meta.get("last_at")
+        self.last_at = None if last is None else float(last)
+
+
 class Planning:
-    def __init__(self, planner: Planner, started_at: float, cpus: float = 0.0, warm_start: str = "") -> None:
+    def __init__(self, planner: Planner, started_at: float, cpus: float = 0.0, warm_start: str = "",
+                 lag_slo_s: float = 1200.0) -> None:
         self.planner = planner
         self.started_at = started_at
         self.cpus = cpus
         self.warm_start = warm_start
+        self.lag = StreamLag(slo_s=lag_slo_s)
+        self.history_bins = 0  # intervals of past traffic the planner was seeded with
+        self.history_interval_s = 0.0
         self.meter = ThroughputMeter()  # throughput per worker count
         self.decisions: deque[PlannerDecision] = deque(maxlen=MAX_DECISIONS)
         self.total = 0
@@ -68,10 +150,23 @@ class Planning:
     def throughput(self) -> list[ThroughputPoint]:
         return self.meter.throughput()
 
-    def record(self, now: float, samples_per_s: float, workers: int, target: int) -> None:
+    def record(self, now: float, samples_per_s: float, workers: int, target: int,
+               lag_s: float | None = None) -> None:
         """One timeline point (the caller calls it once a second)."""
         self.timeline.append(TimelinePoint(t_s=round(now - self.started_at, 3), samples_per_s=round(samples_per_s, 1),
-                                           workers=workers, target=target))
+                                           workers=workers, target=target,
+                                           lag_s=None if lag_s is None else round(lag_s, 1)))
+
+    def seed_history(self, arrivals: Sequence[float], interval_s: float) -> int:
+        """Hand the stream's past traffic (records per ``interval_s`` trace seconds, oldest first) to
+        a planner that keeps an arrival history (``observe_history``: kale, madu) before its first
+        decision; the intervals it took (0: it keeps none)."""
+        observe_history = getattr(self.planner, "observe_history", None)
+        if observe_history is None or not arrivals:
+            return 0
+        observe_history([float(a) for a in arrivals], interval_s)
+        self.history_bins, self.history_interval_s = len(arrivals), interval_s
+        return self.history_bins
 
     # ------------------------------------------------------------------ observation and decision
     def observe_stream(self, now: float, interval_s: float, time_scale: float, committed: int,
@@ -84,8 +179,7 @@ class Planning:
         before = self._stream_seen or (committed, backlog)
         self._stream_seen = (committed, backlog)
         arrived = max(0, (committed - before[0]) + (backlog - before[1]))
-        oldest = [r.stream_oldest_ms for r in members if r.stream_oldest_ms > 0]
-        lag_s = max(0.0, now - min(oldest) / 1000.0) * time_scale if oldest else 0.0
+        lag_s = stream_lag_s(now, time_scale, members) or 0.0
         busy = [r.stream_busy for r in members if r.stream_busy >= 0]
         utilization = sum(busy) / len(busy) if busy else 0.0
         rate = sum(r.samples_per_s for r in members) / time_scale
@@ -104,7 +198,9 @@ class Planning:
             self._pauses_seen = max(p.time for p in new_pauses)
         return JobObservation(
             job_id=job_id, now_s=(now - self.started_at) * time_scale, min_workers=min_workers, max_workers=max_workers,
-            current_workers=len(active), target_workers=target, ready=ready,
+            # a stream planner sees the count it is moving to while a change is under way, as in
+            # the simulator (tidal.sim.online): told the old count, it would undo its own scale-out
+            current_workers=target if stream is not None else len(active), target_workers=target, ready=ready,
             samples_per_s=sum(r.samples_per_s for r in active), applied_step=applied_step,
             stragglers=sum(r.straggler for r in active), throughput=self.throughput(),
             batch_size=batch_size, committed_samples=committed, total_samples=total,
@@ -134,6 +230,7 @@ class Planning:
             last=self.decisions[-1] if self.decisions else None,
             model="" if plan is None else plan.model, params={} if plan is None else plan.params,
             error_pct=None if plan is None else plan.error_pct, warm_start=self.warm_start,
+            history_bins=self.history_bins, history_interval_s=self.history_interval_s,
         )
 
     # ------------------------------------------------------------------ journal

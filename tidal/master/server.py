@@ -220,7 +220,8 @@ def planner_for(spec: JobSpec) -> tuple[Planner, str]:
             note = f"no warm start: {exc}"
             log.warning("job %s: %s", spec.job_id, note)
     planner = planners.get(spec.planner, PlannerContext(
-        job_id=spec.job_id, features=job_features(spec), history=history, cpus=available_cpus()))
+        job_id=spec.job_id, features=job_features(spec), history=history, cpus=available_cpus(),
+        lag_slo_s=spec.lag_slo_s))
     warm = getattr(planner, "warm_from", "")
     return planner, (f"from {warm}" if warm else note)
 

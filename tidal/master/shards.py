@@ -84,13 +84,20 @@ class DatasetConfig:
 
 
 class CommittedRange(NamedTuple):
-    """One ledger entry: ``[start, end)`` of ``epoch`` consumed by ``worker`` in step ``step``."""
+    """One ledger entry: ``[start, end)`` of ``epoch`` consumed by ``worker`` in step ``step``.
+
+    In a stream job (``tidal.master.streams``) ``epoch`` is the partition, ``start`` and ``end``
+    the first and last packed record ids (both included) and ``after`` the id the range was read
+    after: the range is exactly the partition's records in ``(after, end]``. Dataset jobs leave
+    ``after`` 0.
+    """
 
     epoch: int
     start: int
     end: int
     step: int
     worker: int
+    after: int = 0
 
 
 @dataclass

@@ -99,8 +99,10 @@ class Job:
         self.periodic_checkpoint: PeriodicCheckpoint | None = None  # --checkpoint-every
         self.lineage = 0  # the job's rollbacks so far, written into every checkpoint (tidal.master.checkpoints)
         # a stream job (tidal.worker.stream_loader): this round's partitions and the packed id each
-        # is committed up to, and the partitions its loader sees (told to the master at rendezvous)
+        # is committed up to, the ranges committed beyond it, and the partitions its loader sees
+        # (told to the master at rendezvous)
         self.stream_assignment: dict[int, int] = {}
+        self.stream_skip: dict[int, list[list[int]]] = {}
         self.stream_partitions: list[int] = []
         self._restore_failed: RestoreFailure | None = None  # for the master, with the next rendezvous
 
@@ -163,13 +165,27 @@ class Job:
             return StreamLoader(self, stream, batch_size=batch_size, decode=decode, **options)
         return ElasticDataLoader(self, dataset, batch_size=batch_size, epochs=epochs, **options)
 
-    def note_stream(self, lag: dict[int, int], oldest_ms: int, busy: float, malformed: int) -> None:
+    def note_stream(self, lag: dict[int, int], oldest_ms: int, busy: float, malformed: int,
+                    shuffle: tuple[int, int, int] = (-1, 0, 0)) -> None:
         """A stream loader's records waiting per partition, the arrival of the oldest waiting, its
-        busy share and its malformed records, for the master's next report."""
+        busy share and its malformed records, for the master's next report; with global
+        shuffling, the records in its local queue and those it forwarded and received."""
         if self._reporter is not None:
             r = self._reporter
             r.stream_lag, r.stream_backlog, r.stream_malformed = lag, sum(lag.values()), malformed
             r.stream_oldest_ms, r.stream_busy = oldest_ms, busy
+            r.stream_queued, r.stream_forwarded_out, r.stream_forwarded_in = shuffle
+
+    def round_store(self) -> Any:
+        """A client of this round's store (``tidal.worker.store.MasterStore``) on a connection of
+        its own, for a background thread; None outside a round or in a local run."""
+        comm = self._comm
+        return comm.store.clone() if comm is not None and comm.store is not None else None
+
+    @property
+    def token(self) -> str:
+        """The job's secret: what the data planes between workers check (global shuffling)."""
+        return self.client.token if self.client is not None else ""
 
     @property
     def stream_committed(self) -> dict[int, int]:
@@ -366,6 +382,7 @@ class Job:
         self.rank, self.world_size = a.rank, a.world_size
         self.lineage = a.lineage
         self.stream_assignment = dict(a.stream)
+        self.stream_skip = {p: [list(r) for r in ranges] for p, ranges in a.stream_skip.items()}
         if a.sync_state:
             sent: dict[str, Any] | None = None
             if a.rank == a.source_rank:

@@ -193,6 +193,7 @@ class StepRunner:
         self.state = state
         self.logical = logical
         self.est_seed = 0  # the seed of the ESTs' random streams (the loader's seed)
+        self.idle_reform = False  # the last step had no samples anywhere and a re-form was asked for
         self.local_ests: list[int] = []  # the logical ranks this process runs in this round
         self._host = host
         self._worker_id = worker_id
@@ -316,6 +317,7 @@ class StepRunner:
         comm = self._round_comm()
         state = self.state
         params = state.trainable()
+        self.idle_reform = False
         row = [pending.mine, int(self._host.reform_notice), pending.epoch, pending.start, pending.end,
                self._worker_id, pending.first]
         t0 = self._clock()
@@ -329,6 +331,9 @@ class StepRunner:
         rows = headers.tolist()
         total = sum(r[N] for r in rows)
         if total == 0:
+            # nobody had samples (a dataset's epoch end, or a stream with nothing to read): a
+            # re-form asked for now is the caller's to act on (every member saw the same header)
+            self.idle_reform = any(r[REFORM] for r in rows)
             return StepOutcome.EPOCH_END
         comm.apply_reduced(params, 1.0 / total)
         if state.optimizer is not None:

@@ -7,7 +7,13 @@ partition (the next of its partitions, round-robin, that has records), decodes t
 script's ``decode(list of field dicts) -> (batch, malformed positions)`` and yields the batch; the
 step's header carries the partition, the position read after and the first and last record
 (``StepRunner.begin_stream``), so the master commits exactly what the step trained. A re-form
-drops what was read and not committed: the next round reads again from the committed positions.
+drops what was read and not committed: the next round reads again from the committed positions,
+going past the ranges committed beyond them (``Job.stream_skip``; see global shuffling below).
+
+With ``--global-shuffle LOWER:UPPER`` (``TIDAL_STREAM_SHUFFLE``) the reading moves into the
+worker's Shuffle Unit (``tidal.worker.shuffle``, Kale 3.5): a thread fills a local queue from the
+worker's partitions and forwards the overflow to workers that accept it; each step takes the
+next batch of that queue, its own or forwarded.
 
 A worker with nothing to read takes part in the step with no samples (after waiting up to
 ``poll_s`` for a record); when no worker has any, the step applies nothing and the loop polls
@@ -31,6 +37,7 @@ from tidal.api.streams import pack_id, parse_id, unpack_id
 from tidal.data.api import StreamRecord, StreamSource
 from tidal.data.streams import open_source
 from tidal.worker.api import UsageError
+from tidal.worker.shuffle import ShuffleUnit
 from tidal.worker.step import StepRunner
 
 log = logging.getLogger(__name__)
@@ -38,6 +45,8 @@ log = logging.getLogger(__name__)
 BACKLOG_EVERY_S = 1.0
 
 Decode = Callable[[list[dict[str, bytes]]], tuple[Any, list[int]]]
+Decoded = tuple[Any, list[int]]
+Picked = tuple[int, int, list[StreamRecord]]  # partition, the position read after, the records
 
 
 class StreamHost(Protocol):
@@ -55,8 +64,17 @@ class StreamHost(Protocol):
     @property
     def stop_requested(self) -> bool: ...
 
+    @property
+    def token(self) -> str: ...
+
+    round: int
+    rank: int
+    world_size: int
     stream_assignment: dict[int, int]
+    stream_skip: dict[int, list[list[int]]]
     stream_partitions: list[int]
+
+    def round_store(self) -> Any: ...
 
     def ensure_round(self) -> None: ...
 
@@ -64,7 +82,8 @@ class StreamHost(Protocol):
 
     def finish(self) -> None: ...
 
-    def note_stream(self, lag: dict[int, int], oldest_ms: int, busy: float, malformed: int) -> None: ...
+    def note_stream(self, lag: dict[int, int], oldest_ms: int, busy: float, malformed: int,
+                    shuffle: tuple[int, int, int] = (-1, 0, 0)) -> None: ...
 
     @property
     def stream_committed(self) -> dict[int, int]: ...
@@ -72,7 +91,8 @@ class StreamHost(Protocol):
 
 class StreamLoader:
     def __init__(self, job: StreamHost, stream: str | StreamSource, batch_size: int, decode: Decode, *,
-                 poll_s: float = 0.2, discover_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 poll_s: float = 0.2, discover_s: float = 5.0, shuffle: tuple[int, int] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if batch_size < 1:
             raise UsageError("batch_size must be >= 1")
         self.job = job
@@ -85,6 +105,7 @@ class StreamLoader:
         self.malformed = 0
         self._generation = -1
         self._positions: dict[int, int] = {}  # partition -> packed id read up to (this round)
+        self._skips: dict[int, list[list[int]]] = {}  # partition -> ranges committed ahead, [after, last]
         self._order: list[int] = []
         self._turn = 0
         self._next_discover = 0.0
@@ -99,6 +120,11 @@ class StreamLoader:
         self._taken: dict[int, int] = {}  # records read since the round's start
         self._counting: Future[tuple[dict[int, int], dict[int, int]]] | None = None
         self._counter: ThreadPoolExecutor | None = None
+        if shuffle is None and os.environ.get("TIDAL_STREAM_SHUFFLE"):  # tidal run --global-shuffle LOWER:UPPER
+            lower, _, upper = os.environ["TIDAL_STREAM_SHUFFLE"].partition(":")
+            shuffle = (int(lower), int(upper))
+        self.shuffle = shuffle
+        self._unit: ShuffleUnit | None = None
 
     def __iter__(self) -> Iterator[Any]:
         """The batches of this worker; ``job.step()`` must follow each one.
@@ -116,11 +142,9 @@ class StreamLoader:
         while True:
             job.ensure_round()
             if self._generation != job.generation:
-                self._generation = job.generation
-                self._positions = dict(job.stream_assignment)
-                self._order, self._turn = sorted(self._positions), 0
-                self._count_backlog()
+                self._new_round()
             if job.stop_requested:
+                self.close()
                 job.finish()
                 return
             if steps.pending is not None:
@@ -132,8 +156,13 @@ class StreamLoader:
                     job.stream_partitions = seen
                     job.leave_for_rendezvous(f"new stream partitions {sorted(set(seen) - set(self._positions))}")
                     continue
-            fetched = self._take_prefetched()
-            picked = fetched[0] if fetched is not None else self._read()
+            if self._unit is not None:  # global shuffling: the local queue, filled by the unit's reader
+                queued = self._unit.take(job.round, self.poll_s, self.batch_size)
+                picked = None if queued is None else (queued.partition, queued.after, queued.records)
+                fetched = None
+            else:
+                fetched = self._take_prefetched()
+                picked = fetched[0] if fetched is not None else self._read()
             if picked is None or self.clock() >= self._next_backlog:
                 # the backlog and the oldest waiting record: at most once a second, and when idle
                 now = self.clock()
@@ -142,23 +171,26 @@ class StreamLoader:
                 self._next_backlog = now + BACKLOG_EVERY_S
                 counted = self._lag()
                 if counted is not None:
-                    job.note_stream(counted[0], counted[1], min(1.0, busy), self.malformed)
+                    unit = self._unit
+                    shuffle = (-1, 0, 0) if unit is None else (unit.queued, unit.forwarded_out, unit.forwarded_in)
+                    job.note_stream(counted[0], counted[1], min(1.0, busy), self.malformed, shuffle)
                 if self.trim:
                     self._trim(job.stream_committed)
             if picked is None:
                 steps.empty(0)  # nobody may have a record (nothing is applied then): poll again
+                if steps.idle_reform:  # a drained job still re-forms (a scale-in, say)
+                    job.leave_for_rendezvous("re-form requested by the master")
                 continue
-            partition, records = picked
+            partition, after, records = picked
             batch, bad = fetched[1] if fetched is not None else self.decode([r.fields for r in records])
             if bad:
                 self.malformed += len(bad)
                 log.warning("worker %d: %d malformed records skipped in partition %d: %s", job.worker_id, len(bad),
                             partition, ", ".join(records[i].id for i in bad[:5]))
-            after = self._positions[partition]
             first, last = pack_id(records[0].id), pack_id(records[-1].id)
-            self._positions[partition] = last
-            self._taken[partition] = self._taken.get(partition, 0) + len(records)
-            self._start_prefetch()  # the next batch is read and decoded while this one trains
+            if self._unit is None:
+                self._took(self._positions, partition, after, records)
+                self._start_prefetch()  # the next batch is read and decoded while this one trains
             pending = steps.begin_stream(partition, after, first, last, len(records))
             began = self.clock()
             yield batch
@@ -176,12 +208,11 @@ class StreamLoader:
         key = (self._generation, self._turn, tuple(sorted(self._positions.items())))
         self._prefetch = (key, self._pool.submit(self._read_ahead, dict(self._positions), self._turn))
 
-    def _read_ahead(self, positions: dict[int, int], turn: int) -> tuple[tuple[int, list[StreamRecord]] | None,
-                                                                          int, tuple[Any, list[int]] | None]:
+    def _read_ahead(self, positions: dict[int, int], turn: int) -> tuple[Picked | None, int, Decoded | None]:
         picked, turn = self._next_records(positions, turn)
-        return picked, turn, (self.decode([r.fields for r in picked[1]]) if picked is not None else None)
+        return picked, turn, (self.decode([r.fields for r in picked[2]]) if picked is not None else None)
 
-    def _take_prefetched(self) -> tuple[tuple[int, list[StreamRecord]], tuple[Any, list[int]]] | None:
+    def _take_prefetched(self) -> tuple[Picked, Decoded] | None:
         """The batch read ahead, with its decoded form, if it still follows what was handed out."""
         if self._prefetch is None:
             return None
@@ -199,33 +230,93 @@ class StreamLoader:
         self._turn = turn
         return picked, decoded
 
-    def _next_records(self, positions: dict[int, int], turn: int) -> tuple[tuple[int, list[StreamRecord]] | None, int]:
-        """The next partition after ``turn`` (round-robin) with records, up to a batch of them,
-        and the turn after it; without waiting."""
+    def _next_records(self, positions: dict[int, int], turn: int, block_s: float = 0.0) -> tuple[Picked | None, int]:
+        """The next partition after ``turn`` (round-robin) with records, up to a batch of them
+        and the position they follow, and the turn after it; waiting up to ``block_s`` on the
+        partition of ``turn`` when none has any."""
         order = self._order
         for i in range(len(order)):
             p = order[(turn + i) % len(order)]
-            records = self.source.read(p, unpack_id(positions[p]), self.batch_size)
+            after, records = self._read_partition(p, positions[p])
             if records:
-                return (p, records), (turn + i + 1) % len(order)
+                return (p, after, records), (turn + i + 1) % len(order)
+        if block_s > 0:
+            if not order:
+                time.sleep(block_s)
+                return None, turn
+            p = order[turn % len(order)]
+            after, records = self._read_partition(p, positions[p], block_s)
+            if records:
+                return (p, after, records), (turn + 1) % len(order)
         return None, turn
 
-    def _read(self) -> tuple[int, list[StreamRecord]] | None:
+    def _read_partition(self, p: int, position: int, block_s: float = 0.0) -> tuple[int, list[StreamRecord]]:
+        """Up to a batch of ``p``'s records after ``position`` that nobody committed, and the
+        position they follow: past the ranges committed ahead of the position (global shuffling,
+        ``tidal.master.streams``), a batch never reaches into one."""
+        for after, last in self._skips.get(p, ()):
+            if last <= position:
+                continue
+            if position == after:  # everything up to the range was read: go on after it
+                position = last
+                continue
+            records = self.source.read(p, unpack_id(position), self.batch_size, block_s=block_s)
+            cut = 0
+            while cut < len(records) and pack_id(records[cut].id) <= after:
+                cut += 1
+            if cut or not records:
+                return position, records[:cut]
+            position = last  # no record left before the range
+        return position, self.source.read(p, unpack_id(position), self.batch_size, block_s=block_s)
+
+    def _read(self) -> Picked | None:
         """The next partition (round-robin) with records, and up to a batch of them; None when
-        none has any (having waited up to ``poll_s`` on the first)."""
-        order = self._order
-        picked, self._turn = self._next_records(self._positions, self._turn)
+        none has any (having waited up to ``poll_s`` on one)."""
+        picked, self._turn = self._next_records(self._positions, self._turn, self.poll_s)
+        return picked
+
+    def _took(self, positions: dict[int, int], partition: int, after: int, records: list[StreamRecord]) -> None:
+        """This worker read ``records`` of ``partition`` after ``after``: its position moves to the
+        last, and the backlog it follows counts them (and any committed range it went past)."""
+        skipped = 0
+        if after != positions[partition]:  # went past ranges committed ahead: rare (after a re-form)
+            skipped = self.source.lag(partition, unpack_id(positions[partition])) - \
+                self.source.lag(partition, unpack_id(after))
+        positions[partition] = pack_id(records[-1].id)
+        self._taken[partition] = self._taken.get(partition, 0) + len(records) + skipped
+
+    # ------------------------------------------------------------------ rounds and global shuffling
+    def _new_round(self) -> None:
+        """A new round: its partitions, their committed positions and the ranges committed beyond
+        them; with global shuffling, the unit's reader starts on them."""
+        job = self.job
+        if self._unit is not None:
+            self._unit.stop_round()  # its reader must not move the new round's positions
+        self._generation = job.generation
+        self._positions = dict(job.stream_assignment)
+        self._skips = {p: [list(r) for r in ranges] for p, ranges in job.stream_skip.items()}
+        self._order, self._turn = sorted(self._positions), 0
+        self._count_backlog()
+        if self.shuffle is not None:
+            if self._unit is None:
+                self._unit = ShuffleUnit(job.token, *self.shuffle, batch_size=self.batch_size,
+                                         poll_s=min(self.poll_s, 0.05))
+            positions = self._positions
+            self._unit.start_round(job.round, job.rank, job.world_size, job.round_store(),
+                                   lambda block: self._shuffle_read(positions, block))
+
+    def _shuffle_read(self, positions: dict[int, int], block: bool) -> tuple[int, int, list[StreamRecord]] | None:
+        """The unit's reader (its own thread): the next batch of this worker's partitions."""
+        picked, self._turn = self._next_records(positions, self._turn, self.poll_s if block else 0.0)
         if picked is not None:
-            return picked
-        if order:
-            p = order[self._turn % len(order)]
-            records = self.source.read(p, unpack_id(self._positions[p]), self.batch_size, block_s=self.poll_s)
-            if records:
-                self._turn = (self._turn + 1) % len(order)
-                return p, records
-        else:
-            time.sleep(self.poll_s)
-        return None
+            self._took(positions, *picked)
+        return picked
+
+    def close(self) -> None:
+        """Stop the background threads (the job's end does it too: they are daemons)."""
+        if self._unit is not None:
+            self._unit.close()
+            self._unit = None
 
     def _trim(self, committed: dict[int, int]) -> None:
         """``--trim-after-commit``: delete this worker's partitions' records up to the committed
@@ -254,8 +345,8 @@ class StreamLoader:
 
     def _lag(self) -> tuple[dict[int, int], int] | None:
         """Records waiting after what this worker has read, per partition it reads, and the
-        arrival time (ms, from the id) of the oldest of them (0: none waits); None while the
-        round's first count runs."""
+        arrival time (ms, from the id) of the oldest of them (0: none waits); with global
+        shuffling, plus what waits in its local queue; None while the round's first count runs."""
         if self._counting is not None:
             if not self._counting.done():
                 return None
@@ -275,4 +366,10 @@ class StreamLoader:
                 if head:
                     ms = parse_id(head[0].id)[0]  # a Redis id's first part: its arrival, ms
                     oldest = ms if not oldest else min(oldest, ms)
+        if self._unit is not None:  # read, not trained: what waits in the local queue (forwarded too)
+            queued, queued_oldest = self._unit.waiting()
+            for p, n in queued.items():
+                lag[p] = lag.get(p, 0) + n
+            if queued_oldest:
+                oldest = queued_oldest if not oldest else min(oldest, queued_oldest)
         return lag, oldest

@@ -1,0 +1,463 @@
+"""Online training, live against simulated: kale and hpa scaling a real stream job through one
+WorldCup98 day, and ``tidal.sim.online`` on the same compressed day (Kale section 4.4).
+
+    .venv/bin/python bench/online_live.py [--minutes 15] [--day 35] [--policies kale,hpa] [--json] [--keep DIR]
+
+EMULATED ACCELERATOR TIME. The job is examples/ctr/train.py with ``--device-ms-per-step`` (300 ms
+a step of 128 records by default): each worker sleeps as if a GPU ran the step, so throughput
+grows with the workers on this 2-core VM. Every figure below is of that emulation.
+
+The day: day ``--day`` of the WorldCup98 trace (1-minute request counts; days counted from the
+trace's first minute), compressed into ``--minutes`` (time scale ``1440 / minutes``: 96 for 15
+minutes), its counts scaled so that the busiest minute arrives at ``--peak-workers - 0.5``
+workers' estimated throughput (an estimate, ``batch / (device time + OVERHEAD_S)`` per worker,
+made before anything runs). The ``--history-days`` days before it, scaled the same way, are
+kale's ``--traffic-history`` (hpa keeps no arrival history).
+
+Per policy, live: a fresh ``redis-server``; its ``--max-workers`` partitions made with one record
+each; ``tidal run --workers 1:MAX --initial W0 --planner P --time-scale X --lag-slo 1200 --stream
+URL`` (W0: the count the day's first hour needs, as the simulator starts; ``--initial`` holds it
+while the workers start); once they train, ``tidal produce --trace DAY --speedup X --peak RATE``
+writes the day and the planner is handed the job (``/v1/scale {"auto": true}``). When the
+producer is done the live figures are read from the master (``/v1/status``, ``/v1/timeline``),
+counted from the moment production began, and the job is stopped:
+
+* SLO violation rate and accumulated lag: the master's ``stream_lag`` (``tidal status``; the
+  bookkeeping of ``tidal.master.planning.StreamLag``, the simulator's definitions, trace time);
+* worker-minutes: the timeline's ``max(workers, target)`` (the processes a job holds while it
+  scales) over time, in trace minutes;
+* scaling actions: the planner's decisions.
+
+Then the simulator, on the very arrivals produced (records per trace minute) with the throughput
+model fitted live: Kale's Eq. 6 fitted (NNLS) to the timeline points where records waited (lag of
+a trace minute or more: the workers were busy) at a steady count, pooled over the live runs (a
+line through the origin at the median per-worker rate when fewer than two counts were measured);
+the cost of an action measured live too (``Migration``: the median time from a decision to the
+pause it caused, and the pause). The lower bound is ``oracle_worker_hours`` on the same arrivals
+and model (keeping the SLO in every minute).
+
+``--json`` prints ``{"live": {POLICY: {"slo_violation_rate", "accumulated_lag_min", "worker_min",
+"scaling_actions"}}, "sim": {POLICY: {...}}, "lower_bound_worker_min": x, ...}``. Targets (marked
+PASS or MISS; a bench reports, it does not assert): live kale's accumulated lag at most 0.35x live
+hpa's, its SLO violation at most 3%, its worker-minutes at most 1.5x the lower bound; simulated
+worker-minutes within 15% of live and simulated lag within 30%, per policy.
+
+Every process a run starts ends with it: ``tidal run`` and ``tidal produce`` run in sessions of
+their own and are stopped by process group, the job's workers are found by their
+``TIDAL_JOB_ID`` and killed if any is left, and the redis-server is stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import shutil
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import ROOT, TIDAL, bench_env, load_average, start, stop, table
+from examples.ctr.stream import ClickRecords
+from tests.redis_server import RedisServer
+from tidal.api import ConfigError
+from tidal.brain.api import FitError, ThroughputConfig, ThroughputSample
+from tidal.brain.models import KaleSyncModel, LinearisedModel
+from tidal.cli.sim import read_csv
+from tidal.data.streams import open_source
+from tidal.sim import online as sim
+
+TRACE = ROOT.parent / "shared" / "traces" / "worldcup98-requests-per-minute.csv"
+EXAMPLE = ROOT / "examples" / "ctr" / "train.py"
+OVERHEAD_S = 0.03  # real CPU of a step beside the emulated device time (forward, backward, read): an estimate
+BUSY_WALL_S = 2.0  # a timeline point measures throughput when a record waited this long (wall seconds) ...
+MIN_POINTS = 3  # timeline points (seconds) a count needs to enter the fit
+SETTLED_S = 3.0  # ... and the count has held this long since the last pause (wall seconds)
+SLO_S = sim.SLO_LAG_S
+TARGETS = {"lag_vs_hpa": 0.35, "slo_violation": 0.03, "worker_min_vs_bound": 1.5, "sim_worker_min": 0.15,
+           "sim_lag": 0.30}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--minutes", type=float, default=15.0, help="the day compressed into this many minutes")
+    p.add_argument("--day", type=int, default=35, help="which day of the trace (from its first minute)")
+    p.add_argument("--history-days", type=int, default=7, help="days before it seeded into kale")
+    p.add_argument("--peak-workers", type=int, default=6, help="workers the day's peak needs (estimated)")
+    p.add_argument("--max-workers", type=int, default=8)
+    p.add_argument("--policies", default="kale,hpa")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--device-ms-per-step", type=float, default=300.0)
+    p.add_argument("--trace", type=Path, default=TRACE)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    p.add_argument("--keep", type=Path, default=None, help="keep the runs' files here")
+    args = p.parse_args(argv)
+    if not 0.5 <= args.minutes <= 1440:
+        p.error("--minutes must be between 0.5 and 1440")
+    if not 2 <= args.peak_workers <= args.max_workers:
+        p.error("--peak-workers must be at least 2 and at most --max-workers")
+    if args.day < 1 or args.history_days < 0:
+        p.error("--day must be at least 1 and --history-days not negative")
+    return args
+
+
+def note(text: str) -> None:
+    print(f"[online_live {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------- the day
+def load_day(args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray]:
+    """The day's counts per minute and the ``--history-days`` before it (raw trace counts)."""
+    counts, interval = sim.load_trace(read_csv(args.trace), None)
+    if interval != 60.0:
+        raise ConfigError(f"{args.trace}: expected one row a minute, got {interval:g} s")
+    start_at = args.day * 1440
+    if start_at + 1440 > len(counts):
+        raise ConfigError(f"--day {args.day}: the trace has {len(counts) // 1440} whole days")
+    first = max(0, start_at - args.history_days * 1440)
+    return counts[start_at : start_at + 1440], counts[first:start_at]
+
+
+def write_csv(path: Path, per_minute: np.ndarray) -> Path:
+    path.write_text("minute,records\n" + "".join(f"{i},{v:.3f}\n" for i, v in enumerate(per_minute)))
+    return path
+
+
+def first_hour_workers(model: Any, arrivals: np.ndarray, max_workers: int) -> int:
+    """The count the day's first hour needs (as ``tidal.sim.online.simulate`` starts a job)."""
+    rate = float(np.mean(arrivals[:60])) / 60.0
+    return next((w for w in range(1, max_workers + 1) if model(w) > rate), max_workers)
+
+
+# ---------------------------------------------------------------------------- one live run
+class LiveRun:
+    """One policy on a real job, a real redis-server and a real producer."""
+
+    def __init__(self, args: argparse.Namespace, work: Path, policy: str, scale: float, peak_rate: float,
+                 day_csv: Path, history_csv: Path | None, initial: int) -> None:
+        self.args, self.work, self.policy, self.scale = args, work / policy, policy, scale
+        self.peak_rate, self.day_csv, self.history_csv, self.initial = peak_rate, day_csv, history_csv, initial
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.url = ""
+        self.auth: dict[str, str] = {}
+
+    def get(self, path: str) -> Any:
+        r = httpx.get(self.url + path, headers=self.auth, timeout=10)
+        r.raise_for_status()
+        return r.json() if path.startswith("/v1") else r.text
+
+    def wait(self, pred: Any, timeout: float, what: str, job: Any) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if job.poll() is not None:
+                raise RuntimeError(f"{self.policy}: tidal run exited ({job.returncode}) waiting for {what}; "
+                                   f"see {self.work / 'tidal.log'}")
+            try:
+                st = self.get("/v1/status")
+                if pred(st):
+                    return st  # type: ignore[no-any-return]
+            except (httpx.HTTPError, OSError):
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.policy}: timed out after {timeout:g} s waiting for {what}")
+
+    def run(self) -> dict[str, Any]:
+        a = self.args
+        redis = RedisServer(self.work / "redis")
+        redis.start()
+        job = producer = None
+        job_id = ""
+        try:
+            stream = redis.url("clicks")
+            source = open_source(stream)
+            try:  # every partition exists before the workers look (one record each)
+                for p in range(a.max_workers):
+                    source.append(p, ClickRecords(a.seed).encode(p, 1))
+            finally:
+                source.close()
+            job_dir = self.work / "job"
+            opts = ["--planner", self.policy, "--time-scale", f"{self.scale:g}", "--lag-slo", f"{SLO_S:g}",
+                    "--planner-interval", "0.5", "--history", "none", "--stream", stream,
+                    # the master fits kale's forecaster on its event loop (seconds on a busy VM): no
+                    # worker may be declared dead meanwhile
+                    "--heartbeat-timeout", "30"]
+            if self.history_csv is not None:
+                opts += ["--traffic-history", str(self.history_csv)]
+            argv = [TIDAL, "run", "-q", "--workers", f"1:{a.max_workers}", "--initial", str(self.initial),
+                    "--job-dir", str(job_dir), *opts, str(EXAMPLE), "--batch-size", str(a.batch_size),
+                    "--device-ms-per-step", f"{a.device_ms_per_step:g}", "--log-every", "0", "--seed", str(a.seed)]
+            job = start(argv, self.work / "tidal.log", bench_env())
+            deadline = time.monotonic() + 60
+            while not (job_dir / "job.json").is_file():
+                if job.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"{self.policy}: the job did not start; see {self.work / 'tidal.log'}")
+                time.sleep(0.2)
+            info = json.loads((job_dir / "job.json").read_text())
+            job_id, self.url = info["job_id"], info["url"]
+            self.auth = {"Authorization": f"Bearer {info['token']}"}
+            self.wait(lambda s: s["finalized_step"] >= 1 and not s["reforming"]
+                      and sum(w["state"] == "active" for w in s["workers"]) == self.initial,
+                      180, f"{self.initial} training workers", job)
+            producer = start([TIDAL, "produce", "--stream", stream, "--partitions", str(a.max_workers),
+                              "--trace", str(self.day_csv), "--speedup", f"{self.scale:g}",
+                              "--peak", f"{self.peak_rate:.3f}", "--first-index", str(a.max_workers),
+                              "--seed", str(a.seed), "-q"], self.work / "produce.log", bench_env())
+            before = self.get("/v1/status")
+            t0 = (self.get("/v1/timeline")["points"] or [{"t_s": 0.0}])[-1]["t_s"]
+            httpx.post(self.url + "/v1/scale", json={"auto": True}, headers=self.auth, timeout=10).raise_for_status()
+            note(f"{self.policy}: producing the day over {a.minutes:g} min (time scale {self.scale:g}), "
+                 f"{self.initial} workers to begin with, load average {load_average():.1f}")
+            next_line = time.monotonic() + 30
+            while producer.poll() is None:
+                if job.poll() is not None:
+                    raise RuntimeError(f"{self.policy}: tidal run exited ({job.returncode}) while producing")
+                if time.monotonic() >= next_line:
+                    next_line += 30
+                    st = self.get("/v1/status")
+                    lag = st["stream_lag"] or {}
+                    note(f"{self.policy}: target {st['target_workers']}, lag {lag.get('lag_s', 0) / 60:.1f} min, "
+                         f"over the SLO {100 * lag.get('violation_ratio', 0):.1f}%")
+                time.sleep(1.0)
+            if producer.returncode != 0:
+                raise RuntimeError(f"{self.policy}: tidal produce failed; see {self.work / 'produce.log'}")
+            after, timeline = self.get("/v1/status"), self.get("/v1/timeline")
+            return self.figures(before, after, timeline, t0)
+        finally:
+            if producer is not None:
+                stop(producer)
+            if job is not None:
+                stop(job)
+            if job_id:
+                kill_workers(job_id)
+            redis.stop()
+
+    def figures(self, before: dict[str, Any], after: dict[str, Any], timeline: dict[str, Any],
+                t0: float) -> dict[str, Any]:
+        """The live figures from the moment production began (the master's, less those before)."""
+        lag0, lag1 = before["stream_lag"] or {}, after["stream_lag"]
+        if lag1 is None:
+            raise RuntimeError(f"{self.policy}: the master never saw the stream's lag")
+        observed = lag1["observed_s"] - lag0.get("observed_s", 0.0)
+        violated = lag1["violation_ratio"] * lag1["observed_s"] - lag0.get("violation_ratio", 0.0) * lag0.get(
+            "observed_s", 0.0)
+        points = [p for p in timeline["points"] if p["t_s"] >= t0]
+        worker_s = sum(max(p["workers"], p["target"]) * (q["t_s"] - p["t_s"]) for p, q in itertools.pairwise(points))
+        start_trace = t0 * self.scale
+        decisions = [d for d in timeline["decisions"] if d["at_s"] >= start_trace]
+        pauses = [p for p in timeline["pauses"] if p["at_s"] >= t0]
+        ends = sorted(p["at_s"] for p in timeline["pauses"])
+
+        def settled(t: float) -> bool:
+            before = [e for e in ends if e <= t]
+            return not before or t - before[-1] >= SETTLED_S
+
+        return {
+            "slo_violation_rate": violated / observed if observed > 0 else 0.0,
+            "accumulated_lag_min": lag1["accumulated_lag_min"] - lag0.get("accumulated_lag_min", 0.0),
+            "worker_min": worker_s * self.scale / 60.0,
+            "scaling_actions": len(decisions),
+            # what the simulator is fitted on
+            "busy_points": [(p["workers"], p["samples_per_s"]) for p in points
+                            if p["lag_s"] is not None and p["lag_s"] >= BUSY_WALL_S * self.scale
+                            and p["workers"] == p["target"] and p["samples_per_s"] > 0 and settled(p["t_s"])],
+            "decision_s": [d["at_s"] / self.scale for d in decisions],
+            "pauses": [(p["at_s"], p["seconds"]) for p in pauses],
+            "history_bins": (after.get("planner") or {}).get("history_bins", 0),
+        }
+
+
+def kill_workers(job_id: str) -> None:
+    """Any process of the job still there (workers run in sessions of their own)."""
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("TIDAL_JOB_ID") == job_id:
+                p.kill()
+        except psutil.Error:
+            pass
+
+
+# ---------------------------------------------------------------------------- the simulator's inputs
+def fitted_model(busy: list[tuple[int, float]], scale: float) -> tuple[LinearisedModel, str, dict[int, float]]:
+    """Kale's Eq. 6 fitted to the busy points (samples per trace second), or a line through the origin."""
+    per_count: dict[int, list[float]] = defaultdict(list)
+    for w, rate in busy:
+        per_count[int(w)].append(rate / scale)
+    if not per_count:
+        raise RuntimeError("no live run measured its throughput (records never waited a trace minute)")
+    medians = {w: float(np.median(v)) for w, v in per_count.items() if len(v) >= MIN_POINTS}
+    if not medians:
+        raise RuntimeError(f"no worker count was measured busy {MIN_POINTS} times")
+    if len(medians) >= 2:
+        model = KaleSyncModel()
+        try:
+            model.fit([ThroughputSample(ThroughputConfig(workers=w, batch_size=1.0), r) for w, r in medians.items()])
+            return model, f"Kale Eq. 6 on {len(medians)} counts {sorted(medians)}", medians
+        except FitError:
+            pass
+    per_worker = float(np.median([r / w for w, r in medians.items()]))
+    return (KaleSyncModel({"theta0": 0.0, "theta1": 1.0 / per_worker, "theta2": 0.0, "theta3": 0.0}),
+            f"linear, {per_worker * scale:.0f} records/s per worker (wall)", medians)
+
+
+def live_migration(runs: dict[str, dict[str, Any]], scale: float) -> sim.Migration:
+    """The cost of one action, measured live (trace seconds): from a decision to the start of the
+    pause it caused (new workers start while the old train), then the pause."""
+    preps, pauses = [], []
+    for r in runs.values():
+        ends = sorted(r["pauses"])
+        for d in r["decision_s"]:
+            after = [(at, s) for at, s in ends if at - s >= d]
+            if after:
+                at, seconds = after[0]
+                preps.append((at - seconds - d) * scale)
+                pauses.append(seconds * scale)
+    if not pauses:
+        return sim.MIGRATIONS["seamless"]
+    return sim.Migration("live", prep_s=float(np.median(preps)), pause_s=float(np.median(pauses)))
+
+
+# ---------------------------------------------------------------------------- report
+def ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else (math.inf if a > 0 else 1.0)
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "MISS"
+
+
+def report(result: dict[str, Any]) -> str:
+    live, simulated = result["live"], result["sim"]
+    bound = result["lower_bound_worker_min"] or math.inf
+    rows = [["policy", "side", "SLO viol.", "acc. lag min", "worker-min", "actions"]]
+    for name in live:
+        for side, figures in (("live", live[name]), ("sim", simulated.get(name))):
+            if figures is None:
+                continue
+            rows.append([name, side, f"{100 * figures['slo_violation_rate']:.1f}%",
+                         f"{figures['accumulated_lag_min']:.1f}", f"{figures['worker_min']:.1f}",
+                         str(figures["scaling_actions"])])
+    rows.append(["lower bound", "sim", "0.0%", "-", f"{bound:.1f}", "-"])
+    checks = [["figure", "value", "target", "result"]]
+    for name, value, target, ok in result["targets"]:
+        checks.append([name, value, target, ok])
+    return table(rows) + "\n\n" + table(checks)
+
+
+def targets(live: dict[str, Any], simulated: dict[str, Any], bound: float) -> list[list[str]]:
+    out = []
+    if "kale" in live and "hpa" in live:
+        r = ratio(live["kale"]["accumulated_lag_min"], live["hpa"]["accumulated_lag_min"])
+        out.append(["live kale acc. lag / hpa's", f"{r:.2f}x", f"<= {TARGETS['lag_vs_hpa']}x",
+                    verdict(r <= TARGETS["lag_vs_hpa"])])
+    if "kale" in live:
+        v = live["kale"]["slo_violation_rate"]
+        out.append(["live kale SLO violation", f"{100 * v:.1f}%", f"<= {100 * TARGETS['slo_violation']:.0f}%",
+                    verdict(v <= TARGETS["slo_violation"])])
+        r = ratio(live["kale"]["worker_min"], bound)
+        out.append(["live kale worker-min / lower bound", f"{r:.2f}x", f"<= {TARGETS['worker_min_vs_bound']}x",
+                    verdict(r <= TARGETS["worker_min_vs_bound"])])
+    for name in live:
+        if name not in simulated:
+            continue
+        dw = abs(simulated[name]["worker_min"] / live[name]["worker_min"] - 1) if live[name]["worker_min"] else math.inf
+        out.append([f"{name}: sim worker-min vs live", f"{100 * dw:.0f}% off", f"<= {100 * TARGETS['sim_worker_min']:.0f}%",
+                    verdict(dw <= TARGETS["sim_worker_min"])])
+        lag_live, lag_sim = live[name]["accumulated_lag_min"], simulated[name]["accumulated_lag_min"]
+        dl = abs(ratio(lag_sim, lag_live) - 1)
+        out.append([f"{name}: sim acc. lag vs live", f"{100 * dl:.0f}% off", f"<= {100 * TARGETS['sim_lag']:.0f}%",
+                    verdict(dl <= TARGETS["sim_lag"])])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    scale = 1440.0 / args.minutes
+    try:
+        day, history = load_day(args)
+    except ConfigError as exc:
+        print(f"online_live: {exc}", file=sys.stderr)
+        return 2
+    # the estimate the day is scaled with: one worker's records/s (wall), linear up to the peak count
+    per_worker = args.batch_size / (args.device_ms_per_step / 1e3 + OVERHEAD_S)
+    peak_rate = (args.peak_workers - 0.5) * per_worker
+    k = peak_rate / float(np.max(day * scale / 60.0))  # produced records per trace count (tidal produce --peak)
+    arrivals, past = day * k, history * k  # records per trace minute
+    initial = first_hour_workers(lambda w: w * per_worker / scale, arrivals, args.max_workers)
+    work = Path(tempfile.mkdtemp(prefix="online-live-")) if args.keep is None else args.keep
+    work.mkdir(parents=True, exist_ok=True)
+    day_csv = write_csv(work / "day.csv", day)
+    history_csv = write_csv(work / "history.csv", past) if len(past) else None
+    note(f"day {args.day} of {args.trace.name} in {args.minutes:g} min (x{scale:g}); peak {peak_rate:.0f} records/s "
+         f"~ {args.peak_workers} workers at an estimated {per_worker:.0f}/worker; {len(past) // 1440} days of history; "
+         f"work dir {work}")
+    live: dict[str, dict[str, Any]] = {}
+    errors: dict[str, str] = {}
+    try:
+        for name in policies:
+            run = LiveRun(args, work, name, scale, peak_rate, day_csv, history_csv if name == "kale" else None, initial)
+            try:
+                live[name] = run.run()
+            except (RuntimeError, httpx.HTTPError, OSError) as exc:
+                errors[name] = str(exc)
+                note(f"{name}: FAILED: {exc}")
+        if not live:
+            print(json.dumps({"errors": errors}) if args.json else f"every live run failed: {errors}")
+            return 1
+        model, how, measured = fitted_model([p for r in live.values() for p in r["busy_points"]], scale)
+        migration = live_migration(live, scale)
+        sim.MIGRATIONS["live"] = migration  # the simulator looks actions up by name (this process only)
+        cfg = sim.SimConfig(peak_workers=args.max_workers, migration="live", seed=args.seed, batch_size=1.0,
+                            interval_s=60.0, true_model=model)
+        results = sim.simulate(arrivals, [n for n in policies if n in live], cfg, history=past if len(past) else None)
+        bound_h = sim.oracle_worker_hours(arrivals, cfg)
+    finally:
+        if args.keep is None:
+            shutil.rmtree(work, ignore_errors=True)
+    simulated = {n: {"slo_violation_rate": r.slo_violation_rate, "accumulated_lag_min": r.accumulated_lag_min,
+                     "worker_min": r.worker_hours * 60.0, "scaling_actions": r.scaling_actions}
+                 for n, r in results.items()}
+    bound = bound_h * 60.0 if math.isfinite(bound_h) else math.inf
+    keys = ("slo_violation_rate", "accumulated_lag_min", "worker_min", "scaling_actions")
+    result: dict[str, Any] = {
+        "live": {n: {k2: r[k2] for k2 in keys} for n, r in live.items()},
+        "sim": simulated,
+        "lower_bound_worker_min": bound if math.isfinite(bound) else None,
+        "model": {"how": how, "params": model.params,
+                  "measured_records_per_s": {w: round(r * scale, 1) for w, r in sorted(measured.items())},
+                  "predicted_records_per_s": {w: round(sim.true_throughput(cfg, w) * scale, 1)
+                                              for w in range(1, args.max_workers + 1)}},
+        "migration": {"prep_s": migration.prep_s, "pause_s": migration.pause_s},
+        "setup": {"day": args.day, "minutes": args.minutes, "time_scale": scale, "peak_records_per_s": peak_rate,
+                  "initial_workers": initial, "max_workers": args.max_workers,
+                  "history_bins": {n: r["history_bins"] for n, r in live.items()},
+                  "emulated_device_ms_per_step": args.device_ms_per_step, "batch_size": args.batch_size},
+        "errors": errors,
+    }
+    result["targets"] = targets(result["live"], simulated, bound)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"WorldCup98 day {args.day} in {args.minutes:g} min (x{scale:g}), EMULATED device time "
+              f"{args.device_ms_per_step:g} ms/step, batch {args.batch_size}; simulator: {how}; an action "
+              f"{migration.prep_s / 60:.1f} + {migration.pause_s / 60:.1f} trace min (prep + pause, measured live)")
+        print("live busy throughput, records/s (wall) per workers: "
+              + ", ".join(f"{w}: {r}" for w, r in result["model"]["measured_records_per_s"].items())
+              + "; fitted: " + ", ".join(f"{w}: {r:.0f}" for w, r in result["model"]["predicted_records_per_s"].items()))
+        print(report(result))
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""A stream job's lag against its SLO (``tidal.master.planning.StreamLag``): scored as the simulator
+scores a policy, shown in the status, on /metrics and in the timeline, journaled through a
+master's failover; and the past traffic a planner is seeded with. Driven with a fake clock."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.test_master import FakeClock, make_master
+from tidal.api import (
+    JobObservation,
+    JoinRequest,
+    RendezvousRequest,
+    ReportRequest,
+    ResourcePlan,
+)
+from tidal.backends.fake import FakeBackend
+from tidal.brain.kale import KalePlanner
+from tidal.brain.planners import MaxWorkersPlanner
+from tidal.master.api import JobSpec
+from tidal.master.job import JobMaster
+from tidal.master.journal import SqliteJournal
+from tidal.master.metrics import job_registry, render
+from tidal.master.planning import Planning, StreamLag
+from tidal.sim.online import SLO_LAG_S, SimConfig, simulate
+
+
+def test_the_live_score_is_the_simulators_on_the_same_lags() -> None:
+    """One simulated day-part of HPA (lag at the end of each minute), replayed through the live
+    bookkeeping at a 60x time scale (a minute of trace is a second of wall time): the same SLO
+    violation rate and accumulated lag as the simulator reports."""
+    rng = np.random.default_rng(3)
+    arrivals = 2e6 * (1.0 + np.sin(np.linspace(0, 3 * np.pi, 360)) ** 2 + rng.uniform(0, 0.3, 360))
+    result = simulate(arrivals, ["hpa"], SimConfig(peak_workers=12))["hpa"]
+    assert 0.0 < result.slo_violation_rate < 1.0  # the run has both sides of the SLO to score
+    book = StreamLag(slo_s=SLO_LAG_S)
+    book.observe(0.0, 0.0, time_scale=60.0)  # the clock starts here: nothing is scored yet
+    assert book.observed_s == 0.0
+    for minute, lag in enumerate(result.lag_s, start=1):
+        book.observe(float(minute), float(lag), time_scale=60.0)
+    assert book.observed_s == pytest.approx(60.0 * len(arrivals))
+    assert book.violation_ratio == pytest.approx(result.slo_violation_rate)
+    assert book.accumulated_lag_min == pytest.approx(result.accumulated_lag_min)
+
+
+def test_each_interval_counts_with_the_lag_at_its_end() -> None:
+    book = StreamLag(slo_s=100.0)
+    book.observe(10.0, 50.0, time_scale=2.0)
+    book.observe(12.0, 100.0, time_scale=2.0)  # 4 trace seconds at the SLO: not over it
+    book.observe(13.0, 160.0, time_scale=2.0)  # 2 over it
+    book.observe(13.0, 999.0, time_scale=2.0)  # no time passed: nothing scored, the lag shown
+    book.observe(12.5, 999.0, time_scale=2.0)  # a clock that steps back scores nothing
+    assert (book.observed_s, book.violated_s, book.violation_ratio) == (6.0, 2.0, pytest.approx(1 / 3))
+    assert book.accumulated_lag_min == pytest.approx((100.0 * 4 + 160.0 * 2) / 3600)
+    assert book.lag_s == 999.0 and book.last_at == 13.0
+    again = StreamLag(slo_s=100.0)
+    again.restore(book.to_meta())
+    assert again == book
+    assert StreamLag().status(1.0) is None  # no lag known yet
+
+
+def stream_master(tmp_path: Path, clock: FakeClock, backend: FakeBackend, **spec_args: object) -> JobMaster:
+    spec = JobSpec(job_id="t", argv=["python", "x.py"], min_workers=1, max_workers=2, token="tok",
+                   job_dir=str(tmp_path), ledger_path=str(tmp_path / "ledger.jsonl"), start_grace_s=0.0,
+                   stream_url="redis://127.0.0.1:1/clicks", time_scale=10.0, lag_slo_s=30.0, **spec_args)  # type: ignore[arg-type]
+    return JobMaster(spec, SqliteJournal(tmp_path / "journal.sqlite"), backend, MaxWorkersPlanner(), clock,
+                     store_port=1)
+
+
+def report_lag(master: JobMaster, worker: int, oldest_s: float) -> None:
+    """The worker's report: one partition, its oldest waiting record arrived at ``oldest_s`` (0: none waits)."""
+    master.report(ReportRequest(worker_id=worker, round=master.round, applied_step=-1, incarnation=master.incarnation,
+                                stream_backlog=5 if oldest_s else 0, stream_lag={0: 5 if oldest_s else 0},
+                                stream_oldest_ms=int(oldest_s * 1000), stream_busy=1.0))
+
+
+def test_the_master_scores_the_lag_shows_it_and_carries_it_through_failover(tmp_path: Path) -> None:
+    clock, backend = FakeClock(), FakeBackend()
+    master = stream_master(tmp_path, clock, backend)
+    master.start()
+    master.tick()
+    master.join(JoinRequest(worker_id=0, pid=10_000))
+    master.rendezvous(RendezvousRequest(worker_id=0, after_round=-1, applied_step=-1, stream_partitions=[0]))
+    master.tick()
+    assert master.round == 0
+    for _ in range(3):  # no report yet: the lag is unknown, nothing is scored
+        clock.now += 1.0
+        master.tick()
+    assert master.status().stream_lag is None and master.timeline().points[-1].lag_s is None
+    oldest = clock.now
+    report_lag(master, 0, oldest)
+    for _ in range(5):  # the oldest record waits on: 10, 20, ... 50 trace seconds old
+        clock.now += 1.0
+        master.tick()
+    st = master.status().stream_lag
+    assert st is not None and (st.slo_s, st.time_scale, st.lag_s) == (30.0, 10.0, 50.0)
+    assert st.observed_s == 40.0 and st.violation_ratio == pytest.approx(0.5)  # 40 and 50 s are over 30 s
+    assert st.accumulated_lag_min == pytest.approx((20 + 30 + 40 + 50) * 10 / 3600)
+    tl = master.timeline()
+    assert tl.lag_slo_s == 30.0 and [p.lag_s for p in tl.points[-3:]] == [30.0, 40.0, 50.0]
+    text = render(job_registry(master)).decode()
+    assert "tidal_stream_lag_seconds 50.0" in text and "tidal_stream_lag_slo_seconds 30.0" in text
+    assert "tidal_stream_slo_violation_ratio 0.5" in text
+    assert f"tidal_stream_accumulated_lag_minutes_total {st.accumulated_lag_min}" in text
+    assert 'tidal_stream_lag_records{partition="0"} 5.0' in text
+    master.close()
+
+    # the master dies; 2 s later another takes over from the journal and the worker reports to
+    # it: the outage is scored with the lag it then sees (70 trace seconds, over the SLO)
+    clock.now += 2.0
+    successor = stream_master(tmp_path, clock, backend.restarted())
+    successor.resume()
+    restored = successor.status().stream_lag
+    assert restored is not None and restored.observed_s == 40.0 and restored.lag_s == 50.0
+    report_lag(successor, 0, oldest)
+    successor.tick()
+    after = successor.status().stream_lag
+    assert after is not None and after.observed_s == 60.0 and after.lag_s == 70.0
+    assert after.violation_ratio == pytest.approx(40.0 / 60.0)
+    report_lag(successor, 0, 0.0)  # drained: no lag
+    clock.now += 1.0
+    successor.tick()
+    drained = successor.status().stream_lag
+    assert drained is not None and drained.lag_s == 0.0 and drained.violation_ratio == pytest.approx(40.0 / 70.0)
+    successor.close()
+
+
+def test_a_dataset_job_has_no_stream_lag(tmp_path: Path) -> None:
+    master, clock, _ = make_master(tmp_path, "1:1")
+    master.tick()
+    clock.now += 1.0
+    master.tick()
+    assert master.status().stream_lag is None and master.timeline().lag_slo_s is None
+    assert "tidal_stream_lag" not in render(job_registry(master)).decode()
+
+
+class HistoryPlanner:
+    """A planner that keeps an arrival history (as kale and madu do), recording what it was fed."""
+
+    name = "history"
+
+    def __init__(self) -> None:
+        self.fed: list[tuple[list[float], float]] = []
+
+    def observe_history(self, arrivals: list[float], interval_s: float) -> None:
+        self.fed.append((list(arrivals), interval_s))
+
+    def plan(self, obs: JobObservation) -> ResourcePlan:
+        return ResourcePlan(workers=1)
+
+
+def test_the_planner_is_seeded_with_the_traffic_history_before_it_decides(tmp_path: Path) -> None:
+    planner = HistoryPlanner()
+    p = Planning(planner, started_at=0.0)
+    assert p.seed_history([3.0, 4.0, 5.0], 60.0) == 3
+    assert planner.fed == [([3.0, 4.0, 5.0], 60.0)]
+    st = p.status(overridden=False)
+    assert (st.history_bins, st.history_interval_s) == (3, 60.0)
+    assert Planning(MaxWorkersPlanner(), started_at=0.0).seed_history([1.0], 60.0) == 0  # keeps no history
+
+    # the master seeds it from the spec (journaled with it: a master that takes over seeds again)
+    clock = FakeClock()
+    kale = KalePlanner()
+    spec = JobSpec(job_id="t", argv=["python", "x.py"], min_workers=1, max_workers=2, token="tok",
+                   job_dir=str(tmp_path), stream_url="redis://127.0.0.1:1/c",
+                   traffic_history=[100.0] * 1440, traffic_history_interval_s=60.0)
+    master = JobMaster(spec, SqliteJournal(tmp_path / "journal.sqlite"), FakeBackend(), kale, clock, store_port=1)
+    assert len(kale._bins) == 144  # a day of 10-minute planning bins, 100 records a minute each
+    assert kale._bins[0] == pytest.approx(100.0 / 60)
+    planner_status = master.status().planner
+    assert planner_status is not None and planner_status.history_bins == 1440
+    master.close()
+

@@ -1,0 +1,89 @@
+"""Global shuffling (Kale 3.5, ``tidal run --stream --global-shuffle LOWER:UPPER``): real jobs on a
+real redis-server. A worker whose partition carries most of the records forwards its overflow to
+the others over ZeroMQ; every record is still trained exactly once (the ledger against the
+stream, `tidal audit --stream`), through SIGKILLs of workers holding forwarded records and of
+the master."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.jobtools import TIDAL, Job, wait_for
+from tests.redis_server import redis_server
+from tests.test_stream_job import audit, produce
+
+# every step waits 20 ms of emulated device time: the worker with the big partition cannot keep
+# up alone, the others idle without shuffling
+ARGS = ["--batch-size", "64", "--step-sleep", "0.02", "--log-every", "0"]
+
+
+def test_overflow_is_forwarded_and_every_record_is_trained_once(tmp_path: Path) -> None:
+    with redis_server(tmp_path / "redis") as server:
+        url = server.url("clicks")
+        produce(url, 3, [8000, 500, 500])
+        job = Job(tmp_path, "3:3", ARGS, run_args=["--stream", url, "--stop-when-drained", "3",
+                                                    "--global-shuffle", "128:512"]).start()
+        try:
+            assert job.wait(300) == 0, job.output()[-3000:]
+        finally:
+            job.kill_all()
+        done = audit(job, url)
+        assert done.returncode == 0 and done.stdout.startswith("PASSED"), done.stdout + done.stderr
+        assert "partition 0: 8000 records" in done.stdout, done.stdout
+        lines = [ln for ln in job.ledger.read_text().splitlines() if '"partition": 0' in ln]
+        trainers = {int(ln.split('"worker": ')[1].split(",")[0]) for ln in lines}
+        assert len(trainers) >= 2, f"partition 0 was trained by {trainers} only: nothing was forwarded"
+
+
+def test_sigkills_of_workers_and_the_master_lose_and_repeat_nothing(tmp_path: Path) -> None:
+    rng = random.Random(11)
+    with redis_server(tmp_path / "redis") as server:
+        url = server.url("clicks")
+        produce(url, 3, [36000, 1000, 1000])
+        job = Job(tmp_path, "3:3", ARGS, run_args=["--stream", url, "--stop-when-drained", "3",
+                                                    "--global-shuffle", "128:512"]).start()
+        try:
+            job.wait_step(10, 120)
+            wait_for(lambda: sum(w["stream_forwarded_out"] for w in job.status()["workers"]) > 0, 60,
+                     "records forwarded", job)
+            shown = subprocess.run([TIDAL, "status", "--job-dir", str(job.dir)], capture_output=True, text=True,
+                                   timeout=60)
+            assert "global shuffling (queued / forwarded out / in, records): worker 0:" in shown.stdout, shown.stdout
+            metrics = httpx.get(job.info()["url"] + "/metrics", timeout=5,
+                                headers={"Authorization": f"Bearer {job.info()['token']}"}).text
+            assert 'tidal_stream_forwarded_records_total{direction="out",worker="0"}' in metrics, metrics
+            assert "tidal_stream_queued_records{" in metrics
+            for _ in range(2):
+                victim = rng.choice(job.active())
+                os.kill(victim["pid"], signal.SIGKILL)
+                job.wait_step(job.status()["finalized_step"] + 5, 120)
+            # and the master: the positions and the ranges committed beyond them come back from its journal
+            assert job.proc is not None
+            job.proc.send_signal(signal.SIGKILL)
+            job.proc.wait(10)
+            job.resume_master()
+            st = job.wait_status(lambda s: s["state"] == "running", 60, "the resumed master")
+            job.wait_step(st["finalized_step"] + 5, 120)
+            assert job.wait(300) == 0, job.output()[-3000:]
+        finally:
+            job.kill_all()
+        done = audit(job, url)
+        assert done.returncode == 0 and done.stdout.startswith("PASSED"), done.stdout + done.stderr
+        assert "partition 0: 36000 records" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("value", ["5:2", "abc", "0:0", "128:512x"])
+def test_bad_thresholds_are_one_line(tmp_path: Path, value: str) -> None:
+    script = tmp_path / "t.py"
+    script.write_text("pass\n")
+    out = subprocess.run([TIDAL, "run", "--stream", f"file://{tmp_path}/s", "--global-shuffle", value,
+                          "--job-dir", str(tmp_path / "job"), str(script)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--global-shuffle takes LOWER:UPPER" in out.stderr
+    assert len(out.stderr.splitlines()) == 1

@@ -1,0 +1,194 @@
+"""Shuffle Units (tidal.worker.shuffle, Kale 3.5) in one process: real ZeroMQ sockets on
+127.0.0.1, a real recorded stream (the file source). What is forwarded tiles the partition with
+what is kept, a forwarded batch is never forwarded again, and a message that is not the job's,
+of another round or of broken sizes is dropped."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import zmq
+
+from tidal.api import frames
+from tidal.api.streams import pack_id, unpack_id
+from tidal.data.api import StreamRecord
+from tidal.data.streams.file import FileStreamSource
+from tidal.worker.shuffle import Batch, ShuffleUnit
+
+TOKEN = "secret-of-the-job"
+
+
+class RoundStore:
+    """The round's key-value store as the units use it (set, a blocking get); the real one is
+    the master's (tidal.worker.store.MasterStore, tested with the master)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, bytes] = {}
+        self.cond = threading.Condition()
+
+    def set(self, key: str, value: str) -> None:
+        with self.cond:
+            self.values[key] = value.encode()
+            self.cond.notify_all()
+
+    def get(self, key: str) -> bytes:
+        with self.cond:
+            assert self.cond.wait_for(lambda: key in self.values, 10)
+            return self.values[key]
+
+
+def decode(fields: list[dict[str, bytes]]) -> tuple[list[int], list[int]]:
+    return [int(f["n"]) for f in fields], []
+
+
+def reader(source: FileStreamSource, partition: int, batch: int) -> Any:
+    position = [0]
+
+    def read(block: bool) -> tuple[int, int, list[StreamRecord]] | None:
+        records = source.read(partition, unpack_id(position[0]), batch, block_s=0.02 if block else 0.0)
+        if not records:
+            return None
+        after, position[0] = position[0], pack_id(records[-1].id)
+        return partition, after, records
+    return read
+
+
+@pytest.fixture
+def units() -> Iterator[tuple[ShuffleUnit, ShuffleUnit]]:
+    a = ShuffleUnit(TOKEN, lower=64, upper=128, batch_size=32, poll_s=0.01)
+    b = ShuffleUnit(TOKEN, lower=64, upper=128, batch_size=32, poll_s=0.01)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def drain(unit: ShuffleUnit, round_: int, into: list[Batch], stop: threading.Event, step_s: float) -> None:
+    while not stop.is_set():
+        batch = unit.take(round_, 0.05, 32)
+        if batch is not None:
+            into.append(batch)
+            time.sleep(step_s)  # the step's training
+
+
+def test_overflow_goes_to_the_idle_worker_and_every_record_is_taken_once(
+        tmp_path: Path, units: tuple[ShuffleUnit, ShuffleUnit]) -> None:
+    a, b = units
+    source = FileStreamSource(f"file://{tmp_path}/clicks")
+    source.append(0, [{"n": str(i).encode()} for i in range(3000)])
+    source.append(1, [{"n": b"-1"}])  # b's partition: one record
+    store = RoundStore()
+    a.start_round(4, 0, 2, store, reader(source, 0, 32))
+    b.start_round(4, 1, 2, store, reader(source, 1, 32))
+    taken_a: list[Batch] = []
+    taken_b: list[Batch] = []
+    stop = threading.Event()
+    threads = [threading.Thread(target=drain, args=(a, 4, taken_a, stop, 0.004)),
+               threading.Thread(target=drain, args=(b, 4, taken_b, stop, 0.0))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while sum(len(x.records) for x in taken_a + taken_b) < 3001 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stop.set()
+    for t in threads:
+        t.join()
+    ranges = sorted((x.after, x.last) for x in taken_a + taken_b if x.partition == 0)
+    position = 0
+    for after, last in ranges:  # the batches tile the partition: no gap, no overlap
+        assert after == position
+        position = last
+    assert unpack_id(position) == source.last_id(0)
+    numbers = sorted(n for x in taken_a + taken_b if x.partition == 0 for n in decode([r.fields for r in x.records])[0])
+    assert numbers == list(range(3000))
+    forwarded = [x for x in taken_b if x.forwarded]
+    assert forwarded and all(x.partition == 0 for x in forwarded)
+    assert b.forwarded_in == sum(len(x.records) for x in forwarded) == a.forwarded_out
+    assert b.forwarded_out == 0 and not any(x.forwarded for x in taken_a)  # never forwarded again
+    source.close()
+
+
+def test_messages_not_of_the_job_or_of_the_round_or_of_broken_sizes_are_dropped(
+        units: tuple[ShuffleUnit, ShuffleUnit]) -> None:
+    a, _ = units
+    a.start_round(2, 0, 1, None, lambda block: None)
+    ctx = zmq.Context.instance()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(a.address)
+
+    def batch(token: str = TOKEN, round_: int = 2, data: bytes = b"12", lengths: tuple[int, ...] = (1, 1),
+              ids: tuple[int, ...] = (5, 6), after: int = 4) -> list[Any]:
+        tensors = {"ids": torch.tensor(ids), "shape": torch.zeros(len(ids), dtype=torch.int32),
+                   "lengths": torch.tensor(lengths), "data": torch.tensor(list(data), dtype=torch.uint8)}
+        meta = {"kind": "batch", "token": token, "round": round_, "rank": 1, "partition": 3, "after": after,
+                "names": [["n"]]}
+        return frames.encode(tensors, meta=meta)
+
+    for bad in [batch(token="guess"), batch(round_=1), batch(lengths=(1, 2)), batch(data=b"123"),
+                batch(ids=(6, 5)), batch(after=5), [b"not json"]]:
+        push.send_multipart(bad)
+    push.send_multipart(batch())
+    got = a.take(2, 5.0, 32)
+    assert got is not None and got.forwarded and (got.after, got.last) == (4, 6)
+    assert [r.fields for r in got.records] == [{"n": b"1"}, {"n": b"2"}]
+    assert a.take(2, 0.3, 32) is None  # every other message was dropped
+    push.close()
+
+
+def test_a_full_queue_stops_accepting_until_it_falls_below_lower(units: tuple[ShuffleUnit, ShuffleUnit]) -> None:
+    a, _ = units
+    records = [StreamRecord(0, f"1-{i}", {"n": b"1"}) for i in range(1, 41)]
+    fed = iter([(0, 0, records[:20]), (0, pack_id("1-20"), records[20:])] + [None] * 10**6)
+    a.upper, a.lower = 30, 10
+    a.start_round(1, 0, 1, None, lambda block: next(fed))
+    deadline = time.monotonic() + 10
+    while a.queued < 40 and time.monotonic() < deadline:  # nobody else accepts: it keeps both
+        time.sleep(0.01)
+    assert a.queued == 40 and not a.accepting
+    assert a.take(1, 1, 20) is not None and not a.accepting  # 20 left: not below lower yet
+    assert a.take(1, 1, 20) is not None and a.accepting
+
+
+def test_a_reader_goes_past_the_ranges_committed_ahead_of_its_position(tmp_path: Path) -> None:
+    from tidal.worker.stream_loader import StreamLoader
+
+    source = FileStreamSource(f"file://{tmp_path}/clicks")
+    ids = [pack_id(i) for i in source.append(0, [{"n": str(i).encode()} for i in range(10)])]
+    loader = StreamLoader(None, source, batch_size=4, decode=decode)  # type: ignore[arg-type]
+    # committed ahead of the position (nothing): records 2-3 and 6-7 (as [after, last])
+    loader._skips = {0: [[ids[1], ids[3]], [ids[5], ids[7]]]}
+    read: list[int] = []
+    position = 0
+    while True:
+        after, records = loader._read_partition(0, position)
+        if not records:
+            break
+        assert after == position or (position, after) in [(ids[1], ids[3]), (ids[5], ids[7])]
+        read += [int(r.fields["n"]) for r in records]
+        position = pack_id(records[-1].id)
+    assert read == [0, 1, 4, 5, 8, 9]
+    source.close()
+
+
+def test_small_batches_that_continue_each_other_are_taken_as_one(units: tuple[ShuffleUnit, ShuffleUnit]) -> None:
+    a, _ = units
+    rec = [StreamRecord(0, f"1-{i}", {"n": b"1"}) for i in range(1, 21)]
+    other = [StreamRecord(1, "1-7", {"n": b"2"})]
+    fed = iter([(0, 0, rec[:5]), (1, 0, other), (0, pack_id("1-5"), rec[5:10]), (0, pack_id("1-10"), rec[10:15]),
+                (0, pack_id("1-15"), rec[15:])] + [None] * 10**6)
+    a.start_round(1, 0, 1, None, lambda block: next(fed))
+    deadline = time.monotonic() + 10
+    while a.queued < 21 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    first = a.take(1, 1, 12)  # 5 + 5 records of partition 0 (a third would pass 12), not partition 1's
+    assert first is not None and (first.partition, first.after, first.last) == (0, 0, pack_id("1-10"))
+    second = a.take(1, 1, 12)
+    assert second is not None and second.partition == 1 and len(second.records) == 1
+    third = a.take(1, 1, 12)
+    assert third is not None and (third.after, third.last, len(third.records)) == (pack_id("1-10"), pack_id("1-20"), 10)

@@ -1,0 +1,478 @@
+"""Global data shuffling for stream jobs (Kale 3.5): one Shuffle Unit per worker.
+
+Partitions are uneven (Kale 2.3): a worker whose partitions carry most of the traffic falls
+behind while the others idle. Each worker's ``ShuffleUnit`` keeps a *local queue* of batches
+read from its own partitions; a reader thread fills it. When the queue holds ``upper`` records
+or more, the next batches it reads are *overflow* and go to another worker that accepts them
+(Kale 3.5.2, the threshold-based forwarding policy):
+
+* A worker *accepts* while its queue is short: it stops accepting once its queue holds more than
+  ``upper`` records and accepts again once it holds fewer than ``lower`` (hysteresis). Each
+  change is broadcast to the other workers (Kale's event-driven notification, no coordinator);
+  each keeps the set of workers that accept.
+* A sender picks a receiver at random from that set. A forwarded batch is written to the
+  receiver's local queue and is never forwarded again (no cascades, no cycles). With nobody
+  accepting, the sender stops reading until its queue has room: the records wait in the stream.
+* Each step takes the next batch of the local queue, with the queued batches that continue it
+  up to the step's batch size (``take``): a worker that keeps up reads a few records at a time,
+  and the reader waits for a step after such a read rather than read again at once.
+* Messages go through a *forwarding unit* thread that owns the sending sockets (ZeroMQ PUSH to
+  each peer's PULL socket on 127.0.0.1); a batch it cannot hand to ZeroMQ within ``SEND_TIMEOUT_S``
+  comes back to the sender's own queue, so no batch is stranded while its round lasts.
+* Each round the units publish their addresses in the round's store (the master's, under the
+  round's prefix, as ``torch.distributed`` does) and connect to each other's; once connected, a
+  unit repeats its state to the others (a change made before that reached nobody). Units bind
+  127.0.0.1 only: one machine (the Ray backend's issue takes this across machines).
+
+Exactly once. A batch is a partition's records in ``(after, last]`` (``Batch``); the step that
+trains it carries ``after``, ``first`` and ``last`` in its header whoever trains it, and the
+master commits ranges of one partition in any order (``tidal.master.streams``: a range beyond a
+gap waits until the gap is committed). Everything belongs to one round: a re-form drops the
+queue, every message of an earlier round is dropped on arrival, and the next round reads again
+from the committed positions, skipping the ranges committed ahead. A record forwarded to a
+worker that dies before training it is therefore read again, and one it trained and committed
+never is. The ledger names the worker that trained each range.
+
+Wire (``tidal.api.frames``, no pickle): a state message is a header only, ``meta`` =
+``{"kind": "state", "token", "round", "rank", "accepting"}``; a batch has the tensors ``ids``
+(int64 packed ids), ``shape`` (int32, per record the index of its field names in ``meta.names``),
+``lengths`` (int64, every field's byte length in order) and ``data`` (uint8, the field values back
+to back), with ``meta`` = ``{"kind": "batch", "token", "round", "rank", "partition", "after",
+"names"}``. The receiver checks the job's token, the round, every length against the data, and
+that the ids rise after ``after``; a message that fails is logged and dropped.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hmac
+import itertools
+import logging
+import queue
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+
+from tidal.api import frames
+from tidal.api.errors import FrameError
+from tidal.api.streams import pack_id, parse_id, unpack_id
+from tidal.data.api import MAX_FIELD_BYTES, MAX_FIELDS, StreamRecord
+
+log = logging.getLogger(__name__)
+
+SEND_TIMEOUT_S = 2.0
+MAX_BATCH_RECORDS = 1 << 16
+MAX_MESSAGE_BYTES = 256 << 20
+PEERS_TIMEOUT_S = 30.0  # how long a round's unit waits for every peer's address
+
+
+@dataclass
+class Batch:
+    """Records of one partition in ``(after, last]``, for one round; ``forwarded``: from another
+    worker (never forwarded again)."""
+
+    round: int
+    partition: int
+    after: int
+    records: list[StreamRecord]
+    forwarded: bool = False
+
+    @property
+    def first(self) -> int:
+        return pack_id(self.records[0].id)
+
+    @property
+    def last(self) -> int:
+        return pack_id(self.records[-1].id)
+
+
+Reader = Callable[[bool], tuple[int, int, list[StreamRecord]] | None]
+
+
+class ShuffleUnit:
+    """A worker's local queue and its forwarding (module docstring). ``start_round`` for each
+    round the worker enters; ``take`` for each step; ``close`` once."""
+
+    def __init__(self, token: str, lower: int, upper: int, *, batch_size: int, poll_s: float = 0.05,
+                 rng: random.Random | None = None) -> None:
+        if not 0 <= lower <= upper:
+            raise ValueError(f"shuffle thresholds need 0 <= lower <= upper, got {lower}:{upper}")
+        self.token = token
+        self.lower, self.upper = lower, upper
+        self.batch_size = batch_size  # what one read asks for
+        self.poll_s = poll_s
+        self.rng = rng or random.Random()
+        self._ctx = zmq.Context()
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        port = self._pull.bind_to_random_port("tcp://127.0.0.1")
+        self.address = f"tcp://127.0.0.1:{port}"
+        self._cond = threading.Condition()
+        self._queue: deque[Batch] = deque()
+        self.queued = 0  # records in the local queue
+        self.accepting = True
+        self._round, self._rank = -1, -1
+        self._connected: set[int] = set()  # ranks of this round the forwarding unit can send to
+        self._refusing: set[int] = set()  # ranks of this round whose last word was "not accepting"
+        self.forwarded_out = self.forwarded_in = self.returned = 0  # records
+        self._outbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        self._closed = threading.Event()
+        self._feeder: threading.Thread | None = None
+        self._threads = [threading.Thread(target=self._receive, name="tidal-shuffle-recv", daemon=True),
+                         threading.Thread(target=self._forward, name="tidal-shuffle-send", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    # ------------------------------------------------------------------ rounds
+    def start_round(self, round_: int, rank: int, world_size: int, store: Any, read: Reader) -> None:
+        """Enter ``round_``: drop what is queued, publish this unit's address in the round's store
+        (``tidal.worker.store.MasterStore``, the round's prefix), connect to the peers' in the
+        background, and start reading with ``read(block) -> (partition, after, records) | None``."""
+        self.stop_round()
+        with self._cond:
+            self._round, self._rank = round_, rank
+            self._queue.clear()
+            self.queued = 0
+            self.accepting = True
+            self._connected, self._refusing = set(), set()  # everyone starts with an empty queue
+            self._cond.notify_all()
+        if store is not None and world_size > 1:
+            threading.Thread(target=self._exchange, args=(round_, rank, world_size, store),
+                             name="tidal-shuffle-peers", daemon=True).start()
+        self._feeder = threading.Thread(target=self._feed, args=(round_, read), name="tidal-shuffle-read",
+                                        daemon=True)
+        self._feeder.start()
+
+    def stop_round(self) -> None:
+        """Stop reading (returns once the reader thread has stopped) and drop what is queued."""
+        with self._cond:
+            self._round = -1
+            self._cond.notify_all()
+        if self._feeder is not None:
+            self._feeder.join()
+            self._feeder = None
+
+    def _exchange(self, round_: int, rank: int, world_size: int, store: Any) -> None:
+        """Publish this unit's address and wait for the peers' (giving up once the round is over,
+        or after ``PEERS_TIMEOUT_S``: a member that died before publishing ends the round anyway)."""
+        deadline = time.monotonic() + PEERS_TIMEOUT_S
+        peers: dict[int, str] = {}
+        try:
+            if hasattr(store, "set_timeout"):
+                store.set_timeout(datetime.timedelta(seconds=1))
+            store.set(f"shuffle/{rank}", self.address)
+            for r in range(world_size):
+                while r != rank and r not in peers:
+                    try:
+                        peers[r] = store.get(f"shuffle/{r}").decode()
+                    except Exception as exc:  # a timeout of the wait, or the master unreachable
+                        if self._round != round_ or time.monotonic() > deadline:
+                            log.info("shuffle: round %d: the address of rank %d not received: %s", round_, r, exc)
+                            return
+        finally:
+            close = getattr(store, "close", None)
+            if close is not None:
+                close()
+        if any(not a.startswith("tcp://127.0.0.1:") for a in peers.values()):
+            log.error("shuffle: round %d: a peer address is not on 127.0.0.1: %s", round_, peers)
+            return
+        self._outbox.put(("peers", round_, peers))
+
+    # ------------------------------------------------------------------ the local queue
+    def take(self, round_: int, timeout_s: float, max_records: int) -> Batch | None:
+        """The next batch of ``round_`` in the local queue, waiting up to ``timeout_s``; with the
+        queued batches that continue it (same partition, read right after it) up to
+        ``max_records``: a worker that keeps up reads small batches, and a step should not train
+        one of them at a time."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                while self._queue and self._queue[0].round != round_:
+                    self.queued -= len(self._queue.popleft().records)
+                if self._queue:
+                    batch = self._queue.popleft()
+                    records = list(batch.records)
+                    for later in list(self._queue):
+                        if len(records) >= max_records:
+                            break
+                        if (later.round == round_ and later.partition == batch.partition
+                                and later.after == pack_id(records[-1].id)
+                                and len(records) + len(later.records) <= max_records):
+                            self._queue.remove(later)
+                            records += later.records
+                            batch.forwarded = batch.forwarded or later.forwarded
+                    batch.records = records
+                    self.queued -= len(records)
+                    self._note_state()
+                    self._cond.notify_all()  # the reader may have room again
+                    return batch
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+
+    def waiting(self) -> tuple[dict[int, int], int]:
+        """Records in the local queue per partition, and the arrival (ms) of the oldest (0: none)."""
+        with self._cond:
+            counts: dict[int, int] = {}
+            oldest = 0
+            for b in self._queue:
+                counts[b.partition] = counts.get(b.partition, 0) + len(b.records)
+                ms = parse_id(b.records[0].id)[0]
+                oldest = ms if not oldest else min(oldest, ms)
+            return counts, oldest
+
+    def _enqueue(self, batch: Batch) -> bool:
+        """Into the local queue, if its round is still the current one (caller holds the lock)."""
+        if batch.round != self._round:
+            return False
+        self._queue.append(batch)
+        self.queued += len(batch.records)
+        self._note_state()
+        self._cond.notify_all()
+        return True
+
+    def _note_state(self) -> None:
+        """Kale 3.5.2's receiver state, with hysteresis; a change is broadcast (lock held)."""
+        accepting = self.accepting
+        if accepting and self.queued > self.upper:
+            accepting = False
+        elif not accepting and self.queued < self.lower:
+            accepting = True
+        if accepting != self.accepting:
+            self.accepting = accepting
+            self._outbox.put(("all", self._round, self._state_frames()))
+
+    def _state_frames(self) -> list[Any]:
+        meta = {"kind": "state", "token": self.token, "round": self._round, "rank": self._rank,
+                "accepting": self.accepting}
+        return frames.encode({}, meta=meta)
+
+    # ------------------------------------------------------------------ reading and forwarding
+    def _feed(self, round_: int, read: Reader) -> None:
+        """Fill the local queue from this worker's partitions; overflow goes to a receiver."""
+        while not self._closed.is_set():
+            with self._cond:
+                if self._round != round_:
+                    return
+                full = self.queued >= self.upper
+                if full and not self._receivers():
+                    self._cond.wait(self.poll_s)  # nobody accepts: leave the records in the stream
+                    continue
+            try:
+                got = read(not full)
+            except Exception as exc:  # the stream unavailable: the training thread sees it too
+                log.info("shuffle: reading failed: %s", exc)
+                time.sleep(self.poll_s)
+                continue
+            if got is None:
+                if full:  # a read that did not wait: nothing there, do not spin
+                    time.sleep(self.poll_s)
+                continue
+            partition, after, records = got
+            with self._cond:
+                if self._round != round_:
+                    return
+                receivers = self._receivers() if self.queued >= self.upper else []
+            if receivers:
+                to = self.rng.choice(receivers)
+                self._outbox.put(("to", round_, to, self._batch_frames(round_, partition, after, records),
+                                  (partition, after, records)))
+                continue
+            batch = Batch(round_, partition, after, records)
+            with self._cond:
+                if not self._enqueue(batch):
+                    return
+                if len(records) < self.batch_size:
+                    # caught up: let records gather until a step takes from the queue (no tight
+                    # loop of reads of a few records each)
+                    self._cond.wait(self.poll_s)
+
+    def _receivers(self) -> list[int]:
+        """Ranks to forward to: connected, and accepting as far as their last word goes (lock held)."""
+        return sorted(self._connected - self._refusing)
+
+    def _batch_frames(self, round_: int, partition: int, after: int, records: list[StreamRecord]) -> list[Any]:
+        names: list[list[str]] = []
+        index: dict[tuple[str, ...], int] = {}
+        shape, lengths, data = [], [], []
+        for r in records:
+            key = tuple(r.fields)
+            if key not in index:
+                index[key] = len(names)
+                names.append(list(key))
+            shape.append(index[key])
+            for value in r.fields.values():
+                lengths.append(len(value))
+                data.append(value)
+        tensors = {
+            "ids": torch.tensor([pack_id(r.id) for r in records], dtype=torch.int64),
+            "shape": torch.tensor(shape, dtype=torch.int32),
+            "lengths": torch.tensor(lengths, dtype=torch.int64),
+            "data": torch.frombuffer(bytearray(b"".join(data)) or bytearray(1), dtype=torch.uint8)[:sum(lengths)],
+        }
+        meta = {"kind": "batch", "token": self.token, "round": round_, "rank": self._rank, "partition": partition,
+                "after": after, "names": names}
+        return frames.encode(tensors, meta=meta)
+
+    def _forward(self) -> None:
+        """The forwarding unit: owns the PUSH sockets, sends what the other threads put out."""
+        sockets: dict[int, zmq.Socket[Any]] = {}
+        current = -1
+        while not self._closed.is_set():
+            try:
+                item = self._outbox.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            kind, round_ = item[0], item[1]
+            if kind == "peers":
+                with self._cond:
+                    if round_ != self._round:  # an exchange that finished after its round ended
+                        continue
+                for s in sockets.values():
+                    s.close(linger=0)
+                sockets, current = {}, round_
+                for rank, address in item[2].items():
+                    s = self._ctx.socket(zmq.PUSH)
+                    s.setsockopt(zmq.LINGER, 0)
+                    s.setsockopt(zmq.SNDTIMEO, int(SEND_TIMEOUT_S * 1000))
+                    s.connect(address)
+                    sockets[rank] = s
+                with self._cond:
+                    if self._round == round_:
+                        self._connected = set(sockets)
+                        self._cond.notify_all()
+                        # a change made before the sockets were up reached nobody: say where it stands
+                        self._outbox.put(("all", round_, self._state_frames()))
+                continue
+            if kind == "all":
+                for s in sockets.values() if round_ == current else ():
+                    try:
+                        s.send_multipart(item[2], copy=False)
+                    except zmq.ZMQError as exc:
+                        log.info("shuffle: state not sent: %s", exc)
+                continue
+            to, message, (partition, after, records) = item[2], item[3], item[4]
+            sock = sockets.get(to) if round_ == current else None
+            sent = False
+            if sock is not None:
+                try:
+                    sock.send_multipart(message, copy=False)
+                    sent = True
+                except zmq.ZMQError as exc:
+                    log.info("shuffle: batch for rank %d not sent (%s): kept here", to, exc)
+            with self._cond:
+                if sent:
+                    self.forwarded_out += len(records)
+                    continue
+                # the receiver stopped taking (dead or hung: the round will end): train it here
+                self._connected.discard(to)
+                batch = Batch(round_, partition, after, records)
+                if self._enqueue(batch):
+                    self.returned += len(records)
+        for s in sockets.values():
+            s.close(linger=0)
+
+    def _receive(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._pull, zmq.POLLIN)
+        while not self._closed.is_set():
+            try:
+                if not poller.poll(100):
+                    continue
+                parts = self._pull.recv_multipart(copy=False)
+            except zmq.ZMQError:
+                if self._closed.is_set():
+                    return
+                raise
+            try:
+                self._handle([p.buffer for p in parts])
+            except (FrameError, ValueError, KeyError, TypeError) as exc:
+                log.warning("shuffle: a message was dropped: %s", exc)
+
+    def _handle(self, parts: list[Any]) -> None:
+        message = frames.decode(parts, max_bytes=MAX_MESSAGE_BYTES)
+        meta = message.meta or {}
+        if not hmac.compare_digest(str(meta.get("token", "")), self.token):
+            raise ValueError("a message without the job's token")
+        round_, rank = meta.get("round"), meta.get("rank")
+        if not isinstance(round_, int) or not isinstance(rank, int):
+            raise ValueError("a message without its round and rank")
+        with self._cond:
+            if round_ != self._round:
+                return  # an earlier (or later) round's: nothing of it may be trained now
+        if meta.get("kind") == "state":
+            with self._cond:
+                if round_ == self._round and rank != self._rank:
+                    if meta.get("accepting") is True:
+                        self._refusing.discard(rank)
+                    else:
+                        self._refusing.add(rank)
+            return
+        if meta.get("kind") != "batch":
+            raise ValueError(f"unknown message kind {meta.get('kind')!r}")
+        partition, after, records = _records(message.tensors, meta)
+        batch = Batch(round_, partition, after, records, forwarded=True)
+        with self._cond:
+            if self._enqueue(batch):
+                self.forwarded_in += len(records)
+
+    def close(self) -> None:
+        self.stop_round()
+        self._closed.set()
+        for t in self._threads:
+            t.join(timeout=2.0)
+        self._pull.close(linger=0)
+        self._ctx.term()
+
+
+def _records(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> tuple[int, int, list[StreamRecord]]:
+    """A received batch's partition, position and records, every length checked (``ValueError``
+    names what is wrong)."""
+    partition, after, names = meta.get("partition"), meta.get("after"), meta.get("names")
+    if not isinstance(partition, int) or not isinstance(after, int) or partition < 0 or after < 0:
+        raise ValueError("a batch without its partition and position")
+    if set(tensors) != {"ids", "shape", "lengths", "data"}:
+        raise ValueError(f"a batch with tensors {sorted(tensors)}")
+    ids, shape, lengths, data = tensors["ids"], tensors["shape"], tensors["lengths"], tensors["data"]
+    if (ids.dtype, shape.dtype, lengths.dtype, data.dtype) != (torch.int64, torch.int32, torch.int64, torch.uint8):
+        raise ValueError("a batch of the wrong dtypes")
+    if not (ids.dim() == shape.dim() == lengths.dim() == data.dim() == 1):
+        raise ValueError("a batch of the wrong shapes")
+    n = ids.numel()
+    if not 0 < n <= MAX_BATCH_RECORDS or shape.numel() != n:
+        raise ValueError(f"a batch of {n} records")
+    if not isinstance(names, list) or not all(
+            isinstance(k, list) and len(k) <= MAX_FIELDS and all(isinstance(x, str) and len(x) <= 256 for x in k)
+            for k in names):
+        raise ValueError("a batch without valid field names")
+    id_list = ids.tolist()
+    if id_list[0] <= after or any(b <= a for a, b in itertools.pairwise(id_list)):
+        raise ValueError("a batch whose ids do not rise after its position")
+    kinds = shape.tolist()
+    if any(not 0 <= k < len(names) for k in kinds):
+        raise ValueError("a batch naming unknown fields")
+    sizes = lengths.tolist()
+    if len(sizes) != sum(len(names[k]) for k in kinds) or any(not 0 <= s <= MAX_FIELD_BYTES for s in sizes):
+        raise ValueError("a batch whose field lengths do not match its records")
+    if sum(sizes) != data.numel():
+        raise ValueError("a batch whose data does not match its field lengths")
+    blob = data.numpy().tobytes()
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+    out, at = [], 0
+    for i, k in enumerate(kinds):
+        fields = {}
+        for name in names[k]:
+            fields[name] = blob[offsets[at]:offsets[at + 1]]
+            at += 1
+        out.append(StreamRecord(partition, unpack_id(id_list[i]), fields))
+    return partition, after, out
