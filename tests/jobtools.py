@@ -56,6 +56,18 @@ class Job:
         self.proc = self._spawn([TIDAL, "master", "--resume", str(self.dir / "journal.sqlite"), "-q"])
         return self.proc
 
+    def kill_master(self) -> None:
+        """SIGKILL the master (its workers, in sessions of their own, train on)."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def resume_master_and_train(self, steps: int = 5) -> dict[str, Any]:
+        """A new master from the journal, once it runs and ``steps`` more steps are final."""
+        self.resume_master()
+        st = self.wait_status(lambda s: s["state"] == "running", 60, "the resumed master")
+        return self.wait_step(st["finalized_step"] + steps, 120)
+
     def resume(self) -> subprocess.Popen[bytes]:
         """``tidal resume JOBDIR``: a job whose master (and maybe every worker) is gone."""
         self.proc = self._spawn([TIDAL, "resume", str(self.dir), "-q"])

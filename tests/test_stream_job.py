@@ -59,13 +59,9 @@ def test_a_stream_job_trains_every_record_once_through_sigkills(tmp_path: Path) 
                 step = job.status()["finalized_step"]
                 job.wait_step(step + 5, 120)
                 if kill == 1:  # and the master, while more records arrive
-                    assert job.proc is not None
-                    job.proc.send_signal(signal.SIGKILL)
-                    job.proc.wait(10)
+                    job.kill_master()
                     produced = produce(url, 3, [1500, 0, 500], first_index=produced)
-                    job.resume_master()
-                    st = job.wait_status(lambda s: s["state"] == "running", 60, "the resumed master")
-                    job.wait_step(st["finalized_step"] + 5, 120)
+                    job.resume_master_and_train()
             assert job.wait(300) == 0, job.output()[-3000:]
         finally:
             job.kill_all()

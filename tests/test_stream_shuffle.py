@@ -24,19 +24,28 @@ from tests.test_stream_job import audit, produce
 ARGS = ["--batch-size", "64", "--step-sleep", "0.02", "--log-every", "0"]
 
 
+def shuffled_job(tmp_path: Path, url: str) -> Job:
+    return Job(tmp_path, "3:3", ARGS, run_args=["--stream", url, "--stop-when-drained", "3",
+                                                "--global-shuffle", "128:512"]).start()
+
+
+def audited(job: Job, url: str, records: int) -> None:
+    """`tidal audit --stream`: every record once; partition 0 all ``records`` of it."""
+    done = audit(job, url)
+    assert done.returncode == 0 and done.stdout.startswith("PASSED"), done.stdout + done.stderr
+    assert f"partition 0: {records} records" in done.stdout, done.stdout
+
+
 def test_overflow_is_forwarded_and_every_record_is_trained_once(tmp_path: Path) -> None:
     with redis_server(tmp_path / "redis") as server:
         url = server.url("clicks")
         produce(url, 3, [8000, 500, 500])
-        job = Job(tmp_path, "3:3", ARGS, run_args=["--stream", url, "--stop-when-drained", "3",
-                                                    "--global-shuffle", "128:512"]).start()
+        job = shuffled_job(tmp_path, url)
         try:
             assert job.wait(300) == 0, job.output()[-3000:]
         finally:
             job.kill_all()
-        done = audit(job, url)
-        assert done.returncode == 0 and done.stdout.startswith("PASSED"), done.stdout + done.stderr
-        assert "partition 0: 8000 records" in done.stdout, done.stdout
+        audited(job, url, 8000)
         lines = [ln for ln in job.ledger.read_text().splitlines() if '"partition": 0' in ln]
         trainers = {int(ln.split('"worker": ')[1].split(",")[0]) for ln in lines}
         assert len(trainers) >= 2, f"partition 0 was trained by {trainers} only: nothing was forwarded"
@@ -47,8 +56,7 @@ def test_sigkills_of_workers_and_the_master_lose_and_repeat_nothing(tmp_path: Pa
     with redis_server(tmp_path / "redis") as server:
         url = server.url("clicks")
         produce(url, 3, [36000, 1000, 1000])
-        job = Job(tmp_path, "3:3", ARGS, run_args=["--stream", url, "--stop-when-drained", "3",
-                                                    "--global-shuffle", "128:512"]).start()
+        job = shuffled_job(tmp_path, url)
         try:
             job.wait_step(10, 120)
             wait_for(lambda: sum(w["stream_forwarded_out"] for w in job.status()["workers"]) > 0, 60,
@@ -65,18 +73,12 @@ def test_sigkills_of_workers_and_the_master_lose_and_repeat_nothing(tmp_path: Pa
                 os.kill(victim["pid"], signal.SIGKILL)
                 job.wait_step(job.status()["finalized_step"] + 5, 120)
             # and the master: the positions and the ranges committed beyond them come back from its journal
-            assert job.proc is not None
-            job.proc.send_signal(signal.SIGKILL)
-            job.proc.wait(10)
-            job.resume_master()
-            st = job.wait_status(lambda s: s["state"] == "running", 60, "the resumed master")
-            job.wait_step(st["finalized_step"] + 5, 120)
+            job.kill_master()
+            job.resume_master_and_train()
             assert job.wait(300) == 0, job.output()[-3000:]
         finally:
             job.kill_all()
-        done = audit(job, url)
-        assert done.returncode == 0 and done.stdout.startswith("PASSED"), done.stdout + done.stderr
-        assert "partition 0: 36000 records" in done.stdout, done.stdout
+        audited(job, url, 36000)
 
 
 @pytest.mark.parametrize("value", ["5:2", "abc", "0:0", "128:512x"])
