@@ -364,9 +364,13 @@ def targets(live: dict[str, Any], simulated: dict[str, Any], bound: float) -> li
         v = live["kale"]["slo_violation_rate"]
         out.append(["live kale SLO violation", f"{100 * v:.1f}%", f"<= {100 * TARGETS['slo_violation']:.0f}%",
                     verdict(v <= TARGETS["slo_violation"])])
-        r = ratio(live["kale"]["worker_min"], bound)
-        out.append(["live kale worker-min / lower bound", f"{r:.2f}x", f"<= {TARGETS['worker_min_vs_bound']}x",
-                    verdict(r <= TARGETS["worker_min_vs_bound"])])
+        if math.isfinite(bound) and bound > 0:
+            r = ratio(live["kale"]["worker_min"], bound)
+            out.append(["live kale worker-min / lower bound", f"{r:.2f}x", f"<= {TARGETS['worker_min_vs_bound']}x",
+                        verdict(r <= TARGETS["worker_min_vs_bound"])])
+        else:  # the model fitted live cannot keep the SLO at any count: no bound to compare with
+            out.append(["live kale worker-min / lower bound", "no bound", f"<= {TARGETS['worker_min_vs_bound']}x",
+                        "MISS"])
     for name in live:
         if name not in simulated:
             continue

@@ -24,9 +24,9 @@ from tests.test_stream_job import audit, produce
 ARGS = ["--batch-size", "64", "--step-sleep", "0.02", "--log-every", "0"]
 
 
-def shuffled_job(tmp_path: Path, url: str) -> Job:
-    return Job(tmp_path, "3:3", ARGS, run_args=["--stream", url, "--stop-when-drained", "3",
-                                                "--global-shuffle", "128:512"]).start()
+def shuffled_job(tmp_path: Path, url: str, workers: str = "3:3") -> Job:
+    return Job(tmp_path, workers, ARGS, run_args=["--stream", url, "--stop-when-drained", "3",
+                                                  "--global-shuffle", "128:512"]).start()
 
 
 def audited(job: Job, url: str, records: int) -> None:
@@ -36,16 +36,21 @@ def audited(job: Job, url: str, records: int) -> None:
     assert f"partition 0: {records} records" in done.stdout, done.stdout
 
 
-def test_overflow_is_forwarded_and_every_record_is_trained_once(tmp_path: Path) -> None:
+def test_overflow_is_forwarded_and_every_record_is_trained_once_through_a_scale_in(tmp_path: Path) -> None:
     with redis_server(tmp_path / "redis") as server:
         url = server.url("clicks")
-        produce(url, 3, [8000, 500, 500])
-        job = shuffled_job(tmp_path, url)
+        produce(url, 3, [12000, 500, 500])
+        job = shuffled_job(tmp_path, url, "2:3")
         try:
+            job.wait_step(10, 120)
+            job.scale(2)  # a scaled-in worker closes its shuffle unit and exits 0; the others re-form
             assert job.wait(300) == 0, job.output()[-3000:]
         finally:
             job.kill_all()
-        audited(job, url, 8000)
+        out = job.output()
+        left = [ln.split("worker ")[1].split()[0] for ln in out.splitlines() if "leaves (scale-in)" in ln]
+        assert left and f"worker {left[0]} exited (code 0)" in out, out[-3000:]
+        audited(job, url, 12000)
         lines = [ln for ln in job.ledger.read_text().splitlines() if '"partition": 0' in ln]
         trainers = {int(ln.split('"worker": ')[1].split(",")[0]) for ln in lines}
         assert len(trainers) >= 2, f"partition 0 was trained by {trainers} only: nothing was forwarded"

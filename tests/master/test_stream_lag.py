@@ -174,3 +174,26 @@ def test_the_planner_is_seeded_with_the_traffic_history_before_it_decides(tmp_pa
     assert planner_status is not None and planner_status.history_bins == 1440
     master.close()
 
+
+
+def test_a_stream_jobs_capacity_is_measured_from_its_busy_share() -> None:
+    """Busy share is the step time weighted by how full the batches were: two workers training
+    600 records/s while half busy could train 1,200/s; a job a tenth busy shows too little."""
+    from tidal.api import WorkerState
+    from tidal.master.membership import WorkerRecord
+    from tidal.master.planning import MEASURE_UTILIZATION
+
+    planning = Planning(MaxWorkersPlanner(), 0.0)
+
+    def members(busy: float) -> list[WorkerRecord]:
+        out = []
+        for w in range(2):
+            r = WorkerRecord(worker_id=w, state=WorkerState.ACTIVE, launched_at=0.0)
+            r.samples_per_s, r.stream_busy, r.stream_backlog = 300.0, busy, 0
+            out.append(r)
+        return out
+
+    half = planning.observe_stream(10.0, 1.0, 2.0, 0, members(0.5), ready=True)
+    assert half.measured == [(2.0, 600.0)] and half.utilization == 0.5  # 600 trace records/s at 2x
+    assert planning.observe_stream(11.0, 1.0, 2.0, 0, members(MEASURE_UTILIZATION / 2), ready=True).measured == []
+    assert planning.observe_stream(12.0, 1.0, 2.0, 0, members(1.0), ready=False).measured == []  # re-forming

@@ -271,7 +271,8 @@ class ReportRequest(_Wire):
     stream_malformed: int = Field(default=0, ge=0, le=_I64)
     stream_lag: dict[int, int] = Field(default_factory=dict, max_length=65536)  # per partition it reads
     # the arrival time (ms since the epoch, from its id) of the oldest record waiting in its
-    # partitions (0: none waits), and the share of the last second its steps had records (-1: unknown)
+    # partitions (0: none waits), and the share of the last second it was busy with records, each
+    # step's time weighted by how full its batch was (-1: unknown)
     stream_oldest_ms: int = Field(default=0, ge=0, le=_I64)
     stream_busy: float = Field(default=-1.0, ge=-1.0, le=1.0)
     # with global shuffling (tidal.worker.shuffle): records in its local queue (-1: no shuffling),

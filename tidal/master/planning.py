@@ -45,6 +45,7 @@ __all__ = ["MAX_DECISIONS", "MAX_TIMELINE", "Planning", "StreamLag", "stream_lag
 
 MAX_DECISIONS = 200  # decisions kept (and journaled); the count of all of them is kept too
 MAX_TIMELINE = 3600  # timeline points kept: an hour at one a second
+MEASURE_UTILIZATION = 0.25  # below it, too few records to extrapolate a stream job's capacity from
 
 
 def stream_lag_s(now: float, time_scale: float, members: Sequence[WorkerRecord]) -> float | None:
@@ -174,7 +175,9 @@ class Planning:
         """A stream job's side of the observation (Kale), in trace time (``time_scale``): the
         records that arrived since the previous call (those committed since, plus the growth of
         what waits), the backlog the members report, the age of the oldest waiting record (from
-        its id), the members' busy share, and the rate they trained at while busy."""
+        its id), the members' busy share (the share of their step time, weighted by how full their
+        batches were: ``tidal.worker.stream_loader``), and their capacity, the rate they trained
+        at over that share, once it is at least ``MEASURE_UTILIZATION``."""
         backlog = sum(max(0, r.stream_backlog) for r in members)
         before = self._stream_seen or (committed, backlog)
         self._stream_seen = (committed, backlog)
@@ -183,7 +186,10 @@ class Planning:
         busy = [r.stream_busy for r in members if r.stream_busy >= 0]
         utilization = sum(busy) / len(busy) if busy else 0.0
         rate = sum(r.samples_per_s for r in members) / time_scale
-        measured = [(float(len(members)), rate)] if ready and members and utilization >= 0.9 else []
+        # the members' capacity: what they trained over the share of their steps' batches they
+        # filled (the simulator measures it every minute; live, only a busy job shows it)
+        measured = ([(float(len(members)), rate / min(1.0, utilization))]
+                    if ready and members and utilization >= MEASURE_UTILIZATION and rate > 0 else [])
         return StreamObservation(interval_s=interval_s * time_scale, arrivals=[float(arrived)], measured=measured,
                                  backlog=float(backlog), lag_s=lag_s, utilization=min(1.0, utilization))
 

@@ -127,12 +127,19 @@ class StreamLoader:
         self._unit: ShuffleUnit | None = None
 
     def __iter__(self) -> Iterator[Any]:
-        """The batches of this worker; ``job.step()`` must follow each one.
+        """The batches of this worker; ``job.step()`` must follow each one. However the loop
+        ends (finished, scaled in, an error), the loader's threads and sockets are closed.
 
         Raises:
             UsageError: ``job.state()`` was not called, logical workers (not supported on streams
                 yet), or ``job.step()`` was not called once for a batch.
         """
+        try:
+            yield from self._batches()
+        finally:
+            self.close()
+
+    def _batches(self) -> Iterator[Any]:
         job = self.job
         steps = job.steps
         if steps.logical is not None:
@@ -194,7 +201,9 @@ class StreamLoader:
             pending = steps.begin_stream(partition, after, first, last, len(records))
             began = self.clock()
             yield batch
-            self._busy_s += self.clock() - began  # the step's compute and reduction: busy with records
+            # busy for the share of the step's batch it filled: a worker that keeps up trains a few
+            # records every step, and counting such a step as busy would read as saturation
+            self._busy_s += (self.clock() - began) * min(1.0, len(records) / self.batch_size)
             if steps.pending is pending:
                 raise UsageError("call job.step() once for every batch of the elastic loader")
 
@@ -313,10 +322,15 @@ class StreamLoader:
         return picked
 
     def close(self) -> None:
-        """Stop the background threads (the job's end does it too: they are daemons)."""
+        """Stop the background threads and close the shuffle unit's sockets (once the loop ends)."""
         if self._unit is not None:
             self._unit.close()
             self._unit = None
+        for pool in (self._pool, self._counter):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+        self._pool = self._counter = None
+        self._prefetch = self._counting = None
 
     def _trim(self, committed: dict[int, int]) -> None:
         """``--trim-after-commit``: delete this worker's partitions' records up to the committed
