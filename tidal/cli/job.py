@@ -156,7 +156,8 @@ def run(
         help="With --stream: Kale's global shuffling (tidal.worker.shuffle). Each worker keeps a local queue "
              "of records read from its partitions; above UPPER records it forwards what it reads next to "
              "workers that accept (those whose queue fell below LOWER), over ZeroMQ on 127.0.0.1. Evens out "
-             "uneven partitions; every record is still trained exactly once. E.g. 1024:4096."),
+             "uneven partitions; every record is still trained exactly once. A record waits behind about UPPER "
+             "queued records, so keep both a few batches: e.g. 128:512 with a batch of 128."),
     resume_dir: Path | None = typer.Option(
         None, "--resume", metavar="JOBDIR",
         help="Continue the job of JOBDIR (its master and workers gone) instead of starting one: SCRIPT and its "
