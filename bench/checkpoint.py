@@ -60,7 +60,6 @@ import math
 import mmap
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -76,7 +75,7 @@ import psutil
 import torch
 import torch.distributed.checkpoint as dcp
 
-from bench.common import MACHINE, ROOT, load_average, median, table
+from bench.common import MACHINE, ROOT, cleanup_on_sigterm, load_average, median, table
 from tidal.worker.flash import FlashCheckpoint, remove_shm
 from tidal.worker.state import split_tree
 
@@ -413,10 +412,6 @@ def fs_type(path: Path) -> str:
     return best[1]
 
 
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt  # SIGTERM cleans up as Ctrl-C does
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--sizes", default="0.1,1,4", help="state sizes in GB (10^9 bytes), comma-separated")
@@ -430,7 +425,7 @@ def main() -> None:
     if args.repeat < 1 or any(n <= 0 for _, n in sizes):
         parser.error("--repeat and every size must be positive")
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-    signal.signal(signal.SIGTERM, _interrupt)
+    cleanup_on_sigterm()
 
     made_parent = None
     if args.dir is not None:

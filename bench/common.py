@@ -237,6 +237,15 @@ def _checked_rate(stamp_dir: Path, procs: int, warmup: float) -> float:
     return rate
 
 
+def cleanup_on_sigterm() -> None:
+    """SIGTERM unwinds the bench as Ctrl-C does, so its ``finally`` blocks stop what it started
+    (redis-servers and jobs run in sessions of their own: a killed bench would leave them)."""
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def start(argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
     """Start ``argv`` in its own process group (so that it and its children can be stopped together)."""
     log.parent.mkdir(parents=True, exist_ok=True)

@@ -67,7 +67,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import ROOT, TIDAL, bench_env, load_average, start, stop, table
+from bench.common import ROOT, TIDAL, bench_env, cleanup_on_sigterm, load_average, start, stop, table
 from examples.ctr.stream import ClickRecords
 from tests.redis_server import RedisServer
 from tidal.api import ConfigError
@@ -386,6 +386,7 @@ def targets(live: dict[str, Any], simulated: dict[str, Any], bound: float) -> li
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    cleanup_on_sigterm()
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     scale = 1440.0 / args.minutes
     try:

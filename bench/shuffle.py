@@ -46,7 +46,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx
 import numpy as np
 
-from bench.common import ROOT, TIDAL, bench_env, load_stamps, start, stop, table, tidal_argv
+from bench.common import (
+    ROOT,
+    TIDAL,
+    bench_env,
+    cleanup_on_sigterm,
+    load_stamps,
+    start,
+    stop,
+    table,
+    tidal_argv,
+)
 from examples.ctr.stream import ClickRecords
 from tests.redis_server import RedisServer
 from tidal.api.streams import pack_id, parse_id
@@ -96,7 +106,8 @@ def run(work: Path, url: str, args: argparse.Namespace, shuffle: str | None) -> 
                                f"{(work / 'tidal.log').read_text(errors='replace')[-2000:]}")
     finally:
         stop(proc)
-        producer.join()
+        if producer.ident is not None:  # started
+            producer.join()
     audit = subprocess.run([TIDAL, "audit", str(work / "ledger"), "--stream", url], capture_output=True, text=True,
                            timeout=600)
     lags = _record_lags(source, work / "ledger", work / "stamps", seeds)
@@ -158,6 +169,7 @@ def main() -> None:
     p.add_argument("--json", action="store_true")
     p.add_argument("--keep", type=Path, default=None, help="keep logs, stamps and ledgers here")
     args = p.parse_args()
+    cleanup_on_sigterm()
     work = args.keep or Path(tempfile.mkdtemp(prefix="tidal-shuffle-"))
     results = {}
     try:

@@ -59,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (
     bench_env,
+    cleanup_on_sigterm,
     load_average,
     load_stamps,
     median,
@@ -244,6 +245,7 @@ def main() -> int:
     p.add_argument("--keep", type=Path, default=None, help="keep logs and stamps here")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
+    cleanup_on_sigterm()
     if args.partitions < 1 or min(args.samples, args.dataset_samples) < 20 * args.batch_size:
         p.error("need --partitions >= 1, --samples and --dataset-samples >= 20 batches")
     size = ["--model-size", args.model_size]

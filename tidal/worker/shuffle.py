@@ -86,10 +86,6 @@ class Batch:
     forwarded: bool = False
 
     @property
-    def first(self) -> int:
-        return pack_id(self.records[0].id)
-
-    @property
     def last(self) -> int:
         return pack_id(self.records[-1].id)
 
@@ -123,7 +119,7 @@ class ShuffleUnit:
         self._round, self._rank = -1, -1
         self._connected: set[int] = set()  # ranks of this round the forwarding unit can send to
         self._refusing: set[int] = set()  # ranks of this round whose last word was "not accepting"
-        self.forwarded_out = self.forwarded_in = self.returned = 0  # records
+        self.forwarded_out = self.forwarded_in = 0  # records
         self._outbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self._closed = threading.Event()
         self._feeder: threading.Thread | None = None
@@ -377,8 +373,7 @@ class ShuffleUnit:
                 # the receiver stopped taking (dead or hung: the round will end): train it here
                 self._connected.discard(to)
                 batch = Batch(round_, partition, after, records)
-                if self._enqueue(batch):
-                    self.returned += len(records)
+                self._enqueue(batch)
         for s in sockets.values():
             s.close(linger=0)
 
