@@ -41,10 +41,12 @@ class DLRM(nn.Module):
         emb_dim: int = 16,
         bottom: Sequence[int] = (32,),
         top: Sequence[int] = (64, 32),
+        tables: bool = True,
     ) -> None:
         super().__init__()
         self.num_sparse = num_sparse
-        embeddings = [nn.Embedding(hash_size, emb_dim) for _ in range(num_sparse)]
+        # tables False: the embeddings are held elsewhere (parameter servers): see ``interact``
+        embeddings = [nn.Embedding(hash_size, emb_dim) for _ in range(num_sparse if tables else 0)]
         for emb in embeddings:
             # DLRM's init, U(-1/sqrt(n), 1/sqrt(n)); N(0, 1) would make the dot products huge.
             nn.init.uniform_(emb.weight, -(hash_size**-0.5), hash_size**-0.5)
@@ -58,9 +60,13 @@ class DLRM(nn.Module):
 
     def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
         """``dense`` float ``[n, num_dense]``, ``sparse`` int64 ``[n, num_sparse]`` -> logits ``[n]``."""
+        return self.interact(dense, [emb(sparse[:, f]) for f, emb in enumerate(self.embeddings)])
+
+    def interact(self, dense: torch.Tensor, vectors: list[torch.Tensor]) -> torch.Tensor:
+        """The model from the field embeddings on: ``vectors`` holds one ``[n, emb_dim]`` tensor
+        per sparse field (looked up by ``forward``, or pulled from parameter servers)."""
         x = self.bottom(dense)
-        vecs = [x] + [emb(sparse[:, f]) for f, emb in enumerate(self.embeddings)]
-        t = torch.stack(vecs, dim=1)  # [n, num_sparse + 1, emb_dim]
+        t = torch.stack([x, *vectors], dim=1)  # [n, num_sparse + 1, emb_dim]
         gram = torch.bmm(t, t.transpose(1, 2))
         inter = gram[:, self._rows, self._cols]
         return self.top(torch.cat([x, inter], dim=1)).squeeze(-1)

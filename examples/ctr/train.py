@@ -41,6 +41,8 @@ import tidal.worker
 from examples.ctr.data import ClickDataset, roc_auc
 from examples.ctr.model import DLRM
 from examples.ctr.stream import ClickRecords
+from tidal.ps.api import TableSpec
+from tidal.ps.embedding import ServerEmbeddings
 
 
 def non_negative_float(text: str) -> float:
@@ -89,6 +91,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="small",
                    help="small: the CPU-sized DLRM; large: wider MLPs and embeddings, so that a GPU step "
                         "is not bound by kernel launches")
+    p.add_argument("--ps", action="store_true",
+                   help="hold the embedding tables on the job's parameter servers (tidal run --ps N): one table "
+                        "of --ps-hash-size ids per sparse field, rows created when first trained")
+    p.add_argument("--ps-hash-size", type=int, default=2**24, metavar="N",
+                   help="with --ps: ids per table (raw categories hash into N buckets; default 2^24, too large "
+                        "to replicate in every worker)")
+    p.add_argument("--ps-optimizer", choices=["adam", "adagrad", "sgd"], default="adam",
+                   help="with --ps: the tables' optimizer, run on the servers (lr: --lr)")
     args = p.parse_args(argv)
     args.device_ms_per_step += args.step_sleep * 1e3  # the alias; args.step_sleep stays for its readers
     return args
@@ -114,11 +124,28 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def evaluate(model: torch.nn.Module, data: ClickDataset, device: torch.device) -> float:
+def server_tables(args: argparse.Namespace, job: tidal.worker.Job) -> ServerEmbeddings | None:
+    """``--ps``: one table per sparse field on the job's parameter servers (None without it)."""
+    if not args.ps:
+        return None
+    dim, fields = int(MODEL_SIZES[args.model_size]["emb_dim"]), 8  # type: ignore[call-overload]
+    return ServerEmbeddings(job, [TableSpec(f"field{f}", dim=dim, num_ids=args.ps_hash_size, optimizer=args.ps_optimizer,
+                                            lr=args.lr, seed=args.seed) for f in range(fields)])
+
+
+def predict(model: DLRM, tables: ServerEmbeddings | None, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+    """The logits: the model's own tables, or the rows pulled from the parameter servers."""
+    if tables is None:
+        return model(dense, sparse)
+    vectors = tables({f"field{f}": sparse[:, f] for f in range(model.num_sparse)})
+    return model.interact(dense, [vectors[f"field{f}"] for f in range(model.num_sparse)])
+
+
+def evaluate(model: DLRM, tables: ServerEmbeddings | None, data: ClickDataset, device: torch.device) -> float:
     model.eval()
     with torch.no_grad():
         batch = data.get_range(0, len(data))
-        scores = model(batch["dense"].to(device), batch["sparse"].to(device)).cpu().numpy()
+        scores = predict(model, tables, batch["dense"].to(device), batch["sparse"].to(device)).cpu().numpy()
     model.train()
     return roc_auc(batch["label"].numpy(), scores)
 
@@ -128,11 +155,15 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     job = tidal.worker.init(logical_workers=args.logical_workers, checkpoint_dir=args.checkpoint_dir)
     torch.manual_seed(args.seed)
-    train = ClickDataset(args.samples, seed=args.seed)
+    hashing = {"hash_size": args.ps_hash_size} if args.ps else {}
+    train = ClickDataset(args.samples, seed=args.seed, **hashing)
     device = pick_device(args.device)
-    model = DLRM(**MODEL_SIZES[args.model_size]).to(device)  # type: ignore[arg-type]
+    model = DLRM(**MODEL_SIZES[args.model_size], tables=not args.ps).to(device)  # type: ignore[arg-type]
+    tables = server_tables(args, job)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     state = job.state(model, optimizer)
+    if tables is not None:
+        tables.attach(state)
     loss_fn = torch.nn.BCEWithLogitsLoss()
     slow = args.slowdown if job.worker_id == args.slow_worker else 1.0
     emulated = args.device_ms_per_step > 0 or args.device_us_per_sample > 0
@@ -150,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
         started = time.monotonic()
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model(batch["dense"], batch["sparse"]), batch["label"])
+        loss = loss_fn(predict(model, tables, batch["dense"], batch["sparse"]), batch["label"])
         loss.backward()
         # one sleep: the straggler's extra compute, then the (emulated) device time of the batch
         pause = (slow - 1.0) * (time.monotonic() - started) + slow * emulated_device_seconds(args, len(batch["label"]))
@@ -169,8 +200,8 @@ def main(argv: list[str] | None = None) -> None:
 
     train_seconds = time.monotonic() - t0
     if job.rank == 0:
-        held_out = ClickDataset(args.eval_samples, seed=args.seed, offset=args.samples)
-        auc = evaluate(model, held_out, device)
+        held_out = ClickDataset(args.eval_samples, seed=args.seed, offset=args.samples, **hashing)
+        auc = evaluate(model, tables, held_out, device)
         ceiling = held_out.oracle_auc()
         print(f"final AUC {auc:.4f} (ceiling of the known model {ceiling:.4f}) after step {job.applied_step}, "
               f"{train_seconds:.2f} s of training", flush=True)
@@ -179,6 +210,8 @@ def main(argv: list[str] | None = None) -> None:
         job.finish(auc=auc, oracle_auc=ceiling, steps=job.applied_step + 1, train_seconds=train_seconds,
                    **emulation)
     job.close()
+    if tables is not None:
+        tables.close()
 
 
 if __name__ == "__main__":

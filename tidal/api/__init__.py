@@ -56,6 +56,8 @@ __all__ = [
     "RestoreFailure",
     "RetryableError",
     "ScaleRequest",
+    "ServerInfo",
+    "ServerReport",
     "Shard",
     "ShardCounts",
     "StaleRoundError",
@@ -234,6 +236,9 @@ class RendezvousResponse(_Wire):
     # order; global shuffling commits forwarded ranges out of order): read up to ``after``, then on
     # after ``last``
     stream_skip: dict[int, list[list[int]]] = Field(default_factory=dict)
+    # the job's parameter servers (``--ps``): address of server i, and the server of each virtual shard
+    ps: list[str] = Field(default_factory=list)
+    ps_shard_map: list[int] = Field(default_factory=list)
 
 
 class PauseReport(_Wire):
@@ -366,6 +371,35 @@ class WorkerInfo(_Wire):
     stream_forwarded_in: int = 0
 
 
+class ServerReport(_Wire):
+    """A parameter server's report (``POST /v1/ps/report``, every second): where it listens
+    (its first report registers it), and its load."""
+
+    server_id: int = Field(ge=0, le=_I64)
+    address: str = Field(max_length=300, pattern=r"^tcp://[^\s]+:[0-9]{1,5}$")
+    pid: int = Field(ge=0, le=_I64)
+    rows: int = Field(default=0, ge=0, le=_I64)
+    bytes: int = Field(default=0, ge=0, le=_I64)
+    applied_step: int = Field(default=-1, ge=-1, le=_I64)
+    requests_per_s: float = Field(default=0.0, ge=0, le=1e9)
+    busy: float = Field(default=0.0, ge=0, le=1)  # share of the last interval spent serving
+
+
+class ServerInfo(_Wire):
+    """A parameter server as ``tidal status`` shows it."""
+
+    id: int
+    pid: int
+    state: str  # launching, running, exited
+    address: str = ""
+    rows: int = 0
+    bytes: int = 0
+    applied_step: int = -1
+    requests_per_s: float = 0.0
+    busy: float = 0.0
+    exit_code: int | None = None
+
+
 class ShardCounts(_Wire):
     epoch: int
     todo: int
@@ -431,6 +465,8 @@ class StatusResponse(_Wire):
     stream: list[StreamPartitionStatus] = Field(default_factory=list)  # a stream job's partitions
     stream_stop: str | None = None  # why a stream job is ending (drained, `tidal stop`)
     stream_lag: StreamLagStatus | None = None  # a stream job's lag against its SLO, once a worker reported
+    servers: list[ServerInfo] = Field(default_factory=list)  # parameter servers (``--ps``)
+    ps_shard_map: list[int] = Field(default_factory=list)  # the server of each virtual shard
 
 
 class PlannerDecision(_Wire):

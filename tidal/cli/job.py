@@ -103,6 +103,9 @@ def check_ledger(path: Path | None) -> None:
         raise ConfigError(f"cannot write ledger {path}: {exc.strerror}") from None
 
 
+
+MAX_PS = 64  # parameter servers of one job on the local backend
+
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
                                "allow_interspersed_args": False})
 def run(
@@ -158,6 +161,14 @@ def run(
              "workers that accept (those whose queue fell below LOWER), over ZeroMQ on 127.0.0.1. Evens out "
              "uneven partitions; every record is still trained exactly once. A record waits behind about UPPER "
              "queued records, so keep both a few batches: e.g. 128:512 with a batch of 128."),
+    ps: int = typer.Option(
+        0, "--ps", metavar="N",
+        help="Start N parameter servers (tidal.ps) for the script's embedding tables "
+             "(tidal.ps.embedding.ServerEmbeddings): rows hash-partitioned over virtual shards, created on "
+             "first use, updated on the servers in sync with every committed step. Fixed while the job runs, "
+             f"at most {MAX_PS}; a server that dies fails the job (not replaced yet)."),
+    ps_shards: int = typer.Option(
+        64, "--ps-shards", metavar="V", help="Virtual shards the rows hash to (at least --ps, at most 4096)."),
     resume_dir: Path | None = typer.Option(
         None, "--resume", metavar="JOBDIR",
         help="Continue the job of JOBDIR (its master and workers gone) instead of starting one: SCRIPT and its "
@@ -259,6 +270,12 @@ def run(
     if initial is not None and not low <= initial <= high:
         raise fail(f"--initial {initial} is outside --workers {low}:{high}")
     check_ledger(ledger)
+    if ps:
+        check_range("--ps", ps, (1, MAX_PS))
+        check_range("--ps-shards", ps_shards, (ps, 4096))
+        if checkpoint_every is not None:
+            raise fail("--checkpoint-every with --ps: the servers' tables are not in flash checkpoints yet, so "
+                       "a resume would lose them; use --checkpoint-dir for the final checkpoint")
     env = logical_env(logical_workers, high, checkpoint_dir, determinism)
     if stream is not None:
         check_stream(stream, logical_workers)
@@ -304,7 +321,7 @@ def run(
         planner_interval_s=planner_interval, history_path=history_path(history),
         stream_url=stream, stop_when_drained_s=stop_when_drained, trim_after_commit=trim_after_commit,
         time_scale=time_scale, lag_slo_s=1200.0 if lag_slo is None else lag_slo,
-        traffic_history=seed[0], traffic_history_interval_s=seed[1],
+        traffic_history=seed[0], traffic_history_interval_s=seed[1], ps=ps, ps_shards=ps_shards,
     )
     _point_current(directory)
     typer.echo(f"tidal: job {job_id} on http://127.0.0.1:{spec.port} (job dir {directory}); "

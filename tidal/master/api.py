@@ -122,6 +122,9 @@ class JobSpec:
     # journal) so that a master that takes over seeds its planner with it again
     traffic_history: list[float] = field(default_factory=list)
     traffic_history_interval_s: float = 60.0
+    # parameter servers (``tidal run --ps N``): how many, and the virtual shards their rows hash to
+    ps: int = 0
+    ps_shards: int = 64
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

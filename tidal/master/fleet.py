@@ -7,8 +7,9 @@ an orphan after a reload), kills, adopts after a restart, and turns ``Backend.po
 the exits and launch errors the master has not handled yet (kept until handled: a journal
 failure mid-way keeps them for the reload).
 
-Only the ``worker`` role exists today; node ids are ``worker-{id}`` (``tidal.backends.api``),
-and a parameter server or data worker fleet takes its own role and ids.
+Node ids are ``{role}-{id}`` (``tidal.backends.api``). The fleet owns the ``worker`` role; what
+the backend reports of parameter servers (role ``ps``, tidal.master.servers) it queues for the
+master in ``server_reports``.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ class Fleet:
         self._exits: deque[tuple[int, NodeExit]] = deque()
         self._errors: deque[tuple[int, NodeError]] = deque()
         self._awaiting_pid: set[int] = set()  # launched, pid not yet seen in Backend.poll()
+        # parameter servers' exits and launch errors: (server id, exit code or None, why)
+        self.server_reports: deque[tuple[int, int | None, str]] = deque()
 
     # ------------------------------------------------------------------ journal
     def to_meta(self) -> dict[str, Any]:
@@ -102,13 +105,17 @@ class Fleet:
                 rec.pid, rec.create_time = handle.pid, handle.create_time
                 self._awaiting_pid.discard(launched)
         for ev in state.ended:
-            worker_id = _worker_of(ev.node_id)
-            if worker_id is not None:
-                self._exits.append((worker_id, ev))
+            role, index = _node_of(ev.node_id)
+            if role == "worker":
+                self._exits.append((index, ev))
+            elif role == "ps":
+                self.server_reports.append((index, ev.exit_code, f"exited with code {ev.exit_code}"))
         for err in state.errors:
-            worker_id = _worker_of(err.node_id)
-            if worker_id is not None:
-                self._errors.append((worker_id, err))
+            role, index = _node_of(err.node_id)
+            if role == "worker":
+                self._errors.append((index, err))
+            elif role == "ps":
+                self.server_reports.append((index, None, f"could not start: {err.message}"))
 
     def pending_exits(self) -> deque[tuple[int, NodeExit]]:
         """Exits not handled yet: the caller pops each once handled."""
@@ -208,18 +215,21 @@ class Fleet:
 
     def log_tail(self, worker_id: int) -> str:
         """The last line the worker printed (why a script crashed), for the job's error."""
-        path = Path(self.spec.job_dir) / "logs" / f"worker-{worker_id}.log"
-        try:
-            lines = [ln.strip() for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
-        except OSError:
-            return ""
-        return lines[-1][:300] if lines else ""
+        return last_log_line(Path(self.spec.job_dir) / "logs" / f"worker-{worker_id}.log")
 
 
-def _worker_of(value: str) -> int | None:
+def last_log_line(path: Path) -> str:
+    """The last non-empty line of a node's log (at most 300 characters; "" when none)."""
     try:
-        role, index = parse_node_id(value)
+        lines = [ln.strip() for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return lines[-1][:300] if lines else ""
+
+
+def _node_of(value: str) -> tuple[str | None, int]:
+    try:
+        return parse_node_id(value)
     except ValueError:
         log.warning("backend reported an unknown node %r", value)
-        return None
-    return index if role == "worker" else None
+        return None, -1

@@ -59,6 +59,7 @@ from tidal.api import (
     ReportResponse,
     ResourcePlan,
     RestoreFailure,
+    ServerReport,
     ShardCounts,
     StatusResponse,
     StreamPartitionStatus,
@@ -90,6 +91,7 @@ from tidal.master.membership import WorkerRecord
 from tidal.master.planning import Planning, available_cpus, stream_lag_s, worker_observation
 from tidal.master.progress import MemberProgress
 from tidal.master.rounds import RoundState
+from tidal.master.servers import Servers
 from tidal.master.shards import DatasetConfig, ShardManager
 from tidal.master.streams import StreamTable
 
@@ -175,6 +177,7 @@ class JobMaster:
         self.rounds = RoundState()
         self.commits = Commits(self.journal, self.shards, self.log, spec.ledger_path, self.streams)
         self.fleet = Fleet(spec, self.backend)
+        self.servers = Servers(spec, self.backend)  # parameter servers (--ps)
         self._next_plan_at = 0.0
         self._next_liveness_check = 0.0
         self._next_check = 0.0
@@ -246,7 +249,8 @@ class JobMaster:
 
     @property
     def done(self) -> bool:
-        return self.state in (JobState.SUCCEEDED, JobState.FAILED) and not self.fleet.alive_ids()
+        return (self.state in (JobState.SUCCEEDED, JobState.FAILED) and not self.fleet.alive_ids()
+                and not self.servers.alive())
 
     # ================================================================== lifecycle
     def start(self) -> None:
@@ -280,6 +284,7 @@ class JobMaster:
         else:
             self.shards.restore(DatasetConfig(**dataset) if dataset else None, j.load_shards(), j.load_ledger())
         self.fleet.restore(meta, j.load_workers(), self.clock())
+        self.servers.restore(meta, f"{self.spec.job_id}-ps-adopt-{self.clock():.6f}")
         # Every member must report to this master before a step is final again. One found dead
         # holds finalization back, as in a running master, until the next round settles its steps:
         # its records of the last steps are only in the survivors' hands, and finalizing those
@@ -412,6 +417,44 @@ class JobMaster:
         if assigned is not None and assigned.status == "leave":
             return assigned
         return RendezvousResponse(status="waiting", round=rs.round)
+
+    @journaled
+    def server_report(self, req: ServerReport) -> None:
+        """A parameter server's report; its first registers its address (tidal.master.servers).
+
+        Raises:
+            WorkerGoneError: the job is over, or the server is not one of the job's (it exits).
+        """
+        if self.state in (JobState.SUCCEEDED, JobState.FAILED):
+            raise WorkerGoneError(f"the job has {self.state.value}")
+        if req.server_id not in self.servers.records:
+            raise WorkerGoneError(f"no parameter server {req.server_id} in this job")
+        registered = self.servers.report(req)
+        if registered is not None:
+            self.log.add("ps", f"parameter server {req.server_id} listens at {req.address} (pid {req.pid})")
+            self._persist()
+            self._try_close_round()
+
+    def _launch_servers(self) -> None:
+        new = self.servers.launch(self._persist)
+        if new:
+            self.log.add("launch", f"launched parameter servers {new} ({self.spec.ps_shards} virtual shards)")
+            self._persist()
+
+    def _handle_server_exits(self) -> None:
+        """A parameter server that ends while the job runs fails the job (no server is replaced
+        yet: its rows are gone, and training on without them would be a silent loss)."""
+        reports = self.fleet.server_reports
+        while reports:
+            server_id, code, why = reports[0]
+            rec = self.servers.exited(server_id, code)
+            if rec is not None and self.state in (JobState.RUNNING, JobState.FINISHING):
+                tail = self.servers.log_tail(server_id)
+                self._fail_job(f"parameter server {server_id} {why}{': ' + tail if tail else ''} (a lost "
+                               "server is not replaced yet: its rows cannot be restored)")
+            elif rec is not None:
+                self._persist()
+            reports.popleft()
 
     def _check_records(self, req: RendezvousRequest) -> None:
         """Records a rendezvous carries must be committable: anything else is a 400 now, not a
@@ -627,6 +670,7 @@ class JobMaster:
     def _reconcile(self, now: float) -> None:
         self.fleet.poll()
         self._handle_backend_reports()
+        self._handle_server_exits()
         if now >= self._next_liveness_check:
             self._next_liveness_check = now + LIVENESS_S
             self._execute(liveness.check_heartbeats(
@@ -650,6 +694,8 @@ class JobMaster:
                 self.planning.record(now, sum(r.samples_per_s for r in active), len(active), self.target, lag)
             if self.streams is not None and self.spec.stop_when_drained_s is not None:
                 self._check_drained(now)
+            if not self.servers.launched:
+                self._launch_servers()
             self._launch_missing(now)
             cause = rounds.reform_cause(self.rounds, self.workers, self.target)
             if cause is not None:
@@ -659,6 +705,8 @@ class JobMaster:
             self._settle()
         elif self.state is JobState.FAILED:
             self.fleet.kill(self.fleet.alive_ids(), "job-failed")
+        if self.state in (JobState.SUCCEEDED, JobState.FAILED) and self.servers.alive():
+            self.servers.kill(self.state.value)  # the workers are done with them
 
     def stop(self) -> str:
         """``tidal stop``: a stream job's workers finish at their next step boundary (what they
@@ -882,7 +930,7 @@ class JobMaster:
             log.info("job %s: re-forming round %d: %s", self.spec.job_id, self.round, cause)
 
     def _try_close_round(self) -> None:
-        if self.state is not JobState.RUNNING:
+        if self.state is not JobState.RUNNING or not self.servers.ready:
             return
         self._restore_choice = self.checkpoints.choose(self.finalized_step) if self.takes_checkpoints else None
         restore_from = None if not self.takes_checkpoints else self._restore_choice.step if self._restore_choice else -1
@@ -930,6 +978,7 @@ class JobMaster:
                 sync_state=form.sync_state, applied_step=form.resume_step, restore=form.restore,
                 lineage=self.checkpoints.lineage, restore_lineage=restore_lineage, stream=stream.get(w, {}),
                 stream_skip=self.streams.skips(stream.get(w, {})) if self.streams is not None else {},
+                ps=self.servers.addresses(), ps_shard_map=self.servers.shard_map,
             )
         for w in form.leaving:
             rec = self.workers[w]
@@ -1064,6 +1113,7 @@ class JobMaster:
             checkpoint_step=self.checkpoint_step, checkpoint_problem=self.checkpoint_problem,
             stream=self.stream_status(), stream_stop=self.stream_stop,
             stream_lag=self.planning.lag.status(self.spec.time_scale) if self.streams is not None else None,
+            servers=self.servers.info(), ps_shard_map=self.servers.shard_map,
         )
 
     # ================================================================== helpers
@@ -1093,6 +1143,7 @@ class JobMaster:
             "stream_records": self.streams.records if self.streams is not None else 0,
             "stream_stop": self.stream_stop,
             **self.fleet.to_meta(),
+            **self.servers.to_meta(),
             "dataset": None if cfg is None else {
                 "size": cfg.size, "batch_size": cfg.batch_size, "batches_per_shard": cfg.batches_per_shard,
                 "shuffle": cfg.shuffle, "seed": cfg.seed, "epochs": cfg.epochs,

@@ -44,6 +44,7 @@ from tidal.api import (
     ReportRequest,
     ReportResponse,
     ScaleRequest,
+    ServerReport,
     StatusResponse,
     StoreAddRequest,
     StoreAddResponse,
@@ -263,6 +264,7 @@ def create_app(master: JobMaster, token: str, notifier: ChangeNotifier) -> Any:
 
     app.include_router(_worker_router(master, notifier))
     app.include_router(_user_router(master))
+    app.include_router(_ps_router(master))
 
     fast: dict[str, tuple[type[BaseModel], Callable[[Any], BaseModel]]] = {
         "/v1/report": (ReportRequest, master.report),
@@ -316,6 +318,19 @@ def _worker_router(master: JobMaster, notifier: ChangeNotifier) -> APIRouter:
     async def finish(req: FinishRequest) -> dict[str, str]:
         """The training loop is done; ``metrics`` (e.g. the final AUC) go into the job summary."""
         master.finish(req)
+        return {"state": master.state.value}
+
+    return router
+
+
+def _ps_router(master: JobMaster) -> APIRouter:
+    """What a job's parameter servers call."""
+    router = APIRouter(tags=["parameter servers"])
+
+    @router.post("/v1/ps/report", responses={400: {}, 410: {}})
+    async def ps_report(req: ServerReport) -> dict[str, str]:
+        """A server's address (its first report registers it) and load, every second."""
+        master.server_report(req)
         return {"state": master.state.value}
 
     return router

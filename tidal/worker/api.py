@@ -31,6 +31,28 @@ class UsageError(WorkerError, PermanentError):
     """The training script used the API out of order (e.g. iterated before creating the state)."""
 
 
+class StepHook(Protocol):
+    """Something beside the model that a step must update in step with it: the parameter
+    servers' embedding tables (tidal.ps.embedding) register one with ``job.add_step_hook``.
+
+    ``before_reduce`` runs once per contribution (a worker's batch, or a logical worker's), after
+    its backward pass and before the step's reduction; an exception from it ends the script
+    (a parameter server that refuses or does not answer). ``after_apply`` runs once the step is
+    applied, before it is committed: what it writes into ``state.extras`` is committed with the
+    step, restored on a re-form and sent to new workers. A checkpoint holds ``checkpoint_tree()``
+    under ``hooks/{name}``."""
+
+    name: str
+
+    def before_reduce(self, step: int, key: int, samples: int) -> None: ...
+
+    def after_apply(self, step: int, total: int) -> None: ...
+
+    def checkpoint_tree(self) -> dict[str, Any]:
+        """What a checkpoint holds of it beside the model (tensors in a canonical order)."""
+        ...
+
+
 @runtime_checkable
 class RangeDataset(Protocol):
     """A dataset that builds a whole batch from a contiguous index range (fast path)."""

@@ -46,7 +46,7 @@ from tidal.api import (
     parse_every,
 )
 from tidal.api.shm import worker_checkpoint_name
-from tidal.worker.api import CollectiveError, FinishRefusedError, UsageError, WorkerGoneError
+from tidal.worker.api import CollectiveError, FinishRefusedError, StepHook, UsageError, WorkerGoneError
 from tidal.worker.checkpoint import CheckpointError, save_checkpoint
 from tidal.worker.client import MasterClient
 from tidal.worker.comm import RoundComm
@@ -105,6 +105,10 @@ class Job:
         self.stream_skip: dict[int, list[list[int]]] = {}
         self.stream_partitions: list[int] = []
         self._restore_failed: RestoreFailure | None = None  # for the master, with the next rendezvous
+        # the job's parameter servers (``tidal run --ps``): their addresses by server index and the
+        # virtual shard map, as of this round (tidal.ps)
+        self.ps_servers: list[str] = []
+        self.ps_shard_map: list[int] = []
 
     # ------------------------------------------------------------------ public API
     @property
@@ -130,6 +134,18 @@ class Job:
                                  reduction=os.environ.get("TIDAL_REDUCTION", "ordered"))
         self._state = state
         return state
+
+    def add_step_hook(self, hook: StepHook) -> None:
+        """Update ``hook`` in step with the model (tidal.worker.api.StepHook).
+
+        Raises:
+            tidal.worker.api.UsageError: ``job.state()`` was not called yet, or a hook of that
+                name is registered already.
+        """
+        steps = self.steps
+        if any(h.name == hook.name for h in steps.hooks):
+            raise UsageError(f"a step hook named {hook.name!r} is registered already")
+        steps.hooks.append(hook)
 
     @property
     def steps(self) -> StepRunner:
@@ -259,7 +275,10 @@ class Job:
         if not target:
             raise UsageError("no checkpoint directory: pass one or run with --checkpoint-dir")
         state = self.steps.state
-        path = save_checkpoint(target, state.applied_step, state.to_tree(), self.est_contexts())
+        tree = state.to_tree()
+        if self.steps.hooks:
+            tree["hooks"] = {h.name: h.checkpoint_tree() for h in self.steps.hooks}
+        path = save_checkpoint(target, state.applied_step, tree, self.est_contexts())
         return str(path)
 
     # ------------------------------------------------------------------ what the step runner tells
@@ -381,6 +400,7 @@ class Job:
         )
         self.rank, self.world_size = a.rank, a.world_size
         self.lineage = a.lineage
+        self.ps_servers, self.ps_shard_map = list(a.ps), list(a.ps_shard_map)
         self.stream_assignment = dict(a.stream)
         self.stream_skip = {p: [list(r) for r in ranges] for p, ranges in a.stream_skip.items()}
         if a.sync_state:

@@ -38,7 +38,7 @@ from typing import Any, Protocol
 import torch
 
 from tidal.api import StepRecord
-from tidal.worker.api import CollectiveError, UsageError
+from tidal.worker.api import CollectiveError, StepHook, UsageError
 from tidal.worker.comm import END, EPOCH, FIRST, REFORM, START, WORKER, N
 from tidal.worker.logical import (
     GradientStash,
@@ -208,6 +208,7 @@ class StepRunner:
         self._pending: PendingStep | None = None
         self._lstep: LogicalStep | None = None
         self._stash = GradientStash()
+        self.hooks: list[StepHook] = []  # tidal.worker.api.StepHook: updated in step with the model
         if logical is not None and state.optimizer is not None:
             skip_empty_zero_grad(state.optimizer)  # called once per EST, after the stash emptied .grad
 
@@ -320,6 +321,8 @@ class StepRunner:
         self.idle_reform = False
         row = [pending.mine, int(self._host.reform_notice), pending.epoch, pending.start, pending.end,
                self._worker_id, pending.first]
+        for hook in self.hooks:
+            hook.before_reduce(pending.step, self._rank, pending.mine)
         t0 = self._clock()
         try:
             # each worker adds its samples' share; dividing by the step's total gives the mean
@@ -341,6 +344,8 @@ class StepRunner:
         records = [StepRecord(step=pending.step, worker=h[WORKER], epoch=h[EPOCH], start=h[START], end=h[END],
                               first=h[FIRST], samples=h[N])
                    for h in rows if h[N] > 0] if self._ledger else []
+        for hook in self.hooks:
+            hook.after_apply(pending.step, total)
         self._publish(pending, total, records, t0, comm_s)
         if any(r[REFORM] for r in rows):
             self._host.leave_for_rendezvous("re-form requested by the master")
@@ -396,6 +401,9 @@ class StepRunner:
         if lstep is None or r is None:
             raise UsageError("job.step() called twice for one batch")
         state = self.state
+        for hook in self.hooks:
+            s, e = lstep.batches[r]
+            hook.before_reduce(lstep.pending.step, r, e - s)
         self._stash.put(r, state.trainable())
         if r == 0 and len(self.local_ests) > 1 and state.buffers():  # the ESTs after it will change them
             lstep.buffers_est0 = [b.detach().clone() for b in state.buffers()]
@@ -460,6 +468,8 @@ class StepRunner:
             records = [StepRecord.model_construct(step=pending.step, worker=holders[r], epoch=pending.epoch,
                                                   start=s, end=e)
                        for r, (s, e) in enumerate(lstep.batches) if e > s]
+        for hook in self.hooks:
+            hook.after_apply(pending.step, lstep.total)
         self._publish(pending, lstep.total, records, t0, comm_s)
         if any(r[REFORM] for r in rows):
             self._host.leave_for_rendezvous("re-form requested by the master")

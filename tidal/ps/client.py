@@ -1,0 +1,170 @@
+"""A worker's connection to the parameter servers: pulls and pushes batched per server per step.
+
+``PSClient`` splits each table's ids by the shard map (``tidal.ps.api.virtual_shard``), sends
+one request to every server concerned at once, and waits for all the replies; a request carries
+the worker's watermark (the last step it applied: tidal.ps.server). Every reply is checked (its
+request id, ``ok``, the codec's size and dtype checks, the rows' shape) before use.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+import zmq
+
+from tidal.api import frames
+from tidal.ps.api import PSError, PSUnavailableError, TableSpec, virtual_shard
+
+MAX_REPLY_BYTES = 1 << 31
+
+
+class PSClient:
+    """Requests to the servers at ``addresses`` (server ``i`` at ``addresses[i]``) holding the
+    virtual shards of ``shard_map`` (shard ``v`` on server ``shard_map[v]``).
+
+    Raises:
+        PSError: a server refuses the tables (another worker declared them otherwise).
+        PSUnavailableError: a server does not answer within ``timeout_s``.
+    """
+
+    def __init__(self, addresses: list[str], shard_map: list[int], token: str, tables: list[TableSpec],
+                 *, timeout_s: float = 60.0) -> None:
+        if not addresses:
+            raise PSError("no parameter servers to connect to")
+        if not shard_map or min(shard_map) < 0 or max(shard_map) >= len(addresses):
+            raise PSError(f"a shard map naming servers outside 0..{len(addresses) - 1}")
+        self.addresses = list(addresses)
+        self.shard_map = torch.tensor(shard_map, dtype=torch.int64)
+        self.token = token
+        self.tables = {t.name: t for t in tables}
+        self.timeout_s = timeout_s
+        self.watermark: list[int] | None = None  # [round, step, total] of the last applied step
+        self._ctx = zmq.Context()
+        self._socks: list[zmq.Socket[Any]] = []
+        for address in self.addresses:
+            s = self._ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
+            s.connect(address)
+            self._socks.append(s)
+        self._req = itertools.count()
+        specs = [t.to_json() for t in tables]
+        self._call({i: ({"op": "hello", "tables": specs}, {}) for i in range(len(self._socks))})
+
+    def close(self) -> None:
+        for s in self._socks:
+            s.close(0)
+        self._ctx.term()
+
+    # ------------------------------------------------------------------ the step
+    def split(self, table: str, ids: torch.Tensor) -> dict[int, torch.Tensor]:
+        """``ids`` (sorted, unique) by server: a mask per server holding any of them."""
+        server = self.shard_map[virtual_shard(table, ids, len(self.shard_map))]
+        return {int(i): server == i for i in torch.unique(server).tolist()}
+
+    def pull(self, ids: dict[str, torch.Tensor], *, round_: int, step: int,
+             key: int | None) -> dict[str, torch.Tensor]:
+        """The rows of each table's ``ids`` (sorted and unique int64) as of the last applied step;
+        ``key`` None: a read outside a step (evaluation), which a push cannot follow."""
+        per_server: dict[int, dict[str, torch.Tensor]] = {}
+        masks: dict[str, dict[int, torch.Tensor]] = {}
+        for name, t_ids in ids.items():
+            masks[name] = self.split(name, t_ids)
+            for server, mask in masks[name].items():
+                per_server.setdefault(server, {})[f"{name}.ids"] = t_ids[mask]
+        meta = {"op": "pull", "round": round_, "step": step, "key": key}
+        replies = self._call({s: (meta, tensors) for s, tensors in per_server.items()})
+        out = {}
+        for name, t_ids in ids.items():
+            rows = torch.empty(t_ids.numel(), self.tables[name].dim)
+            for server, mask in masks[name].items():
+                got = replies[server].get(f"{name}.rows")
+                want = (int(mask.sum()), self.tables[name].dim)
+                if got is None or got.dtype != torch.float32 or tuple(got.shape) != want:
+                    raise PSError(f"server {server} answered a pull of table {name} with "
+                                  f"{None if got is None else (got.dtype, list(got.shape))}, expected float32 {list(want)}")
+                rows[mask] = got
+            out[name] = rows
+        return out
+
+    def push(self, grads: dict[str, tuple[torch.Tensor, torch.Tensor]], *, round_: int, step: int, key: int) -> None:
+        """Each table's ``(ids, grad)``: the contribution's gradient of the pulled rows."""
+        per_server: dict[int, dict[str, torch.Tensor]] = {}
+        for name, (t_ids, grad) in grads.items():
+            for server, mask in self.split(name, t_ids).items():
+                per_server.setdefault(server, {})[f"{name}.ids"] = t_ids[mask]
+                per_server[server][f"{name}.grad"] = grad[mask]
+        meta = {"op": "push", "round": round_, "step": step, "key": key}
+        self._call({s: (meta, tensors) for s, tensors in per_server.items()})
+
+    def commit(self, round_: int, step: int, total: int) -> None:
+        """The step is applied: tell every server (no reply awaited; every later request
+        carries the same watermark, so a lost one is made up)."""
+        self.watermark = [round_, step, total]
+        header = {"op": "commit", "token": self.token, "commit": self.watermark}
+        for s in self._socks:
+            s.send_multipart(frames.encode({}, meta=header), copy=False)
+
+    # ------------------------------------------------------------------ whole tables
+    def export(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Every table's rows over all servers, in id order (the canonical order of a
+        checkpoint and the fingerprint, whatever the shard map)."""
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for name in sorted(self.tables):
+            parts: list[dict[str, torch.Tensor]] = []
+            for server in range(len(self._socks)):
+                start = 0
+                while True:
+                    reply = self._call({server: ({"op": "export", "table": name, "start": start}, {})},
+                                       with_meta=True)[server]
+                    meta = reply.pop("__meta__")
+                    parts.append(reply)
+                    start = int(meta["next"])
+                    if start >= int(meta["rows"]) or not len(reply["ids"]):
+                        break
+            ids = torch.cat([p["ids"] for p in parts])
+            order = torch.argsort(ids)
+            out[name] = {field: torch.cat([p[field] for p in parts])[order] for field in parts[0]}
+        return out
+
+    def stats(self) -> list[dict[str, Any]]:
+        replies = self._call({i: ({"op": "stats"}, {}) for i in range(len(self._socks))}, with_meta=True)
+        return [replies[i]["__meta__"] for i in range(len(self._socks))]
+
+    # ------------------------------------------------------------------ transport
+    def _call(self, requests: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]],
+              with_meta: bool = False) -> dict[int, Any]:
+        """Send every request at once, then wait for every reply (matched by request id; late
+        replies to earlier requests are skipped)."""
+        waiting: dict[int, int] = {}
+        for server, (meta, tensors) in requests.items():
+            req = next(self._req)
+            header = {**meta, "token": self.token, "req": req, "commit": self.watermark}
+            self._socks[server].send_multipart(frames.encode(tensors, meta=header), copy=False)
+            waiting[server] = req
+        poller = zmq.Poller()
+        for server in waiting:
+            poller.register(self._socks[server], zmq.POLLIN)
+        out: dict[int, Any] = {}
+        deadline_ms = int(self.timeout_s * 1000)
+        while waiting:
+            ready = dict(poller.poll(deadline_ms))
+            if not ready:
+                late = ", ".join(f"{s} ({self.addresses[s]})" for s in sorted(waiting))
+                raise PSUnavailableError(f"parameter server {late} did not answer within {self.timeout_s:g} s")
+            for server in list(waiting):
+                sock = self._socks[server]
+                if sock not in ready:
+                    continue
+                msg = frames.decode(sock.recv_multipart(copy=False), max_bytes=MAX_REPLY_BYTES)
+                meta = msg.meta or {}
+                if meta.get("req") != waiting[server]:
+                    continue  # the answer to a request that timed out earlier
+                if not meta.get("ok"):
+                    raise PSError(f"parameter server {server}: {meta.get('error', 'refused the request')}")
+                del waiting[server]
+                poller.unregister(sock)
+                out[server] = {**msg.tensors, "__meta__": meta} if with_meta else msg.tensors
+        return out

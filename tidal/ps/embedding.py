@@ -1,0 +1,197 @@
+"""The module a training script uses for embedding tables held by the parameter servers.
+
+    job = tidal.worker.init()
+    tables = [TableSpec(f"field{i}", dim=32, num_ids=2**24) for i in range(4)]
+    emb = ServerEmbeddings(job, tables)           # before job.state(): no parameters of its own
+    state = job.state(model, optimizer)
+    emb.attach(state)                              # its step hook: push before the reduction
+    for batch in job.loader(...):
+        vectors = emb({"field0": batch["ids0"], ...})   # pulls the batch's rows
+        loss(model(vectors, ...)).backward()
+        job.step()                                 # pushes the rows' gradients, reduces, commits
+
+A forward pulls the rows of the batch's unique ids (one request per server for all tables) into
+a leaf tensor per table that autograd fills with the rows' gradient; ``job.step()`` pushes that
+gradient (times the contribution's samples) before the dense reduction, and the servers apply
+the step once it is committed (tidal.ps.server). Dense parameters stay in the workers and are
+reduced among them as usual: a hybrid of parameter servers for the sparse part and all-reduce
+for the dense part.
+
+``ids`` of a table are an int64 tensor ``[n]`` (one id per sample: an embedding lookup) or
+``[n, k]`` (a bag of ``k`` ids per sample, pooled by ``mode``, ``sum`` or ``mean``).
+
+Without a master (``python train.py``), the module serves its tables from a server thread of
+its own, so the same script runs alone for debugging.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tidal.ps.api import DEFAULT_SHARDS, PSError, TableSpec, default_shard_map
+from tidal.ps.client import PSClient
+
+WATERMARK = "tidal.ps"  # the key of the servers' watermark in ``state.extras``
+
+
+class ServerEmbeddings(nn.Module):
+    """Embedding tables on the job's parameter servers (see the module's docstring).
+
+    Args:
+        job: the script's ``tidal.worker.Job``.
+        tables: the tables (names unique).
+        mode: how a bag of ids (``[n, k]``) is pooled: ``sum`` or ``mean``.
+        timeout_s: how long a pull or push waits for a server.
+
+    Raises:
+        PSError: no tables, a name given twice, or an unknown ``mode``.
+    """
+
+    name = "ps"
+
+    def __init__(self, job: Any, tables: list[TableSpec], *, mode: str = "sum", timeout_s: float = 60.0) -> None:
+        super().__init__()
+        if not tables:
+            raise PSError("ServerEmbeddings needs at least one table")
+        if len({t.name for t in tables}) != len(tables):
+            raise PSError("two tables with the same name")
+        if mode not in ("sum", "mean"):
+            raise PSError(f"mode must be sum or mean, got {mode!r}")
+        self.job = job
+        self.tables = {t.name: t for t in tables}
+        self.mode = mode
+        self.timeout_s = timeout_s
+        self._state: Any = None
+        self._client: PSClient | None = None
+        self._servers: tuple[list[str], list[int]] | None = None
+        # this step's pulled rows: (round, step, key) and, per table, the ids and the leaf
+        self._pulled: tuple[tuple[int, int, int], dict[str, tuple[torch.Tensor, torch.Tensor]]] | None = None
+        self._local: tuple[threading.Event, threading.Thread] | None = None
+
+    def attach(self, state: Any) -> None:
+        """Register the step hook with the job (after ``job.state()``)."""
+        self._state = state
+        self.job.add_step_hook(self)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The pooled rows of each table's ``ids`` (``[n, dim]`` per table)."""
+        if self._state is None:
+            raise PSError("call emb.attach(state) after job.state() before the first forward")
+        unknown = sorted(set(ids) - set(self.tables))
+        if unknown:
+            raise PSError(f"unknown tables {unknown} (declared: {sorted(self.tables)})")
+        client = self._connect()
+        uniques, inverses = {}, {}
+        for name, t_ids in ids.items():
+            if t_ids.dtype != torch.int64 or t_ids.dim() not in (1, 2):
+                raise PSError(f"table {name}: ids must be int64 [n] or [n, k], got {t_ids.dtype} {list(t_ids.shape)}")
+            uniques[name], inverses[name] = torch.unique(t_ids.cpu(), sorted=True, return_inverse=True)
+        track = torch.is_grad_enabled() and self.training
+        key = self._key() if track else None
+        rows = client.pull(uniques, round_=self.job.round, step=self.job.applied_step + 1, key=key)
+        out, leaves = {}, {}
+        device = next(iter(ids.values())).device
+        for name, t_ids in ids.items():
+            leaf = rows[name].to(device)
+            if track:
+                leaf.requires_grad_(True)
+                leaves[name] = (uniques[name], leaf)
+            inverse = inverses[name].to(device)
+            if t_ids.dim() == 1:
+                out[name] = F.embedding(inverse, leaf)
+            else:
+                out[name] = F.embedding_bag(inverse, leaf, mode=self.mode)
+        if track:
+            assert key is not None
+            step_key = (self.job.round, self.job.applied_step + 1, key)
+            if self._pulled is not None and self._pulled[0] == step_key:
+                raise PSError("two forwards of ServerEmbeddings in one step: pull every table in one call")
+            self._pulled = (step_key, leaves)
+        return out
+
+    def _key(self) -> int:
+        """The contribution's key: the logical rank of the logical worker running, else the rank."""
+        lstep = self.job.steps.logical_step
+        if lstep is not None and lstep.current is not None:
+            return int(lstep.current)
+        return int(self.job.rank)
+
+    def _connect(self) -> PSClient:
+        """The client for this round's servers (a new one when they changed)."""
+        servers, shard_map = list(self.job.ps_servers), list(self.job.ps_shard_map)
+        if not servers:
+            if not self.job.is_local:
+                raise PSError("the job has no parameter servers: run it with `tidal run --ps N`")
+            servers, shard_map = [self._serve_locally()], default_shard_map(DEFAULT_SHARDS, 1)
+        if self._client is None or self._servers != (servers, shard_map):
+            if self._client is not None:
+                self._client.close()
+            self._client = PSClient(servers, shard_map, self.job.token, list(self.tables.values()),
+                                    timeout_s=self.timeout_s)
+            self._servers = (servers, shard_map)
+        self._client.watermark = self._state.extras.get(WATERMARK)
+        return self._client
+
+    def _serve_locally(self) -> str:
+        """A server thread for a run without a master; returns its address."""
+        from tidal.ps.server import ParameterServer, serve
+
+        if self._local is None:
+            bound: list[str] = []
+            ready, stop = threading.Event(), threading.Event()
+
+            def on_ready(address: str) -> None:
+                bound.append(address)
+                ready.set()
+
+            thread = threading.Thread(target=serve, args=(ParameterServer(self.job.token),),
+                                      kwargs={"ready": on_ready, "stop": stop}, daemon=True, name="tidal-ps-local")
+            thread.start()
+            ready.wait(30)
+            self._local = (stop, thread)
+            self._local_address = bound[0]
+        return self._local_address
+
+    # ------------------------------------------------------------------ the step hook
+    def before_reduce(self, step: int, key: int, samples: int) -> None:
+        pulled = self._pulled
+        if pulled is None or samples == 0:
+            return
+        (round_, pulled_step, pulled_key), leaves = pulled
+        if (round_, pulled_step, pulled_key) != (self.job.round, step, key):
+            return  # rows of a step a re-form dropped
+        self._pulled = None
+        grads = {}
+        for name, (ids, leaf) in leaves.items():
+            if leaf.grad is None:
+                continue  # the table was not used in the loss
+            grads[name] = (ids, (leaf.grad.detach() * float(samples)).cpu().contiguous())
+        if grads:
+            assert self._client is not None
+            self._client.push(grads, round_=round_, step=step, key=key)
+
+    def after_apply(self, step: int, total: int) -> None:
+        watermark = [int(self.job.round), int(step), int(total)]
+        self._state.extras[WATERMARK] = watermark
+        if self._client is not None:
+            self._client.commit(*watermark)
+
+    def checkpoint_tree(self) -> dict[str, Any]:
+        """Every table's rows and optimizer state in id order, whatever the shard map."""
+        client = self._connect()
+        return {name: dict(part) for name, part in client.export().items()}
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        if self._local is not None:
+            self._local[0].set()
+            self._local[1].join(5)
+            self._local = None

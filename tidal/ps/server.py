@@ -1,0 +1,323 @@
+"""A parameter server process: embedding shards, their optimizer, the sync-mode step rule.
+
+    python -m tidal.ps.server            # launched by the master in the role ``ps``
+
+It binds a ZeroMQ ROUTER on the job's host (127.0.0.1 unless ``TIDAL_PS_HOST`` says otherwise),
+port chosen by the system, and tells the master its address (``POST /v1/ps/report``, then every
+``REPORT_S`` with its rows, bytes and request latency). Without ``TIDAL_MASTER_URL`` it prints
+``tidal-ps listening ADDRESS`` on stdout instead (tests, debugging).
+
+**Sync mode, exactly once** (DESIGN.md 4, "Parameter servers"). A step's sparse gradients reach
+the servers *before* the workers' dense all-reduce: each contribution (one worker's, or one
+logical worker's) is pushed as ``(round, step, key)`` and acknowledged, and only then does the
+worker enter the all-reduce. So once the all-reduce of step ``s`` in round ``r`` succeeded,
+every contribution of ``(r, s)`` is on its servers, and each worker's next request carries the
+watermark ``[r, s, total]`` (workers also send it to every server right after the step). On
+the first watermark of a step the server applies it once: the contributions of ``(r, s)`` in
+key order (logical-rank order with logical workers), summed per row and scaled by
+``1 / total``, then the table's optimizer. Contributions of a round that broke before its
+all-reduce are never named by a watermark and are dropped once a later step is applied; the
+step is trained again in the next round. A row's update depends on the contributions alone,
+never on which server holds it, so the model does not depend on the number of servers.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+
+from tidal.api import frames
+from tidal.api.errors import FrameError
+from tidal.ps.api import MAX_TABLES, PSError, TableSpec
+from tidal.ps.table import DynamicTable
+
+log = logging.getLogger(__name__)
+
+REPORT_S = 1.0
+MAX_REQUEST_BYTES = 1 << 30
+EXPORT_ROWS = 1 << 18  # rows per export reply (a checkpoint of a large table comes in pieces)
+
+
+@dataclass
+class Contribution:
+    """One worker's (or logical worker's) gradients of one step, per table."""
+
+    tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+class ParameterServer:
+    """The state and request handling of one server (the socket loop is ``serve``)."""
+
+    def __init__(self, token: str, server_id: int = 0) -> None:
+        self.token = token
+        self.server_id = server_id
+        self.tables: dict[str, DynamicTable] = {}
+        self.applied_step = -1
+        # (round, step) -> key -> contribution; and the ids each (round, step, key) pulled
+        self.pending: dict[tuple[int, int], dict[int, Contribution]] = {}
+        self.pulled: dict[tuple[int, int, int], dict[str, torch.Tensor]] = {}
+        self.requests = 0
+        self.busy_s = 0.0
+
+    # ------------------------------------------------------------------ requests
+    def handle(self, msg: frames.Message) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
+        """Serve one decoded request; returns the reply's meta and tensors (None: no reply).
+
+        Raises:
+            PSError: the request is refused (the reply carries the message).
+        """
+        meta = msg.meta or {}
+        if not hmac.compare_digest(str(meta.get("token", "")), self.token):
+            raise PSError("a request without the job's token")
+        op = meta.get("op")
+        if op == "hello":
+            self._configure(meta.get("tables"))
+            return {"applied_step": self.applied_step, "server": self.server_id}, {}
+        if not self.tables:
+            raise PSError(f"{op!r} before hello: the tables are not configured")
+        self._commit(meta.get("commit"))
+        if op == "commit":
+            return None
+        if op == "pull":
+            return self._pull(meta, msg.tensors)
+        if op == "push":
+            return self._push(meta, msg.tensors)
+        if op == "export":
+            return self._export(meta)
+        if op == "stats":
+            return {"applied_step": self.applied_step, **self.stats()}, {}
+        raise PSError(f"unknown op {op!r}")
+
+    def stats(self) -> dict[str, Any]:
+        return {"rows": sum(t.rows for t in self.tables.values()),
+                "bytes": sum(t.nbytes for t in self.tables.values()),
+                "tables": {name: t.stats() for name, t in self.tables.items()}}
+
+    def _configure(self, specs: Any) -> None:
+        if not isinstance(specs, list) or not specs or len(specs) > MAX_TABLES:
+            raise PSError(f"hello needs a list of 1 to {MAX_TABLES} table specs")
+        wanted = {s.name: s for s in (TableSpec.from_json(v) for v in specs)}
+        if len(wanted) != len(specs):
+            raise PSError("hello names a table twice")
+        if not self.tables:
+            self.tables = {name: DynamicTable(spec) for name, spec in wanted.items()}
+            return
+        have = {name: t.spec for name, t in self.tables.items()}
+        if have != wanted:
+            raise PSError(f"the server holds tables {sorted(have)} with other settings than this client's "
+                          f"{sorted(wanted)}: every worker must declare the same tables")
+
+    def _key(self, meta: dict[str, Any]) -> tuple[int, int, int]:
+        try:
+            r, s, k = (int(meta[n]) for n in ("round", "step", "key"))
+        except (KeyError, TypeError, ValueError):
+            raise PSError("pull and push need integer round, step and key") from None
+        if s != self.applied_step + 1:
+            raise PSError(f"step {s} is not the next step: this server applied step {self.applied_step} "
+                          "(a watermark was lost, or the worker is behind)")
+        return r, s, k
+
+    def _ids(self, tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+        table = self.tables.get(name)
+        if table is None:
+            raise PSError(f"unknown table {name!r} (the server holds {sorted(self.tables)})")
+        ids = tensors[f"{name}.ids"]
+        if ids.dtype != torch.int64 or ids.dim() != 1:
+            raise PSError(f"table {name}: ids must be a 1-d int64 tensor, got {ids.dtype} {list(ids.shape)}")
+        table.check_ids(ids)
+        return ids
+
+    def _tables_of(self, tensors: dict[str, torch.Tensor], suffixes: tuple[str, ...]) -> list[str]:
+        names = sorted({k.rsplit(".", 1)[0] for k in tensors})
+        want = {f"{n}.{s}" for n in names for s in suffixes}
+        if set(tensors) != want:
+            raise PSError(f"expected the tensors {sorted(want)}, got {sorted(tensors)}")
+        return names
+
+    def _pull(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[dict[str, Any],
+                                                                                       dict[str, torch.Tensor]]:
+        # key None: a read outside a step (evaluation): the rows as of the applied step, not tracked
+        pulled = self.pulled.setdefault(self._key(meta), {}) if meta.get("key") is not None else {}
+        out: dict[str, torch.Tensor] = {}
+        for name in self._tables_of(tensors, ("ids",)):
+            ids = self._ids(tensors, name)
+            if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
+                raise PSError(f"table {name}: pulled ids must be sorted and unique")
+            out[f"{name}.rows"] = self.tables[name].read(ids)
+            pulled[name] = ids
+        return {}, out
+
+    def _push(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[dict[str, Any],
+                                                                                       dict[str, torch.Tensor]]:
+        r, s, k = self._key(meta)
+        pulled = self.pulled.get((r, s, k), {})
+        contribution = Contribution()
+        for name in self._tables_of(tensors, ("ids", "grad")):
+            ids = self._ids(tensors, name)
+            grad = tensors[f"{name}.grad"]
+            dim = self.tables[name].spec.dim
+            if grad.dtype != torch.float32 or tuple(grad.shape) != (ids.numel(), dim):
+                raise PSError(f"table {name}: grad must be float32 [{ids.numel()}, {dim}], "
+                              f"got {grad.dtype} {list(grad.shape)}")
+            if not bool(torch.isfinite(grad).all()):
+                raise PSError(f"table {name}: the gradient holds NaN or infinity")
+            seen = pulled.get(name)
+            if seen is None or not np.isin(ids.numpy(), seen.numpy(), assume_unique=True).all():
+                raise PSError(f"table {name}: a push for rows not pulled at step {s} (round {r}, key {k})")
+            contribution.tables[name] = (ids, grad)
+        self.pending.setdefault((r, s), {})[k] = contribution
+        return {}, {}
+
+    def _commit(self, watermark: Any) -> None:
+        """Apply the step the watermark names, once (see the module's docstring)."""
+        if watermark is None:
+            return
+        try:
+            r, s, total = (int(v) for v in watermark)
+        except (TypeError, ValueError):
+            raise PSError(f"a watermark is [round, step, total], got {watermark!r}") from None
+        if s <= self.applied_step:
+            return
+        if total <= 0:
+            raise PSError(f"watermark of step {s} with {total} samples")
+        missed = [key for key in self.pending if self.applied_step < key[1] < s]
+        if missed:
+            raise PSError(f"the watermark of step {s} skips step {missed[0][1]}, whose contributions "
+                          "this server holds: a watermark was lost")
+        contributions = self.pending.pop((r, s), {})
+        self._apply(contributions, total)
+        self.applied_step = s
+        self.pending = {key: v for key, v in self.pending.items() if key[1] > s}
+        self.pulled = {key: v for key, v in self.pulled.items() if key[1] > s}
+
+    def _apply(self, contributions: dict[int, Contribution], total: int) -> None:
+        scale = 1.0 / total
+        for name, table in self.tables.items():
+            parts = [contributions[k].tables[name] for k in sorted(contributions) if name in contributions[k].tables]
+            if not parts:
+                continue
+            ids = torch.unique(torch.cat([p[0] for p in parts]))  # sorted
+            acc = torch.zeros(ids.numel(), table.spec.dim)
+            for part_ids, grad in parts:  # in key order; each index_add has unique rows
+                acc.index_add_(0, torch.searchsorted(ids, part_ids), grad)
+            table.apply(ids, acc.mul_(scale))
+
+    def _export(self, meta: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        name = str(meta.get("table"))
+        table = self.tables.get(name)
+        if table is None:
+            raise PSError(f"unknown table {name!r}")
+        start = int(meta.get("start", 0))
+        part = table.export(start, EXPORT_ROWS)
+        return {"rows": table.rows, "next": start + len(part["ids"])}, part
+
+
+# ---------------------------------------------------------------------------- the process
+def serve(server: ParameterServer, host: str = "127.0.0.1", *, ready: Any = None,
+          stop: threading.Event | None = None) -> None:
+    """Serve requests until ``stop`` is set (or forever); ``ready(address)`` once bound."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+    port = sock.bind_to_random_port(f"tcp://{host}")
+    address = f"tcp://{host}:{port}"
+    if ready is not None:
+        ready(address)
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    try:
+        while stop is None or not stop.is_set():
+            if not poller.poll(200):
+                continue
+            parts = sock.recv_multipart(copy=False)
+            t0 = time.perf_counter()
+            ident, body = parts[0], parts[1:]
+            try:
+                msg = frames.decode(body, max_bytes=MAX_REQUEST_BYTES)
+                req = (msg.meta or {}).get("req")
+                answer = server.handle(msg)
+                if answer is None:
+                    continue
+                meta, tensors = answer
+                reply = frames.encode(tensors, meta={"ok": True, "req": req, **meta})
+            except (PSError, FrameError, KeyError, ValueError, TypeError) as exc:
+                log.warning("ps %d refused a request: %s", server.server_id, exc)
+                reply = frames.encode({}, meta={"ok": False, "req": _req_of(body), "error": str(exc)[:2000]})
+            sock.send_multipart([ident, *reply], copy=False)
+            server.requests += 1
+            server.busy_s += time.perf_counter() - t0
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def _req_of(body: list[Any]) -> Any:
+    """The request id of a message that failed, when its header can be read (else None)."""
+    try:
+        meta = json.loads(bytes(body[0].buffer if hasattr(body[0], "buffer") else body[0])).get("meta")
+        req = meta.get("req") if isinstance(meta, dict) else None
+    except (ValueError, AttributeError, IndexError):
+        return None  # a header that does not parse has no id to echo
+    return req if isinstance(req, int) else None
+
+
+def _reporter(server: ParameterServer, url: str, token: str, address: str) -> None:
+    """Tell the master where this server listens, then its load, every REPORT_S (a thread)."""
+    import httpx
+
+    http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=10.0)
+    last_requests, last_busy, last_t = 0, 0.0, time.monotonic()
+    while True:
+        now = time.monotonic()
+        requests, busy = server.requests, server.busy_s
+        stats = server.stats()
+        body = {"server_id": server.server_id, "address": address, "pid": os.getpid(),
+                "rows": stats["rows"], "bytes": stats["bytes"], "applied_step": server.applied_step,
+                "requests_per_s": round((requests - last_requests) / max(now - last_t, 1e-9), 1),
+                "busy": round(min(1.0, (busy - last_busy) / max(now - last_t, 1e-9)), 3)}
+        last_requests, last_busy, last_t = requests, busy, now
+        try:
+            resp = http.post("/v1/ps/report", json=body)
+            if resp.status_code == 410:  # the job is over
+                os._exit(0)
+        except httpx.TransportError as exc:
+            log.info("ps %d: master unreachable: %s", server.server_id, exc)
+        time.sleep(REPORT_S)
+
+
+def main() -> None:
+    logging.basicConfig(level=os.environ.get("TIDAL_LOG_LEVEL", "WARNING"))
+    torch.set_num_threads(int(os.environ.get("TIDAL_PS_THREADS", "1")))
+    token = os.environ.get("TIDAL_TOKEN", "")
+    if not token:
+        print("tidal-ps: TIDAL_TOKEN is not set: a server answers only requests with the job's token",
+              file=sys.stderr)
+        raise SystemExit(2)
+    server = ParameterServer(token, int(os.environ.get("TIDAL_PS_ID", "0")))
+    host = os.environ.get("TIDAL_PS_HOST", "127.0.0.1")
+    url = os.environ.get("TIDAL_MASTER_URL")
+
+    def ready(address: str) -> None:
+        if url:
+            threading.Thread(target=_reporter, args=(server, url, token, address), daemon=True,
+                             name="tidal-ps-report").start()
+        else:
+            print(f"tidal-ps listening {address}", flush=True)
+
+    serve(server, host, ready=ready)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""A dynamic embedding table with its optimizer state, as one server holds it.
+
+Rows are stored only once trained (``apply``): a pull of an id never trained reads its initial
+value (``tidal.ps.api.initial_rows``) without storing it, so memory grows with the ids the job
+has trained, as in production tables (DLRover-RM 2.2), and a step that is rolled back leaves no
+row behind. The id -> slot index is a dict (collision-free); rows and state live in float32
+tensors grown by doubling.
+
+The optimizers update only the rows of a step's gradient and are elementwise, so a row's value
+depends on its own history alone: the same on any server and in any shard map. Adagrad follows
+``torch.optim.Adagrad`` (no lr decay, initial accumulator 0); Adam is lazy (as
+``torch.optim.SparseAdam``, with a step count per row).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from tidal.ps.api import PSError, TableSpec, initial_rows
+
+_STATE = {"sgd": (), "adagrad": ("sum",), "adam": ("exp_avg", "exp_avg_sq")}
+
+
+class DynamicTable:
+    def __init__(self, spec: TableSpec, capacity: int = 1024) -> None:
+        self.spec = spec
+        self.rows = 0
+        self._slot: dict[int, int] = {}
+        self._ids = np.empty(capacity, dtype=np.int64)
+        self.weight = torch.empty(capacity, spec.dim)
+        self.state = {name: torch.zeros(capacity, spec.dim) for name in _STATE[spec.optimizer]}
+        self.steps = torch.zeros(capacity, dtype=torch.int64) if spec.optimizer == "adam" else None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the rows held (and their state), not of the capacity reserved."""
+        per_row = self.spec.dim * 4 * (1 + len(self.state)) + 8 + (8 if self.steps is not None else 0)
+        return self.rows * per_row
+
+    def check_ids(self, ids: torch.Tensor) -> None:
+        """Raises PSError: ids out of a fixed-size table's range."""
+        if self.spec.num_ids is not None and ids.numel():
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= self.spec.num_ids:
+                bad = lo if lo < 0 else hi
+                raise PSError(f"table {self.spec.name}: id {bad} is out of range [0, {self.spec.num_ids})")
+
+    def slots(self, ids: torch.Tensor) -> np.ndarray:
+        """The slot of each id, -1 where the row is not stored."""
+        get = self._slot.get
+        return np.fromiter((get(i, -1) for i in ids.tolist()), dtype=np.int64, count=ids.numel())
+
+    def read(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of ``ids`` (a new float32 ``[n, dim]`` tensor)."""
+        slots = self.slots(ids)
+        stored = slots >= 0
+        if stored.all():
+            return self.weight[torch.from_numpy(slots)]
+        out = initial_rows(self.spec, ids)
+        if stored.any():
+            where = torch.from_numpy(np.flatnonzero(stored))
+            out[where] = self.weight[torch.from_numpy(slots[stored])]
+        return out
+
+    def apply(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
+        """One optimizer step on the rows of ``ids`` (unique) with ``grad`` (the step's mean
+        gradient of those rows); rows not stored yet are created at their initial value."""
+        slots = self.slots(ids)
+        missing = slots < 0
+        if missing.any():
+            slots[missing] = self._insert(ids[torch.from_numpy(missing)])
+        index = torch.from_numpy(slots)
+        spec = self.spec
+        w = self.weight[index]
+        if spec.optimizer == "sgd":
+            w.sub_(grad, alpha=spec.lr)
+        elif spec.optimizer == "adagrad":
+            s = self.state["sum"][index].addcmul_(grad, grad)
+            self.state["sum"][index] = s
+            w.addcdiv_(grad, s.sqrt().add_(spec.eps), value=-spec.lr)
+        else:
+            assert self.steps is not None
+            t = self.steps[index] + 1
+            self.steps[index] = t
+            m = self.state["exp_avg"][index].mul_(spec.beta1).add_(grad, alpha=1 - spec.beta1)
+            v = self.state["exp_avg_sq"][index].mul_(spec.beta2).addcmul_(grad, grad, value=1 - spec.beta2)
+            self.state["exp_avg"][index] = m
+            self.state["exp_avg_sq"][index] = v
+            tf = t.to(torch.float64)
+            bias1 = (1 - torch.pow(torch.tensor(spec.beta1, dtype=torch.float64), tf)).to(torch.float32)
+            bias2 = (1 - torch.pow(torch.tensor(spec.beta2, dtype=torch.float64), tf)).to(torch.float32)
+            denom = (v / bias2[:, None]).sqrt_().add_(spec.eps)
+            w.addcdiv_(m / bias1[:, None], denom, value=-spec.lr)
+        self.weight[index] = w
+
+    def _insert(self, ids: torch.Tensor) -> np.ndarray:
+        n = ids.numel()
+        self._grow(self.rows + n)
+        slots = np.arange(self.rows, self.rows + n, dtype=np.int64)
+        self.weight[self.rows:self.rows + n] = initial_rows(self.spec, ids)
+        self._ids[self.rows:self.rows + n] = ids.numpy()
+        self._slot.update(zip(ids.tolist(), slots.tolist(), strict=True))
+        self.rows += n
+        return slots
+
+    def _grow(self, need: int) -> None:
+        cap = len(self._ids)
+        if need <= cap:
+            return
+        new = max(need, 2 * cap)
+        self._ids = np.resize(self._ids, new)
+        self.weight = _grown(self.weight, new)
+        self.state = {k: _grown(v, new) for k, v in self.state.items()}
+        if self.steps is not None:
+            self.steps = _grown(self.steps, new)
+
+    # ------------------------------------------------------------------ export / load
+    def export(self, start: int = 0, limit: int | None = None) -> dict[str, torch.Tensor]:
+        """Rows ``start`` to ``start + limit`` in id order: ``ids``, ``weight`` and the
+        optimizer state (the canonical order a checkpoint and the fingerprint use)."""
+        order = np.argsort(self._ids[:self.rows], kind="stable")
+        stop = self.rows if limit is None else min(self.rows, start + limit)
+        pick = torch.from_numpy(order[start:stop].copy())
+        out = {"ids": torch.from_numpy(self._ids[:self.rows][order[start:stop]].copy()),
+               "weight": self.weight[pick]}
+        for name, value in self.state.items():
+            out[name] = value[pick]
+        if self.steps is not None:
+            out["steps"] = self.steps[pick]
+        return out
+
+    def load(self, part: dict[str, torch.Tensor]) -> None:
+        """Add exported rows (a restore, or rows moved from another server).
+
+        Raises:
+            PSError: a field is missing or has the wrong shape, or a row is already stored.
+        """
+        ids = part.get("ids")
+        if ids is None or ids.dtype != torch.int64 or ids.dim() != 1:
+            raise PSError(f"table {self.spec.name}: rows to load need int64 ids")
+        n = ids.numel()
+        names = ["weight", *self.state, *(["steps"] if self.steps is not None else [])]
+        for name in names:
+            value = part.get(name)
+            want = (n,) if name == "steps" else (n, self.spec.dim)
+            if value is None or tuple(value.shape) != want:
+                raise PSError(f"table {self.spec.name}: {name} of the rows to load must have shape {list(want)}")
+        if (self.slots(ids) >= 0).any():
+            raise PSError(f"table {self.spec.name}: rows to load are already stored")
+        slots = torch.from_numpy(self._insert(ids))
+        self.weight[slots] = part["weight"].float()
+        for name in self.state:
+            self.state[name][slots] = part[name].float()
+        if self.steps is not None:
+            self.steps[slots] = part["steps"].long()
+
+    def stats(self) -> dict[str, Any]:
+        return {"rows": self.rows, "bytes": self.nbytes}
+
+
+def _grown(t: torch.Tensor, rows: int) -> torch.Tensor:
+    out = torch.zeros((rows, *t.shape[1:]), dtype=t.dtype)
+    out[:len(t)] = t
+    return out
