@@ -138,12 +138,21 @@ class Job:
 
     # ------------------------------------------------------------------ cleanup
     def worker_processes(self) -> list[psutil.Process]:
-        """The job's training processes (not their persisters, which are in sessions of their own)."""
+        """The job's training processes (not their persisters, which are in sessions of their own,
+        nor its parameter servers)."""
+        return self._processes(lambda env, cmd: "TIDAL_WORKER_ID" in env and "persister" not in cmd)
+
+    def server_processes(self) -> list[psutil.Process]:
+        """The job's parameter servers (``--ps``)."""
+        return self._processes(lambda env, cmd: "TIDAL_PS_ID" in env)
+
+    def _processes(self, pick: Callable[[dict[str, str], str], bool]) -> list[psutil.Process]:
         job_id = self.info()["job_id"]
         out = []
         for p in psutil.process_iter():
             try:
-                if p.environ().get("TIDAL_JOB_ID") == job_id and "persister" not in " ".join(p.cmdline()):
+                env = p.environ()
+                if env.get("TIDAL_JOB_ID") == job_id and pick(env, " ".join(p.cmdline())):
                     out.append(p)
             except psutil.Error:
                 pass

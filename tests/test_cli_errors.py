@@ -229,6 +229,8 @@ def test_scale_needs_a_number_or_auto_but_not_both(tidal, args: tuple[str, ...])
         ("--planner-interval", "0", ("--planner-interval", "3600", "must be between")),
         ("--planner-interval", "nan", ("--planner-interval", "nan", "must be between")),
         ("--planner", "nope", ("--planner", "unknown planner 'nope'", "max")),
+        ("--ps", "100", ("--ps", "64", "100", "must be between")),
+        ("--ps", "-1", ("--ps", "-1", "must be between")),
     ],
 )
 def test_bad_numeric_option(tidal, script: Path, tmp_path: Path, option: str, value: str,
@@ -365,3 +367,21 @@ def test_resume_of_a_journal_naming_an_unknown_backend(tidal, tmp_path: Path) ->
     journal.close()
     r = tidal("master", "--resume", str(tmp_path / "journal.sqlite"))
     assert_one_line_error(r, "backend 'gone-since', unknown here", "known: fake, local")
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (["--ps", "4", "--ps-shards", "2"], ("--ps-shards", "2", "must be between")),
+        (["--ps", "2", "--checkpoint-dir", "CKPT", "--checkpoint-every", "5"],
+         ("--checkpoint-every with --ps", "not in flash checkpoints yet")),
+    ],
+)
+def test_bad_parameter_server_options(tidal, script: Path, tmp_path: Path, args: list[str],
+                                      needles: tuple[str, ...]) -> None:
+    """Parameter servers: fewer virtual shards than servers, or flash checkpoints (which do not hold
+    the servers' tables yet, so a resume would lose them): one line, exit 2, nothing started."""
+    args = [str(tmp_path / "ckpt") if a == "CKPT" else a for a in args]
+    r = tidal("run", *args, "--job-dir", str(tmp_path / "job"), str(script))
+    assert_one_line_error(r, *needles)
+    assert not (tmp_path / "job").exists()

@@ -747,6 +747,11 @@ def _render_status(st: StatusResponse) -> None:
         console.print(f"newest flash checkpoint: step {st.checkpoint_step}"
                       + (f"; problem: {st.checkpoint_problem}" if st.checkpoint_problem else ""),
                       markup=False, highlight=False)
+    for v in st.servers:
+        console.print(f"parameter server {v.id}: pid {v.pid}, {v.state}, {v.address or 'not registered'}, "
+                      f"{v.rows} rows, {v.bytes / 2**20:.1f} MiB, step {v.applied_step}, "
+                      f"{v.requests_per_s:.0f} requests/s, busy {v.busy:.0%}"
+                      + ("" if v.exit_code is None else f", exit {v.exit_code}"), markup=False, highlight=False)
     table = Table("worker", "pid", "state", "rank", "step", "samples/s", "straggler", "exit")
     for w in st.workers:
         table.add_row(str(w.worker_id), str(w.pid), w.state.value, str(w.rank) if w.rank >= 0 else "-",

@@ -1,0 +1,108 @@
+"""Parameter servers in real jobs (issue: parameter servers): ``tidal run --ps N`` with the
+example's ``--ps`` (its eight tables of 2^24 hashed ids on the servers).
+
+* Sync mode does not depend on the servers or the workers: with ``--logical-workers 4`` the
+  fingerprint (which covers the tables held by the servers, in id order) is the one of plain
+  ``python`` with the script's own server thread, for 1 server and 1 worker, and for 3 servers
+  and 3 -> 2 workers with a worker SIGKILLed mid-run (its pushed but uncommitted contributions
+  must not be applied; its step is trained again). The ledger shows every sample once.
+* ``tidal status --json`` lists the servers, their rows and bytes.
+* A server SIGKILLed fails the job with a message naming it: never a false "succeeded".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.jobtools import EXAMPLE, TIDAL, Job
+
+pytestmark = pytest.mark.slow
+
+SAMPLES, EPOCHS = 6000, 2
+ARGS = ["--ps", "--samples", str(SAMPLES), "--epochs", str(EPOCHS), "--batch-size", "128", "--log-every", "0",
+        "--logical-workers", "4", "--eval-samples", "2000"]
+
+
+def fingerprint(directory: Path) -> str:
+    out = subprocess.run([TIDAL, "fingerprint", str(directory)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()[0]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The script under plain python: one process, four logical workers, its own server thread."""
+    ckpt = tmp_path_factory.mktemp("plain") / "ckpt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIDAL_")}
+    out = subprocess.run([sys.executable, str(EXAMPLE), *ARGS, "--checkpoint-dir", str(ckpt)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return fingerprint(ckpt)
+
+
+def ps_job(tmp_path: Path, jobs: list[Job], servers: int, workers: str, *extra: str,
+           run_args: tuple[str, ...] = ()) -> tuple[Job, Path]:
+    ckpt = tmp_path / "ckpt"
+    job = Job(tmp_path, workers, [*ARGS, *extra],
+              run_args=["--ps", str(servers), "--logical-workers", "4", "--checkpoint-dir", str(ckpt), *run_args])
+    jobs.append(job.start())
+    return job, ckpt
+
+
+def test_one_server_one_worker_is_plain_python(tmp_path: Path, jobs: list[Job], reference: str) -> None:
+    job, ckpt = ps_job(tmp_path, jobs, 1, "1:1")
+    assert job.wait(240) == 0, job.output()[-3000:]
+    assert fingerprint(ckpt) == reference
+
+
+def test_same_model_on_three_servers_through_a_worker_sigkill(tmp_path: Path, jobs: list[Job],
+                                                              reference: str) -> None:
+    job, ckpt = ps_job(tmp_path, jobs, 3, "2:3", "--step-sleep", "0.1")
+    st = job.wait_step(5, 120)
+    servers = st["servers"]
+    assert [s["id"] for s in servers] == [0, 1, 2] and all(s["state"] == "running" and s["pid"] for s in servers)
+    assert len(st["ps_shard_map"]) == 64 and set(st["ps_shard_map"]) == {0, 1, 2}
+    # the servers' reports come every second: rows appear once a few steps are trained
+    st = job.wait_status(lambda s: all(v["rows"] > 0 and v["bytes"] > 0 for v in s["servers"]), 30, "server rows")
+    victim = next(w for w in st["workers"] if w["state"] == "active" and w["rank"] == 1)
+    os.kill(victim["pid"], signal.SIGKILL)
+    assert job.wait(240) == 0, job.output()[-3000:]
+    assert "failed: exited with code -9" in job.output(), job.output()[-2000:]
+    assert fingerprint(ckpt) == reference
+    audit = job.audit(SAMPLES, EPOCHS)
+    assert audit.ok, audit.summary()
+    # the job is over: no server is left running
+    assert not job.server_processes()
+
+
+def test_status_json_lists_the_servers(tmp_path: Path, jobs: list[Job]) -> None:
+    job, _ = ps_job(tmp_path, jobs, 2, "1:1", "--step-sleep", "0.2")
+    job.wait_step(3, 120)
+    out = subprocess.run([TIDAL, "status", "--json", "--job-dir", str(job.dir)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    servers = json.loads(out.stdout)["servers"]
+    assert [s["id"] for s in servers] == [0, 1]
+    for s in servers:
+        assert {"id", "pid", "rows", "bytes"} <= set(s) and s["pid"] > 0
+    text = subprocess.run([TIDAL, "status", "--job-dir", str(job.dir)], capture_output=True, text=True, timeout=60)
+    assert "parameter server 0" in text.stdout, text.stdout
+
+
+def test_a_killed_server_fails_the_job(tmp_path: Path, jobs: list[Job]) -> None:
+    job, _ = ps_job(tmp_path, jobs, 2, "2:2", "--step-sleep", "0.1")
+    job.wait_step(3, 120)
+    victim = next(p for p in job.server_processes() if p.environ().get("TIDAL_PS_ID") == "1")
+    victim.kill()
+    assert job.wait(120) == 1, job.output()[-3000:]
+    out = job.output()
+    assert "parameter server 1 exited with code -9" in out, out[-2000:]
+    assert "job failed" in out and "job succeeded" not in out
+    assert not job.server_processes() and not job.worker_processes()
