@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.jobtools import EXAMPLE, TIDAL, Job
@@ -94,6 +96,13 @@ def test_status_json_lists_the_servers(tmp_path: Path, jobs: list[Job]) -> None:
         assert {"id", "pid", "rows", "bytes"} <= set(s) and s["pid"] > 0
     text = subprocess.run([TIDAL, "status", "--job-dir", str(job.dir)], capture_output=True, text=True, timeout=60)
     assert "parameter server 0" in text.stdout, text.stdout
+    job.wait_status(lambda s: all(v["rows"] > 0 for v in s["servers"]), 30, "server rows")
+    info = job.info()
+    metrics = httpx.get(info["url"] + "/metrics", timeout=5, headers={"Authorization": f"Bearer {info['token']}"}).text
+    for server in ("0", "1"):
+        rows = re.search(rf'^tidal_ps_rows{{server="{server}"}} (\S+)$', metrics, re.M)
+        assert rows and float(rows.group(1)) > 0, metrics
+        assert re.search(rf'^tidal_ps_shards{{server="{server}"}} 32.0$', metrics, re.M), metrics
 
 
 def test_a_killed_server_fails_the_job(tmp_path: Path, jobs: list[Job]) -> None:

@@ -38,6 +38,11 @@ A stream job adds (``tidal.master.planning.StreamLag``; trace time, as ``tidal s
 * ``tidal_stream_queued_records{worker}`` and ``tidal_stream_forwarded_records_total{worker,
   direction}``: with global shuffling, each worker's local queue and the records it forwarded
   (``out``) and received (``in``).
+
+A job with parameter servers (``--ps``; tidal.master.servers) adds, per server, from its last
+report: ``tidal_ps_rows{server}`` (embedding rows held), ``tidal_ps_bytes{server}`` (those rows
+and their optimizer state), ``tidal_ps_busy_ratio{server}`` (the share of the last second spent
+serving requests) and ``tidal_ps_shards{server}`` (virtual shards the shard map gives it).
 """
 
 from __future__ import annotations
@@ -135,6 +140,31 @@ class MasterCollector(Collector):
             yield lag
             yield from _stream_slo(master)
             yield from _shuffle(active)
+        yield from _servers(master)
+
+
+def _servers(master: JobMaster) -> Iterator[Metric]:
+    """The parameter servers' last reports (``--ps``)."""
+    servers = master.servers.info()
+    if not servers:
+        return
+    shards = Counter(master.servers.shard_map)
+    families = [
+        (GaugeMetricFamily("tidal_ps_rows", "Embedding rows a parameter server holds.", labels=["server"]), "rows"),
+        (GaugeMetricFamily("tidal_ps_bytes", "Bytes of a parameter server's rows and their optimizer state.",
+                           labels=["server"]), "bytes"),
+        (GaugeMetricFamily("tidal_ps_busy_ratio", "Share of the last second a parameter server spent serving.",
+                           labels=["server"]), "busy"),
+    ]
+    held = GaugeMetricFamily("tidal_ps_shards", "Virtual shards the shard map gives a parameter server.",
+                             labels=["server"])
+    for v in servers:
+        for family, field in families:
+            family.add_metric([str(v.id)], getattr(v, field))
+        held.add_metric([str(v.id)], shards[v.id])
+    for family, _ in families:
+        yield family
+    yield held
 
 
 def _shuffle(active: list[WorkerRecord]) -> Iterator[Metric]:
