@@ -29,6 +29,7 @@ tidal.ps.server).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -133,6 +134,7 @@ def _mix(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> _S31)
 
 
+@functools.lru_cache(maxsize=1024)
 def _name_key(name: str, seed: int) -> np.uint64:
     key = np.uint64(seed & ((1 << 64) - 1))
     for ch in name.encode():

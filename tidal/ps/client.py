@@ -60,9 +60,12 @@ class PSClient:
 
     # ------------------------------------------------------------------ the step
     def split(self, table: str, ids: torch.Tensor) -> dict[int, torch.Tensor]:
-        """``ids`` (sorted, unique) by server: a mask per server holding any of them."""
-        server = self.shard_map[virtual_shard(table, ids, len(self.shard_map))]
-        return {int(i): server == i for i in torch.unique(server).tolist()}
+        """``ids`` (sorted, unique) by server: the positions of those each server holds (in
+        order, so each server's part stays sorted), for servers holding any."""
+        server = self.shard_map.index_select(0, virtual_shard(table, ids, len(self.shard_map)))
+        if len(self.addresses) == 1:
+            return {0: torch.arange(ids.numel())} if ids.numel() else {}
+        return {int(i): (server == i).nonzero().squeeze(1) for i in torch.unique(server).tolist()}
 
     def pull(self, ids: dict[str, torch.Tensor], *, round_: int, step: int,
              key: int | None) -> dict[str, torch.Tensor]:
@@ -73,7 +76,7 @@ class PSClient:
         for name, t_ids in ids.items():
             masks[name] = self.split(name, t_ids)
             for server, mask in masks[name].items():
-                per_server.setdefault(server, {})[f"{name}.ids"] = t_ids[mask]
+                per_server.setdefault(server, {})[f"{name}.ids"] = t_ids.index_select(0, mask)
         meta = {"op": "pull", "round": round_, "step": step, "key": key}
         replies = self._call({s: (meta, tensors) for s, tensors in per_server.items()})
         out = {}
@@ -81,11 +84,11 @@ class PSClient:
             rows = torch.empty(t_ids.numel(), self.tables[name].dim)
             for server, mask in masks[name].items():
                 got = replies[server].get(f"{name}.rows")
-                want = (int(mask.sum()), self.tables[name].dim)
+                want = (mask.numel(), self.tables[name].dim)
                 if got is None or got.dtype != torch.float32 or tuple(got.shape) != want:
                     raise PSError(f"server {server} answered a pull of table {name} with "
                                   f"{None if got is None else (got.dtype, list(got.shape))}, expected float32 {list(want)}")
-                rows[mask] = got
+                rows.index_copy_(0, mask, got)
             out[name] = rows
         return out
 
@@ -94,8 +97,8 @@ class PSClient:
         per_server: dict[int, dict[str, torch.Tensor]] = {}
         for name, (t_ids, grad) in grads.items():
             for server, mask in self.split(name, t_ids).items():
-                per_server.setdefault(server, {})[f"{name}.ids"] = t_ids[mask]
-                per_server[server][f"{name}.grad"] = grad[mask]
+                per_server.setdefault(server, {})[f"{name}.ids"] = t_ids.index_select(0, mask)
+                per_server[server][f"{name}.grad"] = grad.index_select(0, mask)
         meta = {"op": "push", "round": round_, "step": step, "key": key}
         self._call({s: (meta, tensors) for s, tensors in per_server.items()})
 

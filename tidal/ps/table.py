@@ -58,11 +58,11 @@ class DynamicTable:
         slots = self.slots(ids)
         stored = slots >= 0
         if stored.all():
-            return self.weight[torch.from_numpy(slots)]
+            return self.weight.index_select(0, torch.from_numpy(slots))
         out = initial_rows(self.spec, ids)
         if stored.any():
             where = torch.from_numpy(np.flatnonzero(stored))
-            out[where] = self.weight[torch.from_numpy(slots[stored])]
+            out.index_copy_(0, where, self.weight.index_select(0, torch.from_numpy(slots[stored])))
         return out
 
     def apply(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
@@ -74,27 +74,30 @@ class DynamicTable:
             slots[missing] = self._insert(ids[torch.from_numpy(missing)])
         index = torch.from_numpy(slots)
         spec = self.spec
-        w = self.weight[index]
+        # index_select/index_copy_, not ``t[index]``: advanced indexing took 2 ms for 500 rows
+        # on 2 threads (a parallel path), index_select 7 us
+        w = self.weight.index_select(0, index)
         if spec.optimizer == "sgd":
             w.sub_(grad, alpha=spec.lr)
         elif spec.optimizer == "adagrad":
-            s = self.state["sum"][index].addcmul_(grad, grad)
-            self.state["sum"][index] = s
+            s = self.state["sum"].index_select(0, index).addcmul_(grad, grad)
+            self.state["sum"].index_copy_(0, index, s)
             w.addcdiv_(grad, s.sqrt().add_(spec.eps), value=-spec.lr)
         else:
             assert self.steps is not None
-            t = self.steps[index] + 1
-            self.steps[index] = t
-            m = self.state["exp_avg"][index].mul_(spec.beta1).add_(grad, alpha=1 - spec.beta1)
-            v = self.state["exp_avg_sq"][index].mul_(spec.beta2).addcmul_(grad, grad, value=1 - spec.beta2)
-            self.state["exp_avg"][index] = m
-            self.state["exp_avg_sq"][index] = v
+            t = self.steps.index_select(0, index).add_(1)
+            self.steps.index_copy_(0, index, t)
+            m = self.state["exp_avg"].index_select(0, index).mul_(spec.beta1).add_(grad, alpha=1 - spec.beta1)
+            v = self.state["exp_avg_sq"].index_select(0, index).mul_(spec.beta2).addcmul_(grad, grad,
+                                                                                         value=1 - spec.beta2)
+            self.state["exp_avg"].index_copy_(0, index, m)
+            self.state["exp_avg_sq"].index_copy_(0, index, v)
             tf = t.to(torch.float64)
             bias1 = (1 - torch.pow(torch.tensor(spec.beta1, dtype=torch.float64), tf)).to(torch.float32)
             bias2 = (1 - torch.pow(torch.tensor(spec.beta2, dtype=torch.float64), tf)).to(torch.float32)
             denom = (v / bias2[:, None]).sqrt_().add_(spec.eps)
             w.addcdiv_(m / bias1[:, None], denom, value=-spec.lr)
-        self.weight[index] = w
+        self.weight.index_copy_(0, index, w)
 
     def _insert(self, ids: torch.Tensor) -> np.ndarray:
         n = ids.numel()
