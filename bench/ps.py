@@ -1,7 +1,7 @@
 """Parameter servers (tidal.ps): samples/s and memory of the example with its embedding tables on
 parameter servers, against the same model with replicated tables and tidal's all-reduce.
 
-    .venv/bin/python bench/ps.py [--samples 200000] [--batch-size 512] [--rounds 2] [--json]   # about 2 minutes
+    .venv/bin/python bench/ps.py [--samples 200000] [--batch-size 512] [--rounds 2] [--json]   # about 1 minute
 
 Both sides are ``tidal run`` jobs of examples/ctr/train.py (unchanged, no stamping wrapper),
 2 workers fixed (``--workers 2 --planner fixed --history none``), one epoch of ``--samples``:
@@ -94,6 +94,7 @@ class Monitor(threading.Thread):
         self.job_dir = job_dir
         self.halt = threading.Event()
         self.peak_kb: dict[int, int] = {}  # pid -> largest RSS / VmHWM seen, kB
+        self.cpu_s: dict[int, float] = {}  # pid -> CPU seconds (user + system) at its last sample
         self.role: dict[int, str] = {}  # pid -> worker, server or other
         self.procs: dict[int, psutil.Process] = {}  # every process seen (to kill what outlives the job)
         self.rows = 0  # rows on the servers, at their last report
@@ -112,11 +113,14 @@ class Monitor(threading.Thread):
     def _sample(self) -> None:
         with contextlib.suppress(psutil.Error):
             children = self.root.children(recursive=True)
-            for p in children:
+            for p in [self.root, *children]:
                 with contextlib.suppress(psutil.Error, OSError, ValueError):
                     if p.pid not in self.role:
-                        self.role[p.pid] = _role(p.cmdline())
-                        self.procs[p.pid] = p
+                        self.role[p.pid] = "master" if p is self.root else _role(p.cmdline())
+                        if p is not self.root:
+                            self.procs[p.pid] = p
+                    t = p.cpu_times()
+                    self.cpu_s[p.pid] = t.user + t.system
                     kb = p.memory_info().rss // 1024
                     kb = max(kb, peak_rss_kb(p.pid))
                     self.peak_kb[p.pid] = max(self.peak_kb.get(p.pid, 0), kb)
@@ -137,6 +141,10 @@ class Monitor(threading.Thread):
         """The largest peak RSS of any process of ``role``, MiB (None: none seen)."""
         kbs = [kb for pid, kb in self.peak_kb.items() if self.role.get(pid) == role]
         return max(kbs) / 1024 if kbs else None
+
+    def cpu(self, role: str) -> float:
+        """CPU seconds of every process of ``role`` together (up to its last sample)."""
+        return sum(s for pid, s in self.cpu_s.items() if self.role.get(pid) == role)
 
     def count(self, role: str) -> int:
         return sum(1 for r in self.role.values() if r == role)
@@ -199,7 +207,8 @@ def run_job(work: Path, ps: bool, args: argparse.Namespace) -> dict[str, Any]:
     return {"samples_per_s": args.samples / train_s, "train_s": train_s, "steps": int(_summary_metric(text, "steps")),
             "auc": _summary_metric(text, "auc"), "wall_s": wall,
             "worker_mb": monitor.peak_mb("worker"), "server_mb": monitor.peak_mb("server"),
-            "rows": monitor.rows if ps else FIELDS * REPLICATED_ROWS, "server_bytes": monitor.bytes}
+            "rows": monitor.rows if ps else FIELDS * REPLICATED_ROWS, "server_bytes": monitor.bytes,
+            "cpu_s": {role: round(monitor.cpu(role), 2) for role in ("worker", "server", "master")}}
 
 
 def torchrec_status() -> str | None:
@@ -271,7 +280,7 @@ def main() -> int:
         "config": {"samples": args.samples, "batch_size": args.batch_size, "rounds": args.rounds,
                    "workers": args.workers, "servers": args.servers, "ps_hash_size": args.ps_hash_size,
                    "replicated_hash_size": REPLICATED_ROWS, "tables": FIELDS, "emb_dim": EMB_DIM,
-                   "ps_rows_held": ps_rows, "machine": MACHINE, "load_average": loads},
+                   "ps_rows_held": ps_rows, "machine": MACHINE, "load_average": [round(x, 2) for x in loads]},
         "runs": {k: [{kk: (round(vv, 3) if isinstance(vv, float) else vv) for kk, vv in r.items()} for r in v]
                  for k, v in results.items()},
         "notes": {"pause": PAUSE_NOTE, "torchrec": torchrec_why,
@@ -298,6 +307,11 @@ def main() -> int:
     rep_runs = ", ".join(f"{r['samples_per_s']:,.0f}" for r in results["replicated"])
     print(f"\nruns (samples/s): tidal_ps {ps_runs}; replicated {rep_runs}; "
           f"load average before each run: {' '.join(f'{x:.2f}' for x in loads)}")
+    for kind in ("tidal_ps", "replicated"):
+        cpu = {role: median([r["cpu_s"][role] for r in results[kind]]) for role in ("worker", "server", "master")}
+        print(f"CPU seconds of the whole job, {kind} (median): workers {cpu['worker']:.1f}, servers "
+              f"{cpu['server']:.1f}, master {cpu['master']:.1f}; training {med(kind, 'train_s'):.1f} s of wall "
+              f"time on {psutil.cpu_count()} cores")
     print(f"memory per worker: with --ps {memory['tidal_ps_worker_peak']:,.0f} MB measured (independent of the "
           f"table size: a worker holds only its batch's pulled rows); replicated at {args.ps_hash_size:,} rows "
           f"would need {need_mb:,.0f} MB per worker (weights {weights_mb:,.0f} MB + Adam's two moments; "
