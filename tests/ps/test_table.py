@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -59,10 +60,13 @@ def test_rows_grow_past_the_initial_capacity() -> None:
 
 
 # ---------------------------------------------------------------------------- optimizers
-def reference_run(spec: TableSpec, ids: torch.Tensor, steps: list[torch.Tensor],
-                  make: type[torch.optim.Optimizer], **options: float) -> torch.Tensor:
+Make = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+def reference_run(spec: TableSpec, ids: torch.Tensor, steps: list[torch.Tensor], make: Make) -> torch.Tensor:
+    """torch's optimizer ``make`` on the rows of ``ids`` as one dense parameter."""
     param = torch.nn.Parameter(initial_rows(spec, ids).clone())
-    opt = make([param], **options)  # type: ignore[call-arg]
+    opt = make([param])
     for g in steps:
         opt.zero_grad()
         param.grad = g.clone()
@@ -81,7 +85,7 @@ def test_sgd_is_torchs_sgd() -> None:
     spec = TableSpec("s", 4, optimizer="sgd", lr=0.3, init_scale=0.2)
     ids = ids_of(3, 1, 8)
     steps = grads(STEPS, 3, 4)
-    want = reference_run(spec, ids, steps, torch.optim.SGD, lr=0.3)
+    want = reference_run(spec, ids, steps, lambda p: torch.optim.SGD(p, lr=0.3))
     torch.testing.assert_close(table_run(spec, ids, steps), want, atol=1e-6, rtol=1e-6)
 
 
@@ -89,8 +93,8 @@ def test_adagrad_is_torchs_adagrad() -> None:
     spec = TableSpec("g", 4, optimizer="adagrad", lr=0.05, eps=1e-10, init_scale=0.2)
     ids = ids_of(10, 11, 500)
     steps = grads(STEPS, 3, 4, seed=1)
-    want = reference_run(spec, ids, steps, torch.optim.Adagrad, lr=0.05, eps=1e-10,
-                         lr_decay=0.0, initial_accumulator_value=0.0)
+    want = reference_run(spec, ids, steps, lambda p: torch.optim.Adagrad(
+        p, lr=0.05, eps=1e-10, lr_decay=0.0, initial_accumulator_value=0.0))
     table = DynamicTable(spec)
     for g in steps:
         table.apply(ids, g)
@@ -104,7 +108,7 @@ def test_adam_is_torchs_adam_on_rows_trained_every_step() -> None:
     spec = TableSpec("a", 4, optimizer="adam", lr=0.01, beta1=0.8, beta2=0.99, eps=1e-8, init_scale=0.2)
     ids = ids_of(4, 2, 77)
     steps = grads(STEPS, 3, 4, seed=2)
-    want = reference_run(spec, ids, steps, torch.optim.Adam, lr=0.01, betas=(0.8, 0.99), eps=1e-8)
+    want = reference_run(spec, ids, steps, lambda p: torch.optim.Adam(p, lr=0.01, betas=(0.8, 0.99), eps=1e-8))
     torch.testing.assert_close(table_run(spec, ids, steps), want, atol=1e-6, rtol=1e-6)
 
 
@@ -118,9 +122,9 @@ def test_adam_is_lazy_a_row_moves_only_with_its_gradient() -> None:
             table.apply(ids_of(5), g[:1])  # row 9 sits this step out
         else:
             table.apply(ids_of(5, 9), g)
-    want9 = reference_run(spec, ids_of(9), [steps[i][1:] for i in (0, 2, 3)], torch.optim.Adam,
-                          lr=0.01, eps=1e-8)
-    want5 = reference_run(spec, ids_of(5), [g[:1] for g in steps], torch.optim.Adam, lr=0.01, eps=1e-8)
+    adam: Make = lambda p: torch.optim.Adam(p, lr=0.01, eps=1e-8)  # noqa: E731
+    want9 = reference_run(spec, ids_of(9), [steps[i][1:] for i in (0, 2, 3)], adam)
+    want5 = reference_run(spec, ids_of(5), [g[:1] for g in steps], adam)
     torch.testing.assert_close(table.read(ids_of(9)), want9, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(table.read(ids_of(5)), want5, atol=1e-6, rtol=1e-6)
     assert table.export()["steps"].tolist() == [4, 3]

@@ -9,6 +9,7 @@ request id, ``ok``, the codec's size and dtype checks, the rows' shape) before u
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Any
 
 import torch
@@ -51,7 +52,11 @@ class PSClient:
             self._socks.append(s)
         self._req = itertools.count()
         specs = [t.to_json() for t in tables]
-        self._call({i: ({"op": "hello", "tables": specs}, {}) for i in range(len(self._socks))})
+        try:
+            self._call({i: ({"op": "hello", "tables": specs}, {}) for i in range(len(self._socks))})
+        except Exception:
+            self.close()
+            raise
 
     def close(self) -> None:
         for s in self._socks:
@@ -61,7 +66,16 @@ class PSClient:
     # ------------------------------------------------------------------ the step
     def split(self, table: str, ids: torch.Tensor) -> dict[int, torch.Tensor]:
         """``ids`` (sorted, unique) by server: the positions of those each server holds (in
-        order, so each server's part stays sorted), for servers holding any."""
+        order, so each server's part stays sorted), for servers holding any.
+
+        Raises:
+            PSError: an unknown table, or ids that are not a 1-d int64 tensor.
+        """
+        if table not in self.tables:
+            raise PSError(f"unknown table {table!r} (declared: {sorted(self.tables)})")
+        if ids.dtype != torch.int64 or ids.dim() != 1:
+            raise PSError(f"table {table}: ids must be a 1-d int64 tensor, got {ids.dtype} {list(ids.shape)}")
+        ids = ids.cpu()
         server = self.shard_map.index_select(0, virtual_shard(table, ids, len(self.shard_map)))
         if len(self.addresses) == 1:
             return {0: torch.arange(ids.numel())} if ids.numel() else {}
@@ -151,9 +165,9 @@ class PSClient:
         for server in waiting:
             poller.register(self._socks[server], zmq.POLLIN)
         out: dict[int, Any] = {}
-        deadline_ms = int(self.timeout_s * 1000)
+        deadline = time.monotonic() + self.timeout_s  # for the whole call, however many servers
         while waiting:
-            ready = dict(poller.poll(deadline_ms))
+            ready = dict(poller.poll(max(0, int((deadline - time.monotonic()) * 1000))))
             if not ready:
                 late = ", ".join(f"{s} ({self.addresses[s]})" for s in sorted(waiting))
                 raise PSUnavailableError(f"parameter server {late} did not answer within {self.timeout_s:g} s")

@@ -83,6 +83,8 @@ class ServerEmbeddings(nn.Module):
         """The pooled rows of each table's ``ids`` (``[n, dim]`` per table)."""
         if self._state is None:
             raise PSError("call emb.attach(state) after job.state() before the first forward")
+        if not ids:
+            raise PSError("a forward of no tables: pass {table name: ids}")
         unknown = sorted(set(ids) - set(self.tables))
         if unknown:
             raise PSError(f"unknown tables {unknown} (declared: {sorted(self.tables)})")
