@@ -197,6 +197,23 @@ class Job:
             psutil.wait_procs(found, timeout=5)
 
 
+def fingerprint(directory: Path) -> str:
+    """``tidal fingerprint`` of the newest checkpoint in ``directory``."""
+    out = subprocess.run([TIDAL, "fingerprint", str(directory)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()[0]
+
+
+def plain_python_fingerprint(directory: Path, script_args: list[str]) -> str:
+    """The example under plain python (no master, no ``TIDAL_*`` environment), checkpointed into
+    ``directory``: the reference a job's fingerprint is compared with."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIDAL_")}
+    out = subprocess.run([sys.executable, str(EXAMPLE), *script_args, "--checkpoint-dir", str(directory)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return fingerprint(directory)
+
+
 def example_args(samples: int, epochs: int, batch: int = 256, sleep: float = 0.0, *extra: str) -> list[str]:
     """Arguments of examples/ctr/train.py: a small job, no progress lines."""
     return ["--samples", str(samples), "--epochs", str(epochs), "--batch-size", str(batch),

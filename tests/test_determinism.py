@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.jobtools import EXAMPLE, TIDAL, Job
+from tests.jobtools import Job, fingerprint, plain_python_fingerprint
 
 pytestmark = pytest.mark.slow
 
@@ -29,21 +29,10 @@ pytestmark = pytest.mark.slow
 ARGS = ["--samples", "16000", "--epochs", "2", "--batch-size", "256", "--log-every", "0", "--logical-workers", "4"]
 
 
-def fingerprint(directory: Path) -> str:
-    out = subprocess.run([TIDAL, "fingerprint", str(directory)], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    return out.stdout.split()[0]
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The script under plain python: one process, four logical workers, no master."""
-    ckpt = tmp_path_factory.mktemp("plain") / "ckpt"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TIDAL_")}
-    out = subprocess.run([sys.executable, str(EXAMPLE), *ARGS, "--checkpoint-dir", str(ckpt)], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    return fingerprint(ckpt)
+    return plain_python_fingerprint(tmp_path_factory.mktemp("plain") / "ckpt", ARGS)
 
 
 def run_job(tmp_path: Path, jobs: list[Job], workers: str, extra: list[str] | None = None,

@@ -17,13 +17,12 @@ import os
 import re
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.jobtools import EXAMPLE, TIDAL, Job
+from tests.jobtools import TIDAL, Job, fingerprint, plain_python_fingerprint
 
 pytestmark = pytest.mark.slow
 
@@ -32,21 +31,10 @@ ARGS = ["--ps", "--samples", str(SAMPLES), "--epochs", str(EPOCHS), "--batch-siz
         "--logical-workers", "4", "--eval-samples", "2000"]
 
 
-def fingerprint(directory: Path) -> str:
-    out = subprocess.run([TIDAL, "fingerprint", str(directory)], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    return out.stdout.split()[0]
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The script under plain python: one process, four logical workers, its own server thread."""
-    ckpt = tmp_path_factory.mktemp("plain") / "ckpt"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TIDAL_")}
-    out = subprocess.run([sys.executable, str(EXAMPLE), *ARGS, "--checkpoint-dir", str(ckpt)], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    return fingerprint(ckpt)
+    return plain_python_fingerprint(tmp_path_factory.mktemp("plain") / "ckpt", ARGS)
 
 
 def ps_job(tmp_path: Path, jobs: list[Job], servers: int, workers: str, *extra: str,
