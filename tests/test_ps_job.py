@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests import chromium
 from tests.jobtools import TIDAL, Job, fingerprint, plain_python_fingerprint
 
 pytestmark = pytest.mark.slow
@@ -35,6 +36,11 @@ ARGS = ["--ps", "--samples", str(SAMPLES), "--epochs", str(EPOCHS), "--batch-siz
 def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The script under plain python: one process, four logical workers, its own server thread."""
     return plain_python_fingerprint(tmp_path_factory.mktemp("plain") / "ckpt", ARGS)
+
+
+READ_SERVERS = """({hidden: document.getElementById("servers-section").hidden,
+  servers: [...document.querySelectorAll("tr[data-server-id]")].map((tr) => ({
+    id: tr.dataset.serverId, rows: tr.dataset.rows, shards: tr.dataset.shards}))})"""
 
 
 def ps_job(tmp_path: Path, jobs: list[Job], servers: int, workers: str, *extra: str,
@@ -91,6 +97,14 @@ def test_status_json_lists_the_servers(tmp_path: Path, jobs: list[Job]) -> None:
         rows = re.search(rf'^tidal_ps_rows{{server="{server}"}} (\S+)$', metrics, re.M)
         assert rows and float(rows.group(1)) > 0, metrics
         assert re.search(rf'^tidal_ps_shards{{server="{server}"}} 32.0$', metrics, re.M), metrics
+    if chromium.available():  # the dashboard lists the servers with their rows and shards
+        with chromium.Browser(timeout=20) as browser:
+            browser.navigate(f"{info['url']}/dashboard?token={info['token']}")
+            browser.wait_until("document.querySelectorAll('tr[data-server-id]').length === 2", timeout=20)
+            rows = browser.evaluate(READ_SERVERS)
+            assert not rows["hidden"] and [r["id"] for r in rows["servers"]] == ["0", "1"], rows
+            assert all(int(r["shards"]) == 32 and int(r["rows"]) > 0 for r in rows["servers"]), rows
+            assert browser.errors() == []
 
 
 def test_a_killed_server_fails_the_job(tmp_path: Path, jobs: list[Job]) -> None:
