@@ -16,7 +16,7 @@ that are gone.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from tidal.master.api import JobSpec
 from tidal.master.fleet import last_log_line
 
 LAUNCHING, RUNNING, EXITED = "launching", "running", "exited"
+LOAD = {"rows", "bytes", "applied_step", "requests_per_s", "busy"}  # what ServerInfo shows of a report
 
 
 @dataclass
@@ -35,7 +36,7 @@ class ServerRecord:
     pid: int = 0
     address: str = ""
     exit_code: int | None = None
-    report: dict[str, Any] = field(default_factory=dict)  # the last ServerReport's load fields
+    report: ServerReport | None = None  # the last one (not journaled: the next comes within a second)
 
     def to_row(self) -> dict[str, Any]:
         return {"server_id": self.server_id, "state": self.state, "pid": self.pid, "address": self.address,
@@ -67,11 +68,12 @@ class Servers:
         return [i for i, r in self.records.items() if r.state != EXITED]
 
     def info(self) -> list[ServerInfo]:
-        return [ServerInfo(id=r.server_id, pid=r.pid, state=r.state, address=r.address, exit_code=r.exit_code,
-                           rows=r.report.get("rows", 0), bytes=r.report.get("bytes", 0),
-                           applied_step=r.report.get("applied_step", -1),
-                           requests_per_s=r.report.get("requests_per_s", 0.0), busy=r.report.get("busy", 0.0))
-                for r in sorted(self.records.values(), key=lambda r: r.server_id)]
+        out = []
+        for r in sorted(self.records.values(), key=lambda r: r.server_id):
+            load = r.report.model_dump(include=LOAD) if r.report is not None else {}
+            out.append(ServerInfo(id=r.server_id, pid=r.pid, state=r.state, address=r.address,
+                                  exit_code=r.exit_code, **load))
+        return out
 
     # ------------------------------------------------------------------ journal
     def to_meta(self) -> dict[str, Any]:
@@ -118,7 +120,7 @@ class Servers:
             return None
         first = rec.state != RUNNING or rec.address != req.address
         rec.state, rec.pid, rec.address = RUNNING, req.pid, req.address
-        rec.report = req.model_dump(exclude={"server_id", "address", "pid"})
+        rec.report = req
         return rec if first else None
 
     def exited(self, server_id: int, code: int | None) -> ServerRecord | None:

@@ -42,6 +42,9 @@ class PSClient:
         self.tables = {t.name: t for t in tables}
         self.timeout_s = timeout_s
         self.watermark: list[int] | None = None  # [round, step, total] of the last applied step
+        # per table, the ids of the last split and their positions by server: a step's push
+        # sends exactly the ids its pull fetched, so it reuses their split instead of hashing again
+        self._splits: dict[str, tuple[torch.Tensor, dict[int, torch.Tensor]]] = {}
         self._ctx = zmq.Context()
         self._socks: list[zmq.Socket[Any]] = []
         for address in self.addresses:
@@ -75,11 +78,16 @@ class PSClient:
             raise PSError(f"unknown table {table!r} (declared: {sorted(self.tables)})")
         if ids.dtype != torch.int64 or ids.dim() != 1:
             raise PSError(f"table {table}: ids must be a 1-d int64 tensor, got {ids.dtype} {list(ids.shape)}")
-        ids = ids.cpu()
-        server = self.shard_map.index_select(0, virtual_shard(table, ids, len(self.shard_map)))
+        cached = self._splits.get(table)
+        if cached is not None and cached[0] is ids:
+            return cached[1]
         if len(self.addresses) == 1:
-            return {0: torch.arange(ids.numel())} if ids.numel() else {}
-        return {int(i): (server == i).nonzero().squeeze(1) for i in torch.unique(server).tolist()}
+            parts = {0: torch.arange(ids.numel())} if ids.numel() else {}
+        else:
+            server = self.shard_map.index_select(0, virtual_shard(table, ids.cpu(), len(self.shard_map)))
+            parts = {int(i): (server == i).nonzero().squeeze(1) for i in torch.unique(server).tolist()}
+        self._splits[table] = (ids, parts)
+        return parts
 
     def pull(self, ids: dict[str, torch.Tensor], *, round_: int, step: int,
              key: int | None) -> dict[str, torch.Tensor]:
