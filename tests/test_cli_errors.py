@@ -196,9 +196,9 @@ def test_scale_of_a_job_whose_master_is_gone(tidal, tmp_path: Path) -> None:
     assert_one_line_error(r, "dead", "not answering")
 
 
-@pytest.mark.parametrize("args", [(), ("2", "--auto")])
-def test_scale_needs_a_number_or_auto_but_not_both(tidal, args: tuple[str, ...]) -> None:
-    assert_one_line_error(tidal("scale", *args), "either a number of workers or --auto")
+@pytest.mark.parametrize("args", [(), ("2", "--auto"), ("2", "--ps", "2"), ("--auto", "--ps", "1")])
+def test_scale_needs_a_number_or_auto_or_servers_but_only_one(tidal, args: tuple[str, ...]) -> None:
+    assert_one_line_error(tidal("scale", *args), "either a number of workers, --auto, or --ps N")
 
 
 @pytest.mark.parametrize(
@@ -229,8 +229,11 @@ def test_scale_needs_a_number_or_auto_but_not_both(tidal, args: tuple[str, ...])
         ("--planner-interval", "0", ("--planner-interval", "3600", "must be between")),
         ("--planner-interval", "nan", ("--planner-interval", "nan", "must be between")),
         ("--planner", "nope", ("--planner", "unknown planner 'nope'", "max")),
-        ("--ps", "100", ("--ps", "64", "100", "must be between")),
-        ("--ps", "-1", ("--ps", "-1", "must be between")),
+        ("--ps", "100", ("--ps MAX", "64", "100", "must be between")),
+        ("--ps", "-1", ("--ps MIN must be at least 1", "-1")),
+        ("--ps", "0", ("--ps MIN must be at least 1", "0")),
+        ("--ps", "3:2", ("--ps MIN (3) is greater than MAX (2)",)),
+        ("--ps", "1:x", ("--ps must be MIN:MAX or N", "1:x")),
     ],
 )
 def test_bad_numeric_option(tidal, script: Path, tmp_path: Path, option: str, value: str,
@@ -373,6 +376,7 @@ def test_resume_of_a_journal_naming_an_unknown_backend(tidal, tmp_path: Path) ->
     ("args", "needles"),
     [
         (["--ps", "4", "--ps-shards", "2"], ("--ps-shards", "2", "must be between")),
+        (["--ps", "1:8", "--ps-shards", "4"], ("--ps-shards", "4", "must be between 8")),
         (["--ps", "2", "--checkpoint-dir", "CKPT", "--checkpoint-every", "5"],
          ("--checkpoint-every with --ps", "not in flash checkpoints yet")),
     ],

@@ -265,6 +265,8 @@ def test_body_of_exactly_the_limit_is_parsed(master: Master, chunked: bool) -> N
         ("/v1/scale", {"workers": None}, "body"),  # neither a number nor auto
         ("/v1/scale", {}, "body"),
         ("/v1/scale", {"workers": 2, "auto": True}, "body"),  # both
+        ("/v1/scale", {"workers": 2, "ps": 2}, "body"),
+        ("/v1/scale", {"ps": 0}, "ps"),
         ("/v1/scale", {"auto": "maybe"}, "auto"),
         ("/v1/scale", [1], "body"),
     ],
@@ -339,6 +341,12 @@ def test_scale_outside_min_max_is_400(master: Master, workers: int) -> None:
         assert r.status_code == 400, r.text
         assert "1:2" in r.json()["detail"] and str(workers) in r.json()["detail"]
         assert c.get("/v1/status").json()["target_workers"] == 2
+
+
+def test_scale_of_servers_in_a_job_without_servers_is_400(master: Master) -> None:
+    with master.client() as c:
+        r = c.post("/v1/scale", json={"ps": 2})
+        assert r.status_code == 400 and "no parameter servers" in r.json()["detail"], r.text
 
 
 def test_scale_inside_min_max(master: Master) -> None:

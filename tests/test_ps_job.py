@@ -6,6 +6,9 @@ example's ``--ps`` (its eight tables of 2^24 hashed ids on the servers).
   ``python`` with the script's own server thread, for 1 server and 1 worker, and for 3 servers
   and 3 -> 2 workers with a worker SIGKILLed mid-run (its pushed but uncommitted contributions
   must not be applied; its step is trained again). The ledger shows every sample once.
+* The servers go 1 -> 3 -> 2 while training runs (``tidal scale --ps``), a worker SIGKILLed
+  on the way: the virtual shards move at re-forms, the emptied server is stopped, and the model
+  is still the one of plain python.
 * ``tidal status --json`` lists the servers, their rows and bytes.
 * A server SIGKILLed fails the job with a message naming it: never a false "succeeded".
 """
@@ -43,7 +46,7 @@ READ_SERVERS = """({hidden: document.getElementById("servers-section").hidden,
     id: tr.dataset.serverId, rows: tr.dataset.rows, shards: tr.dataset.shards}))})"""
 
 
-def ps_job(tmp_path: Path, jobs: list[Job], servers: int, workers: str, *extra: str,
+def ps_job(tmp_path: Path, jobs: list[Job], servers: int | str, workers: str, *extra: str,
            run_args: tuple[str, ...] = ()) -> tuple[Job, Path]:
     ckpt = tmp_path / "ckpt"
     job = Job(tmp_path, workers, [*ARGS, *extra],
@@ -76,6 +79,43 @@ def test_same_model_on_three_servers_through_a_worker_sigkill(tmp_path: Path, jo
     assert audit.ok, audit.summary()
     # the job is over: no server is left running
     assert not job.server_processes()
+
+
+def test_servers_scale_1_3_2_while_training_and_the_model_is_the_same(tmp_path: Path, jobs: list[Job],
+                                                                      reference: str) -> None:
+    # about 24 steps of 0.5 s: a server starts in about 3 s
+    job, ckpt = ps_job(tmp_path, jobs, "1:3", "2:2", "--step-sleep", "0.5")
+    job.wait_step(1, 120)
+    scaled = subprocess.run([TIDAL, "scale", "--ps", "3", "--job-dir", str(job.dir)], capture_output=True,
+                            text=True, timeout=60)
+    assert scaled.returncode == 0 and "target: 3 parameter servers" in scaled.stdout, scaled.stderr
+    beyond = subprocess.run([TIDAL, "scale", "--ps", "4", "--job-dir", str(job.dir)], capture_output=True,
+                            text=True, timeout=60)
+    assert beyond.returncode != 0 and "outside this job's range 1:3" in beyond.stderr, beyond.stderr
+    st = job.wait_status(lambda s: set(s["ps_shard_map"]) == {0, 1, 2}, 90, "the shards on 3 servers")
+    assert st["ps_target"] == 3 and st["ps_range"] == [1, 3]
+    assert sorted(s["shards"] for s in st["servers"]) == [21, 21, 22]
+    step = st["finalized_step"]
+    st = job.wait_step(step + 2, 90)  # training goes on on the new servers
+    st = job.wait_status(lambda s: all(v["rows"] > 0 for v in s["servers"]), 30, "rows on every server")
+    victim = next(w for w in st["workers"] if w["state"] == "active" and w["rank"] == 1)
+    os.kill(victim["pid"], signal.SIGKILL)
+    job.scale_ps(2)
+    st = job.wait_status(lambda s: len(set(s["ps_shard_map"])) == 2 and any(v["state"] == "exited"
+                                                                            for v in s["servers"]),
+                         90, "the shards on 2 servers, one stopped")
+    assert set(st["ps_shard_map"]) == {0, 1}, st["ps_shard_map"]  # the newest server goes first
+    assert job.wait(240) == 0, job.output()[-3000:]
+    out = job.output()
+    assert "moving 42 virtual shards: 1 -> 3 parameter servers" in out, out[-3000:]
+    assert re.search(r"moved \d+ rows in [0-9.]+ s; parameter servers now \[0, 1, 2\]", out), out[-3000:]
+    assert "parameter server 2 stopped (its shards moved away)" in out, out[-3000:]
+    assert fingerprint(ckpt) == reference
+    audit = job.audit(SAMPLES, EPOCHS)
+    assert audit.ok, audit.summary()
+    assert not job.server_processes()
+    with pytest.raises(httpx.HTTPError):
+        job.scale_ps(3)  # the job is over
 
 
 def test_status_json_lists_the_servers(tmp_path: Path, jobs: list[Job]) -> None:

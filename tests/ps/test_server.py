@@ -10,6 +10,8 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +21,8 @@ import torch
 import zmq
 
 from tidal.api import frames
+from tidal.api.rpc import Caller, RemoteRefusedError
+from tidal.master.servers import ShardMove, rebalanced
 from tidal.ps.api import PSError, PSUnavailableError, TableSpec, default_shard_map, initial_rows
 from tidal.ps.client import PSClient
 
@@ -136,8 +140,11 @@ def sgd_expected(spec: TableSpec, ids: torch.Tensor, grads: list[torch.Tensor], 
 # ---------------------------------------------------------------------------- configuration
 def test_hello_configures_the_server_and_others_must_agree(launch: Launch) -> None:
     (address,) = launch(1)
-    reply = raw(address, frames.encode({}, meta={"op": "stats", "token": TOKEN, "req": 3}))
+    reply = raw(address, frames.encode({}, meta={"op": "export", "table": "x", "token": TOKEN, "req": 3}))
     assert reply["ok"] is False and "before hello" in reply["error"] and reply["req"] == 3
+    # stats answer before hello (the master settles a new server before any worker said hello)
+    reply = raw(address, frames.encode({}, meta={"op": "stats", "token": TOKEN, "req": 5}))
+    assert reply["ok"] is True and reply["rows"] == 0 and reply["specs"] == []
     with pytest.raises(PSError, match="list of 1 to 64 table specs"):
         connect([address], [])
     reply = raw(address, frames.encode({}, meta={"op": "hello", "token": TOKEN, "req": 4,
@@ -484,3 +491,117 @@ def test_the_model_does_not_depend_on_the_number_of_servers(launch: Launch) -> N
     finally:
         one.close()
         two.close()
+
+
+# ---------------------------------------------------------------------------- moving shards
+def test_rebalanced_moves_few_shards_and_balances() -> None:
+    one = [0] * 64
+    three = rebalanced(one, [0, 1, 2])
+    assert sorted(Counter(three).values()) == [21, 21, 22]
+    assert sum(a != b for a, b in zip(one, three, strict=True)) == 64 - 22  # server 0 keeps the most
+    two = rebalanced(three, [0, 2])
+    assert sorted(Counter(two).values()) == [32, 32]
+    # only server 1's shards (and what evens the two out) move
+    assert sum(a != b for a, b in zip(three, two, strict=True)) == 21
+    assert rebalanced(two, [0, 2]) == two
+    with pytest.raises(ValueError):
+        rebalanced(one, [])
+
+
+def move(old: list[int], new: list[int], addresses: dict[int, str], watermark: list[int] | None) -> ShardMove:
+    m = ShardMove(old, new, addresses, TOKEN, watermark)
+    m.start()
+    assert m.done.wait(60)
+    assert m.error is None, m.error
+    m.finish()
+    return m
+
+
+def positions(shard_map: list[int]) -> tuple[list[int], list[int]]:
+    servers = sorted(set(shard_map))
+    return servers, [servers.index(i) for i in shard_map]
+
+
+def test_shards_moved_between_servers_change_no_number_of_the_model(launch: Launch) -> None:
+    """The master's move (tidal.master.servers.ShardMove) between real servers: the steps of
+    train_steps on 1 server, then on 3 (after a move 1 -> 3), then on 2 (3 -> 2, one server
+    emptied), train the same rows as all of them on one server that never moved."""
+    addresses = launch(4)
+    ref = connect(addresses[3:], MIXED)
+    gen = torch.Generator().manual_seed(11)
+    maps = [[0] * 64]
+    maps.append(rebalanced(maps[0], [0, 1, 2]))
+    maps.append(rebalanced(maps[1], [0, 2]))
+    by_id = dict(enumerate(addresses[:3]))
+    try:
+        step, moved = 0, 0
+        for phase, shard_map in enumerate(maps):
+            if phase:
+                m = move(maps[phase - 1], shard_map, by_id, [0, step - 1, 80])
+                moved += m.rows
+            servers, where = positions(shard_map)
+            c = connect([by_id[i] for i in servers], MIXED)
+            c.shard_map = torch.tensor(where)
+            try:
+                for _ in range(2):
+                    for client in (c, ref):
+                        client.watermark = [0, step - 1, 80] if step else None
+                        gen_state = gen.get_state()
+                        for key in range(2):
+                            ids = {s.name: torch.unique(torch.randint(0, 300, (40,), generator=gen)) for s in MIXED}
+                            client.pull(ids, round_=0, step=step, key=key)
+                            client.push({s.name: (ids[s.name], torch.randn(ids[s.name].numel(), s.dim, generator=gen))
+                                         for s in MIXED}, round_=0, step=step, key=key)
+                        if client is c:
+                            gen.set_state(gen_state)
+                    c.commit(0, step, 80)
+                    ref.commit(0, step, 80)
+                    step += 1
+                if phase == len(maps) - 1:
+                    got, want = c.export(), ref.export()
+                    for name, fields in want.items():
+                        for field, value in fields.items():
+                            assert torch.equal(got[name][field], value), (name, field)
+                    stats = c.stats()
+                    assert all(s["rows"] > 0 and s["applied_step"] == step - 1 for s in stats)
+            finally:
+                c.close()
+        assert moved > 0
+        # the emptied server 1 dropped what it handed over (finish runs in a thread)
+        with Caller(by_id[1], TOKEN) as one:
+            deadline = time.monotonic() + 10
+            while one.call({"op": "stats"}).meta["rows"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+    finally:
+        ref.close()
+
+
+def test_a_move_refuses_a_server_not_at_the_committed_step(launch: Launch) -> None:
+    addresses = launch(2)
+    c = connect(addresses[:1], MIXED)
+    try:
+        ids = torch.arange(10)
+        c.pull({"a": ids}, round_=0, step=0, key=0)
+        c.push({"a": (ids, torch.ones(10, 3))}, round_=0, step=0, key=0)
+        m = ShardMove([0] * 64, rebalanced([0] * 64, [0, 1]), dict(enumerate(addresses)), TOKEN, [0, 1, 10])
+        m.start()
+        assert m.done.wait(60)
+        assert m.error is not None and "skips step 0" in m.error, m.error  # its step 0 was never committed
+        c.commit(0, 0, 10)
+        c.commit(0, 1, 10)  # the server now applied step 1; a move at step 0 finds it ahead
+        m = ShardMove([0] * 64, rebalanced([0] * 64, [0, 1]), dict(enumerate(addresses)), TOKEN, [0, 0, 10])
+        m.start()
+        assert m.done.wait(60)
+        assert m.error is not None and "is at step 1, the job committed step 0" in m.error, m.error
+        # the load message is checked like any other: rows outside the shards named are refused
+        with Caller(addresses[1], TOKEN) as other:
+            other.call({"op": "hello", "tables": [s.to_json() for s in MIXED]})
+            with pytest.raises(RemoteRefusedError, match="outside the virtual shards"):
+                part = {"ids": torch.arange(50, dtype=torch.int64), "weight": torch.zeros(50, 3),
+                        "exp_avg": torch.zeros(50, 3), "exp_avg_sq": torch.zeros(50, 3),
+                        "steps": torch.zeros(50, dtype=torch.int64)}
+                other.call({"op": "load", "table": "a", "shards": [0], "num_shards": 64}, part)
+            with pytest.raises(RemoteRefusedError, match="need the tensors"):
+                other.call({"op": "load", "table": "a", "shards": [0], "num_shards": 64}, {"ids": part["ids"]})
+    finally:
+        c.close()

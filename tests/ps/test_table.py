@@ -273,3 +273,31 @@ def test_hashes_are_the_same_in_another_process() -> None:
     assert got["shard"] == virtual_shard("clicks", ids, 64).tolist()
     assert torch.equal(torch.tensor(got["rows"], dtype=torch.float32),
                        initial_rows(TableSpec("clicks", 3, seed=9), ids))
+
+
+# ---------------------------------------------------------------------------- virtual shards
+def test_export_by_shard_and_drop_shards_partition_the_rows() -> None:
+    spec = TableSpec("e", 2, optimizer="adam", lr=0.1)
+    table = DynamicTable(spec, capacity=4)
+    ids = torch.arange(-200, 300, 3, dtype=torch.int64)
+    table.apply(ids, torch.randn(ids.numel(), 2, generator=torch.Generator().manual_seed(1)))
+    table.apply(ids[::2], torch.ones(ids[::2].numel(), 2))
+    before = table.export()
+    moved = ([1, 5, 6], 8)
+    part, rest = table.export(shards=moved), table.export(shards=([0, 2, 3, 4, 7], 8))
+    assert 0 < part["ids"].numel() < ids.numel() and table.count(moved) == part["ids"].numel()
+    assert set(virtual_shard("e", part["ids"], 8).tolist()) <= {1, 5, 6}
+    assert torch.equal(torch.sort(torch.cat([part["ids"], rest["ids"]])).values, before["ids"])
+    assert table.drop_shards(*moved) == part["ids"].numel()
+    assert table.drop_shards(*moved) == 0  # idempotent
+    left = table.export()
+    for name, value in rest.items():
+        assert torch.equal(left[name], value), name
+    # a dropped row reads as its initial value again, and its state starts afresh when trained
+    assert torch.equal(table.read(part["ids"][:3]), initial_rows(spec, part["ids"][:3]))
+    again = DynamicTable(spec)
+    again.load(part)
+    for name, value in part.items():
+        assert torch.equal(again.export()[name], value), name
+    table.apply(part["ids"][:1], torch.ones(1, 2))
+    assert int(table.export(shards=moved)["steps"][0]) == 1

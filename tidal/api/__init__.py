@@ -113,6 +113,7 @@ def parse_every(text: str) -> tuple[str, float]:
 # Control-plane limits: the master answers 413 above MAX_BODY_BYTES, 422 above the list limits.
 MAX_BODY_BYTES = 16 << 20
 MAX_RECORDS_PER_REQUEST = 65536
+PS_WATERMARK = "tidal.ps"  # the key of the parameter servers' watermark in a worker's ``state.extras``
 MAX_PAUSES_PER_REPORT = 64
 _I64 = 2**63 - 1
 
@@ -210,6 +211,9 @@ class RendezvousRequest(_Wire):
     failure: str = Field(default="", max_length=1000)  # why it left: a collective or group that failed
     restore_failed: RestoreFailure | None = None
     stream_partitions: list[int] = Field(default_factory=list, max_length=65536)  # a stream job's, as seen
+    # [round, step, total] of the applied step's parameter-server watermark (``state.extras[PS_WATERMARK]``):
+    # the master settles the servers at it before it moves virtual shards (tidal.master.servers)
+    ps_watermark: list[int] | None = Field(default=None, min_length=3, max_length=3)
 
 
 class RendezvousResponse(_Wire):
@@ -345,11 +349,12 @@ class ScaleRequest(_Wire):
 
     workers: int | None = Field(default=None, ge=0, le=100_000)
     auto: bool = False
+    ps: int | None = Field(default=None, ge=1, le=4096)  # parameter servers (within the job's --ps MIN:MAX)
 
     @model_validator(mode="after")
     def _one_of(self) -> ScaleRequest:
-        if (self.workers is None) == (not self.auto):
-            raise ValueError("give either workers or auto=true")
+        if sum((self.workers is not None, self.auto, self.ps is not None)) != 1:
+            raise ValueError("give exactly one of workers, auto=true or ps")
         return self
 
 
@@ -390,8 +395,9 @@ class ServerInfo(_Wire):
 
     id: int
     pid: int
-    state: str  # launching, running, exited
+    state: str  # launching, running, retiring (its shards moved away; stopped by the master), exited
     address: str = ""
+    shards: int = 0  # virtual shards it holds in the current shard map
     rows: int = 0
     bytes: int = 0
     applied_step: int = -1
@@ -466,7 +472,9 @@ class StatusResponse(_Wire):
     stream_stop: str | None = None  # why a stream job is ending (drained, `tidal stop`)
     stream_lag: StreamLagStatus | None = None  # a stream job's lag against its SLO, once a worker reported
     servers: list[ServerInfo] = Field(default_factory=list)  # parameter servers (``--ps``)
-    ps_shard_map: list[int] = Field(default_factory=list)  # the server of each virtual shard
+    ps_shard_map: list[int] = Field(default_factory=list)  # the server (id) of each virtual shard
+    ps_target: int = 0  # the number of servers asked for (``tidal scale --ps``); the map follows at a re-form
+    ps_range: list[int] = Field(default_factory=list)  # --ps MIN:MAX
 
 
 class PlannerDecision(_Wire):

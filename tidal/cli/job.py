@@ -66,16 +66,18 @@ def tidal_home() -> Path:
     return Path(os.environ.get(HOME_ENV, ".tidal"))
 
 
-def parse_workers(text: str) -> tuple[int, int]:
+def parse_workers(text: str, option: str = "--workers") -> tuple[int, int]:
     try:
         lo, _, hi = text.partition(":")
         low, high = int(lo), int(hi or lo)
     except ValueError:
-        raise ConfigError(f"--workers must be MIN:MAX or N, got {text!r}") from None
+        raise ConfigError(f"{option} must be MIN:MAX or N, got {text!r}") from None
     if low < 1:
-        raise ConfigError(f"--workers MIN must be at least 1, got {low}")
+        raise ConfigError(f"{option} MIN must be at least 1, got {low}")
     if low > high:
-        raise ConfigError(f"--workers MIN ({low}) is greater than MAX ({high})")
+        raise ConfigError(f"{option} MIN ({low}) is greater than MAX ({high})")
+    if option != "--workers":
+        return low, high
     check_range("--workers MAX", high, (1, MAX_LOCAL_WORKERS),
                 " (MAX_LOCAL_WORKERS: the local backend runs every worker on this machine)")
     return low, high
@@ -161,12 +163,14 @@ def run(
              "workers that accept (those whose queue fell below LOWER), over ZeroMQ on 127.0.0.1. Evens out "
              "uneven partitions; every record is still trained exactly once. A record waits behind about UPPER "
              "queued records, so keep both a few batches: e.g. 128:512 with a batch of 128."),
-    ps: int = typer.Option(
-        0, "--ps", metavar="N",
-        help="Start N parameter servers (tidal.ps) for the script's embedding tables "
+    ps_text: str | None = typer.Option(
+        None, "--ps", metavar="N|MIN:MAX",
+        help="Start N (or MIN) parameter servers (tidal.ps) for the script's embedding tables "
              "(tidal.ps.embedding.ServerEmbeddings): rows hash-partitioned over virtual shards, created on "
-             "first use, updated on the servers in sync with every committed step. Fixed while the job runs, "
-             f"at most {MAX_PS}; a server that dies fails the job (not replaced yet)."),
+             "first use, updated on the servers in sync with every committed step. With MIN:MAX, "
+             "`tidal scale --ps N` changes their number while training runs: new servers start, and the "
+             f"virtual shards move at the next step boundary. At most {MAX_PS}; a server that dies fails "
+             "the job (not replaced yet)."),
     ps_shards: int = typer.Option(
         64, "--ps-shards", metavar="V", help="Virtual shards the rows hash to (at least --ps, at most 4096)."),
     resume_dir: Path | None = typer.Option(
@@ -270,9 +274,10 @@ def run(
     if initial is not None and not low <= initial <= high:
         raise fail(f"--initial {initial} is outside --workers {low}:{high}")
     check_ledger(ledger)
+    ps, ps_max = parse_workers(ps_text, "--ps") if ps_text is not None else (0, 0)
     if ps:
-        check_range("--ps", ps, (1, MAX_PS))
-        check_range("--ps-shards", ps_shards, (ps, 4096))
+        check_range("--ps MAX", ps_max, (1, MAX_PS))
+        check_range("--ps-shards", ps_shards, (ps_max, 4096))
         if checkpoint_every is not None:
             raise fail("--checkpoint-every with --ps: the servers' tables are not in flash checkpoints yet, so "
                        "a resume would lose them; use --checkpoint-dir for the final checkpoint")
@@ -321,7 +326,7 @@ def run(
         planner_interval_s=planner_interval, history_path=history_path(history),
         stream_url=stream, stop_when_drained_s=stop_when_drained, trim_after_commit=trim_after_commit,
         time_scale=time_scale, lag_slo_s=1200.0 if lag_slo is None else lag_slo,
-        traffic_history=seed[0], traffic_history_interval_s=seed[1], ps=ps, ps_shards=ps_shards,
+        traffic_history=seed[0], traffic_history_interval_s=seed[1], ps=ps, ps_max=ps_max, ps_shards=ps_shards,
     )
     _point_current(directory)
     typer.echo(f"tidal: job {job_id} on http://127.0.0.1:{spec.port} (job dir {directory}); "
@@ -554,11 +559,20 @@ def status(
 def scale(
     workers: int | None = typer.Argument(None, help="The new number of workers (within the job's MIN:MAX)."),
     auto: bool = typer.Option(False, "--auto", help="Hand the number of workers back to the job's planner."),
+    ps: int | None = typer.Option(
+        None, "--ps", metavar="N",
+        help="The new number of parameter servers (within the job's --ps MIN:MAX): new ones start while "
+             "training runs, then the virtual shards move at the next step boundary (a short pause)."),
     job_dir: Path | None = typer.Option(None, "--job-dir", help="The job's directory (default: the latest job)."),
 ) -> None:
-    """Change a running job's number of workers (the planner stops deciding until --auto)."""
-    if (workers is None) == (not auto):
-        raise fail("give either a number of workers or --auto")
+    """Change a running job's number of workers (the planner stops deciding until --auto), or of
+    parameter servers (--ps)."""
+    if sum((workers is not None, auto, ps is not None)) != 1:
+        raise fail("give either a number of workers, --auto, or --ps N")
+    if ps is not None:
+        data = _request(job_dir, "POST", "/v1/scale", {"ps": ps})
+        typer.echo(f"target: {data['target_ps']} parameter servers")
+        return
     body: dict[str, Any] = {"auto": True} if auto else {"workers": workers}
     data = _request(job_dir, "POST", "/v1/scale", body)
     typer.echo(f"target: {data['target_workers']} workers" + (" (planner)" if auto else ""))
@@ -747,9 +761,13 @@ def _render_status(st: StatusResponse) -> None:
         console.print(f"newest flash checkpoint: step {st.checkpoint_step}"
                       + (f"; problem: {st.checkpoint_problem}" if st.checkpoint_problem else ""),
                       markup=False, highlight=False)
+    if st.servers:
+        console.print(f"parameter servers: {len(set(st.ps_shard_map))} hold the {len(st.ps_shard_map)} virtual "
+                      f"shards, target {st.ps_target} (range {':'.join(map(str, st.ps_range))})",
+                      markup=False, highlight=False)
     for v in st.servers:
         console.print(f"parameter server {v.id}: pid {v.pid}, {v.state}, {v.address or 'not registered'}, "
-                      f"{v.rows} rows, {v.bytes / 2**20:.1f} MiB, step {v.applied_step}, "
+                      f"{v.shards} shards, {v.rows} rows, {v.bytes / 2**20:.1f} MiB, step {v.applied_step}, "
                       f"{v.requests_per_s:.0f} requests/s, busy {v.busy:.0%}"
                       + ("" if v.exit_code is None else f", exit {v.exit_code}"), markup=False, highlight=False)
     table = Table("worker", "pid", "state", "rank", "step", "samples/s", "straggler", "exit")

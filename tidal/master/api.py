@@ -122,8 +122,10 @@ class JobSpec:
     # journal) so that a master that takes over seeds its planner with it again
     traffic_history: list[float] = field(default_factory=list)
     traffic_history_interval_s: float = 60.0
-    # parameter servers (``tidal run --ps N``): how many, and the virtual shards their rows hash to
+    # parameter servers (``tidal run --ps N|MIN:MAX``): how many at the start (MIN), the most
+    # ``tidal scale --ps`` may ask for (0: ``ps``), and the virtual shards their rows hash to
     ps: int = 0
+    ps_max: int = 0
     ps_shards: int = 64
 
     def to_json(self) -> dict[str, Any]:

@@ -91,7 +91,7 @@ from tidal.master.membership import WorkerRecord
 from tidal.master.planning import Planning, available_cpus, stream_lag_s, worker_observation
 from tidal.master.progress import MemberProgress
 from tidal.master.rounds import RoundState
-from tidal.master.servers import Servers
+from tidal.master.servers import RETIRING, Servers
 from tidal.master.shards import DatasetConfig, ShardManager
 from tidal.master.streams import StreamTable
 
@@ -447,8 +447,12 @@ class JobMaster:
         reports = self.fleet.server_reports
         while reports:
             server_id, code, why = reports[0]
+            retiring = server_id in self.servers.records and self.servers.records[server_id].state == RETIRING
             rec = self.servers.exited(server_id, code)
-            if rec is not None and self.state in (JobState.RUNNING, JobState.FINISHING):
+            if rec is not None and retiring:
+                self.log.add("ps", f"parameter server {server_id} stopped (its shards moved away)")
+                self._persist()
+            elif rec is not None and self.state in (JobState.RUNNING, JobState.FINISHING):
                 tail = self.servers.log_tail(server_id)
                 self._fail_job(f"parameter server {server_id} {why}{': ' + tail if tail else ''} (a lost "
                                "server is not replaced yet: its rows cannot be restored)")
@@ -635,6 +639,30 @@ class JobMaster:
         return workers
 
     @journaled
+    def scale_ps(self, servers: int) -> int:
+        """The user's number of parameter servers (``tidal scale --ps N``): new ones start now,
+        and the virtual shards move at the next re-form (tidal.master.servers).
+
+        Raises:
+            BadRequestError: the job is not running, has no servers, or ``servers`` is outside
+                its ``--ps MIN:MAX``.
+        """
+        self._check_scalable()
+        low, high = self.spec.ps, max(self.spec.ps, self.spec.ps_max)
+        if not self.spec.ps:
+            raise BadRequestError("this job has no parameter servers (start it with --ps)")
+        if not low <= servers <= high:
+            raise BadRequestError(f"{servers} parameter servers is outside this job's range {low}:{high} "
+                                  "(--ps MIN:MAX)")
+        if servers > self.spec.ps_shards:
+            raise BadRequestError(f"{servers} parameter servers for {self.spec.ps_shards} virtual shards")
+        self.log.add("scale", f"parameter servers: target {servers} (was {self.servers.target})")
+        self.servers.target = servers
+        self._persist()
+        self.tick()
+        return servers
+
+    @journaled
     def scale_auto(self) -> int:
         """Hand the target back to the planner (``tidal scale --auto``); it decides at once."""
         self._check_scalable()
@@ -694,10 +722,12 @@ class JobMaster:
                 self.planning.record(now, sum(r.samples_per_s for r in active), len(active), self.target, lag)
             if self.streams is not None and self.spec.stop_when_drained_s is not None:
                 self._check_drained(now)
-            if not self.servers.launched:
+            if self.spec.ps:
                 self._launch_servers()
             self._launch_missing(now)
             cause = rounds.reform_cause(self.rounds, self.workers, self.target)
+            if cause is None and self.servers.change_ready() and self.servers.move is None and self.rounds.members:
+                cause = f"parameter servers {len(self.servers.in_map())} -> {self.servers.target}"
             if cause is not None:
                 self._execute([StartReform(cause)])
             self._try_close_round()
@@ -938,8 +968,38 @@ class JobMaster:
             self.rounds, self.workers, now=self.clock(), target=self.target, min_workers=self.spec.min_workers,
             start_grace_s=self.spec.start_grace_s, finalized_step=self.finalized_step,
             round_failure_limit=self.spec.round_failure_limit, restore_from=restore_from)
+        if isinstance(decision, FormRound) and not self._servers_settled(decision):
+            return
         if decision is not None:
             self._execute([decision])
+
+    def _servers_settled(self, form: FormRound) -> bool:
+        """Whether the round may form as far as the parameter servers go: no change of their
+        shard map is wanted, or the shards have moved (tidal.master.servers). Starts the move."""
+        servers = self.servers
+        if servers.move is None:
+            if not servers.change_ready() or form.restore:
+                return True
+            watermark = self.rounds.waiting[form.source].ps_watermark
+            move = servers.begin_move(watermark)
+            moving = sum(len(v) for v in move.moves().values())
+            self.log.add("ps", f"moving {moving} virtual shards: {len(set(move.old_map))} -> "
+                               f"{len(set(move.new_map))} parameter servers, at step {form.resume_step}")
+            return False
+        if not servers.move.done.is_set():
+            return False
+        move = servers.move
+        if move.error is not None:
+            servers.move = None
+            servers.target = len(servers.in_map())
+            self.log.add("error", f"moving virtual shards failed, the servers keep their map "
+                                  f"({len(servers.in_map())} servers): {move.error}")
+            self._persist()
+            return True
+        stopped = servers.end_move(self._persist)
+        self.log.add("ps", f"moved {move.rows} rows in {move.seconds:.3f} s; parameter servers now "
+                           f"{servers.in_map()}" + (f"; stopping {stopped}" if stopped else ""))
+        return True
 
     def _form_round(self, form: FormRound, now: float) -> None:
         rs = self.rounds
@@ -978,7 +1038,7 @@ class JobMaster:
                 sync_state=form.sync_state, applied_step=form.resume_step, restore=form.restore,
                 lineage=self.checkpoints.lineage, restore_lineage=restore_lineage, stream=stream.get(w, {}),
                 stream_skip=self.streams.skips(stream.get(w, {})) if self.streams is not None else {},
-                ps=self.servers.addresses(), ps_shard_map=self.servers.shard_map,
+                ps=self.servers.addresses(), ps_shard_map=self.servers.positions(),
             )
         for w in form.leaving:
             rec = self.workers[w]
@@ -1114,6 +1174,8 @@ class JobMaster:
             stream=self.stream_status(), stream_stop=self.stream_stop,
             stream_lag=self.planning.lag.status(self.spec.time_scale) if self.streams is not None else None,
             servers=self.servers.info(), ps_shard_map=self.servers.shard_map,
+            ps_target=self.servers.target if self.spec.ps else 0,
+            ps_range=[self.spec.ps, max(self.spec.ps, self.spec.ps_max)] if self.spec.ps else [],
         )
 
     # ================================================================== helpers

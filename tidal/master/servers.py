@@ -1,32 +1,57 @@
-"""The job's parameter servers (``tidal run --ps N``): launch, registration, load, exits.
+"""The job's parameter servers (``tidal run --ps N|MIN:MAX``): launch, registration, load, moves.
 
 Servers start with the job, before any round forms: a server binds a port of its own choosing
 and registers with its first report (``POST /v1/ps/report``), and the first round waits until
-every server has registered, so every worker gets every server's address and the shard map
-with its round (``RendezvousResponse.ps``). Each later report carries the server's rows, bytes
-and load, shown by ``tidal status`` and ``/metrics``.
+every server has registered, so every worker gets the servers' addresses and the shard map with
+its round (``RendezvousResponse.ps``). Each later report carries the server's rows, bytes and
+load, shown by ``tidal status`` and ``/metrics``.
 
-The number of servers is fixed while the job runs, and a server that exits while the job runs
-fails the job with a message that says so: moving virtual shards between servers and restoring
-a lost server from a checkpoint are not built yet (issue "Parameter servers"). Nothing is
-trained with a server missing, so nothing is lost: the job stops instead of training on rows
-that are gone.
+**Changing the number of servers while training runs** (``tidal scale --ps N``; DLRover 5.3,
+DLRover-RM 5.2). New servers start while the workers train on. Once they have registered, the
+master re-forms the round, and before the next round forms (no step in flight) it moves the
+virtual shards (``ShardMove``, a thread, so the master keeps answering):
+
+1. every server of the old map applies the committed step's watermark (the round's source
+   reports it with its rendezvous), so each holds exactly the committed model; new servers are
+   configured with the tables and set to the same step;
+2. each moving shard is dropped on its new holder (what a move that broke off left there),
+   exported from its old holder page by page (rows and optimizer state) and loaded into the
+   new one;
+3. the master journals the new map and hands it out with the round; then the old holders drop
+   the moved shards, and servers left without a shard are stopped.
+
+A row's update depends on the step's contributions alone, never on the server holding it, so a
+move changes no number of the model. Every request of a move is idempotent in that order, so a
+move that breaks off (a master failover, a refused request) is done again, or the old map kept.
+
+A server that exits on its own while the job runs fails the job with a message that says so:
+restoring a lost server from a checkpoint is not built yet (issue "Parameter servers"). Nothing
+is trained with a server missing, so nothing is lost: the job stops instead.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
-from dataclasses import dataclass
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tidal.api import ServerInfo, ServerReport
+from tidal.api.errors import TidalError
+from tidal.api.rpc import Caller
 from tidal.backends.api import Backend, NodeHandle, NodeSpec, Resources, node_id
 from tidal.master.api import JobSpec
 from tidal.master.fleet import last_log_line
 
-LAUNCHING, RUNNING, EXITED = "launching", "running", "exited"
+log = logging.getLogger(__name__)
+
+LAUNCHING, RUNNING, RETIRING, EXITED = "launching", "running", "retiring", "exited"
 LOAD = {"rows", "bytes", "applied_step", "requests_per_s", "busy"}  # what ServerInfo shows of a report
+MOVE_TIMEOUT_S = 120.0  # per request of a move (a page of rows)
 
 
 @dataclass
@@ -43,49 +68,185 @@ class ServerRecord:
                 "exit_code": self.exit_code}
 
 
+def rebalanced(shard_map: list[int], servers: list[int]) -> list[int]:
+    """A shard map over ``servers`` that moves as few virtual shards as it can: each server
+    gets ``V // N`` or one more shards; shards stay where they are while their server is kept
+    and under its share, the rest go to the servers short of theirs, in shard order."""
+    if not servers:
+        raise ValueError("a shard map needs at least one server")
+    servers = sorted(servers)
+    held = Counter(shard_map)
+    base, extra = divmod(len(shard_map), len(servers))
+    # the servers holding the most keep the extra shards (fewer moves), ties by id
+    by_load = sorted(servers, key=lambda i: (-held.get(i, 0), i))
+    quota = {i: base + (1 if rank < extra else 0) for rank, i in enumerate(by_load)}
+    out = list(shard_map)
+    kept: Counter[int] = Counter()
+    orphans = []
+    for v, i in enumerate(shard_map):
+        if i in quota and kept[i] < quota[i]:
+            kept[i] += 1
+        else:
+            orphans.append(v)
+    short = [i for i in servers for _ in range(quota[i] - kept[i])]
+    for v, i in zip(orphans, short, strict=True):
+        out[v] = i
+    return out
+
+
+@dataclass
+class ShardMove:
+    """Moving virtual shards from ``old_map`` to ``new_map`` (steps 1 and 2 of the module's
+    docstring), run by a thread of its own; ``finish`` (step 3) once the map is journaled."""
+
+    old_map: list[int]
+    new_map: list[int]
+    addresses: dict[int, str]
+    token: str
+    watermark: list[int] | None  # [round, step, total] of the committed step, None: nothing trained
+    started: float = field(default_factory=time.monotonic)
+    rows: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def moves(self) -> dict[tuple[int, int], list[int]]:
+        """(old holder, new holder) -> the shards it moves."""
+        out: dict[tuple[int, int], list[int]] = {}
+        for v, (a, b) in enumerate(zip(self.old_map, self.new_map, strict=True)):
+            if a != b:
+                out.setdefault((a, b), []).append(v)
+        return out
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name="tidal-ps-move", daemon=True).start()
+
+    def _run(self) -> None:
+        callers: dict[int, Caller] = {}
+        try:
+            for i in set(self.old_map) | set(self.new_map):
+                callers[i] = Caller(self.addresses[i], self.token, timeout_s=MOVE_TIMEOUT_S)
+            self._move(callers)
+        except (TidalError, OSError, KeyError, ValueError) as exc:
+            self.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            for c in callers.values():
+                c.close()
+            self.seconds = time.monotonic() - self.started
+            self.done.set()
+
+    def _settle(self, caller: Caller, server_id: int) -> dict[str, Any]:
+        meta = caller.call({"op": "stats", "commit": self.watermark}).meta or {}
+        if self.watermark is not None and int(meta.get("applied_step", -2)) != self.watermark[1]:
+            raise ValueError(f"parameter server {server_id} is at step {meta.get('applied_step')}, the job "
+                             f"committed step {self.watermark[1]}")
+        return meta
+
+    def _move(self, callers: dict[int, Caller]) -> None:
+        num_shards = len(self.new_map)
+        specs: list[Any] = []
+        for i in sorted(set(self.old_map)):
+            specs = specs or list(self._settle(callers[i], i).get("specs") or [])
+        for i in sorted(set(self.new_map) - set(self.old_map)):
+            if specs:
+                callers[i].call({"op": "hello", "tables": specs})
+            self._settle(callers[i], i)
+        if not specs:
+            return  # no worker has declared a table yet: nothing to move
+        moves = self.moves()
+        for (_, dst), shards in moves.items():
+            callers[dst].call({"op": "drop", "shards": shards, "num_shards": num_shards})
+        for (src, dst), shards in moves.items():
+            for spec in specs:
+                start = 0
+                while True:
+                    msg = callers[src].call({"op": "export", "table": spec["name"], "start": start,
+                                             "shards": shards, "num_shards": num_shards})
+                    part, meta = msg.tensors, msg.meta or {}
+                    if len(part.get("ids", ())):
+                        callers[dst].call({"op": "load", "table": spec["name"], "shards": shards,
+                                           "num_shards": num_shards}, dict(part))
+                        self.rows += len(part["ids"])
+                    start = int(meta.get("next", start))
+                    if start >= int(meta.get("rows", 0)) or not len(part.get("ids", ())):
+                        break
+
+    def finish(self) -> None:
+        """Drop the moved shards on their old holders (best effort, a thread: what is left is
+        never read, since no client routes to it, and a later move there drops it first)."""
+        def run() -> None:
+            num_shards = len(self.new_map)
+            for (src, _), shards in self.moves().items():
+                if src not in self.new_map:
+                    continue  # stopped anyway
+                try:
+                    with Caller(self.addresses[src], self.token, timeout_s=MOVE_TIMEOUT_S) as c:
+                        c.call({"op": "drop", "shards": shards, "num_shards": num_shards})
+                except (TidalError, OSError) as exc:
+                    log.warning("parameter server %d: dropping moved shards failed: %s", src, exc)
+
+        threading.Thread(target=run, name="tidal-ps-drop", daemon=True).start()
+
+
 class Servers:
     def __init__(self, spec: JobSpec, backend: Backend) -> None:
         self.spec = spec
         self.backend = backend
         self.records: dict[int, ServerRecord] = {}
         self.shard_map: list[int] = [v % spec.ps for v in range(spec.ps_shards)] if spec.ps else []
+        self.target = spec.ps  # how many servers the map should spread over
+        self.move: ShardMove | None = None
         self._seq = 0
 
     # ------------------------------------------------------------------ views
     @property
     def launched(self) -> bool:
-        return len(self.records) >= self.spec.ps
+        return bool(self.records) or not self.spec.ps
 
     @property
     def ready(self) -> bool:
-        """Every server registered its address (the first round may form)."""
-        return all(r.state == RUNNING for r in self.records.values()) and self.launched
+        """Every server of the shard map registered its address (a round may form)."""
+        return self.launched and all(self.records[i].state == RUNNING for i in set(self.shard_map))
+
+    def in_map(self) -> list[int]:
+        """The servers holding virtual shards, by id."""
+        return sorted(set(self.shard_map))
 
     def addresses(self) -> list[str]:
-        return [self.records[i].address for i in sorted(self.records)]
+        """Server ``i`` of the round's map (``RendezvousResponse.ps``)."""
+        return [self.records[i].address for i in self.in_map()]
+
+    def positions(self) -> list[int]:
+        """The shard map by position in ``addresses()``, as workers read it."""
+        index = {sid: k for k, sid in enumerate(self.in_map())}
+        return [index[i] for i in self.shard_map]
 
     def alive(self) -> list[int]:
         return [i for i, r in self.records.items() if r.state != EXITED]
 
     def info(self) -> list[ServerInfo]:
+        held = Counter(self.shard_map)
         out = []
         for r in sorted(self.records.values(), key=lambda r: r.server_id):
             load = r.report.model_dump(include=LOAD) if r.report is not None else {}
             out.append(ServerInfo(id=r.server_id, pid=r.pid, state=r.state, address=r.address,
-                                  exit_code=r.exit_code, **load))
+                                  exit_code=r.exit_code, shards=held.get(r.server_id, 0), **load))
         return out
 
     # ------------------------------------------------------------------ journal
     def to_meta(self) -> dict[str, Any]:
-        return {"servers": [r.to_row() for r in self.records.values()], "ps_shard_map": self.shard_map}
+        return {"servers": [r.to_row() for r in self.records.values()], "ps_shard_map": self.shard_map,
+                "ps_target": self.target}
 
     def restore(self, meta: dict[str, Any], request_id: str) -> None:
-        """Rebuild from the journal and watch the servers an earlier master started."""
+        """Rebuild from the journal and watch the servers an earlier master started (a move in
+        progress when it stopped is done again at the next re-form)."""
         self.records = {}
         for row in meta.get("servers", []):
             rec = ServerRecord(**row)
             self.records[rec.server_id] = rec
         self.shard_map = list(meta.get("ps_shard_map") or self.shard_map)
+        self.target = int(meta.get("ps_target", len(self.in_map())))
         handles = [NodeHandle(node_id("ps", r.server_id), r.pid) for r in self.records.values()
                    if r.state != EXITED and r.pid]
         if handles:
@@ -93,16 +254,60 @@ class Servers:
 
     # ------------------------------------------------------------------ changes
     def launch(self, journal_first: Any) -> list[int]:
-        """Start the servers not started yet; returns their ids."""
-        new = [i for i in range(self.spec.ps) if i not in self.records]
-        if not new:
+        """Start servers until ``target`` are up or starting; returns the ids started."""
+        up = [i for i, r in self.records.items() if r.state in (LAUNCHING, RUNNING)]
+        count = self.target - len(up)
+        if count <= 0:
             return []
+        first = max(self.records, default=-1) + 1
+        new = list(range(first, first + count))
         for i in new:
             self.records[i] = ServerRecord(i)
         journal_first()
         self._seq += 1
         self.backend.launch([self.node_spec(i) for i in new], f"{self.spec.job_id}-ps-launch-{self._seq}")
         return new
+
+    def wanted(self) -> list[int]:
+        """The servers the map should spread over: the map's, less the newest beyond ``target``,
+        plus the newest running ones not in it up to ``target``."""
+        current = self.in_map()
+        if self.target <= len(current):
+            return current[:self.target]
+        spare = sorted(i for i, r in self.records.items() if r.state == RUNNING and i not in current)
+        return sorted(current + spare[:self.target - len(current)])
+
+    def change_ready(self) -> bool:
+        """A change of the map is wanted and every server it needs has registered."""
+        if not self.spec.ps or not self.records:
+            return False
+        wanted = self.wanted()
+        return len(wanted) == self.target and wanted != self.in_map()
+
+    def begin_move(self, watermark: list[int] | None) -> ShardMove:
+        """Start moving shards to the map over ``wanted()`` (see ShardMove)."""
+        new_map = rebalanced(self.shard_map, self.wanted())
+        addresses = {i: self.records[i].address for i in set(self.shard_map) | set(new_map)}
+        self.move = ShardMove(list(self.shard_map), new_map, addresses, self.spec.token, watermark)
+        self.move.start()
+        return self.move
+
+    def end_move(self, journal: Any) -> list[int]:
+        """The move finished: publish its map (journaled first), drop the moved shards on their
+        old holders, stop the servers left without shards. Returns the stopped servers."""
+        move, self.move = self.move, None
+        assert move is not None and move.done.is_set() and move.error is None
+        self.shard_map = move.new_map
+        spare = [i for i, r in self.records.items() if r.state in (LAUNCHING, RUNNING) and i not in self.shard_map
+                 and len(self.shard_map) and len(self.in_map()) >= self.target]
+        for i in spare:
+            self.records[i].state = RETIRING
+        journal()
+        move.finish()
+        if spare:
+            self._seq += 1
+            self.backend.terminate([node_id("ps", i) for i in spare], f"{self.spec.job_id}-ps-retire-{self._seq}")
+        return spare
 
     def node_spec(self, server_id: int) -> NodeSpec:
         spec = self.spec
@@ -116,7 +321,7 @@ class Servers:
     def report(self, req: ServerReport) -> ServerRecord | None:
         """A server's report; returns its record when this one registered it (its first)."""
         rec = self.records.get(req.server_id)
-        if rec is None or rec.state == EXITED:
+        if rec is None or rec.state in (EXITED, RETIRING):
             return None
         first = rec.state != RUNNING or rec.address != req.address
         rec.state, rec.pid, rec.address = RUNNING, req.pid, req.address

@@ -352,9 +352,12 @@ def _user_router(master: JobMaster) -> APIRouter:
     @router.post("/v1/scale", responses={400: {}})
     async def scale(req: ScaleRequest) -> dict[str, int]:
         """Set the target number of workers (within the job's MIN:MAX), or hand it back to the
-        planner with ``auto``."""
+        planner with ``auto``; or set the number of parameter servers (``ps``, within the job's
+        ``--ps MIN:MAX``)."""
         if req.auto:
             return {"target_workers": master.scale_auto()}
+        if req.ps is not None:
+            return {"target_ps": master.scale_ps(req.ps)}
         assert req.workers is not None  # the model requires one of them
         return {"target_workers": master.scale(req.workers)}
 

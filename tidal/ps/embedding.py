@@ -33,10 +33,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tidal.api import PS_WATERMARK
 from tidal.ps.api import DEFAULT_SHARDS, PSError, TableSpec, default_shard_map
 from tidal.ps.client import PSClient
 
-WATERMARK = "tidal.ps"  # the key of the servers' watermark in ``state.extras``
+WATERMARK = PS_WATERMARK  # the key of the servers' watermark in ``state.extras``
 
 
 class ServerEmbeddings(nn.Module):

@@ -39,7 +39,7 @@ import zmq
 
 from tidal.api import frames
 from tidal.api.errors import FrameError
-from tidal.ps.api import MAX_TABLES, PSError, TableSpec
+from tidal.ps.api import MAX_TABLES, PSError, TableSpec, virtual_shard
 from tidal.ps.table import DynamicTable
 
 log = logging.getLogger(__name__)
@@ -84,11 +84,15 @@ class ParameterServer:
         if op == "hello":
             self._configure(meta.get("tables"))
             return {"applied_step": self.applied_step, "server": self.server_id}, {}
-        if not self.tables:
+        if not self.tables and op not in ("stats", "commit"):
             raise PSError(f"{op!r} before hello: the tables are not configured")
         self._commit(meta.get("commit"))
         if op == "commit":
             return None
+        if op == "load":
+            return self._load(meta, msg.tensors)
+        if op == "drop":
+            return self._drop(meta)
         if op == "pull":
             return self._pull(meta, msg.tensors)
         if op == "push":
@@ -102,7 +106,8 @@ class ParameterServer:
     def stats(self) -> dict[str, Any]:
         return {"rows": sum(t.rows for t in self.tables.values()),
                 "bytes": sum(t.nbytes for t in self.tables.values()),
-                "tables": {name: t.stats() for name, t in self.tables.items()}}
+                "tables": {name: t.stats() for name, t in self.tables.items()},
+                "specs": [t.spec.to_json() for t in self.tables.values()]}
 
     def _configure(self, specs: Any) -> None:
         if not isinstance(specs, list) or not specs or len(specs) > MAX_TABLES:
@@ -219,8 +224,53 @@ class ParameterServer:
         if table is None:
             raise PSError(f"unknown table {name!r}")
         start = int(meta.get("start", 0))
-        part = table.export(start, EXPORT_ROWS)
-        return {"rows": table.rows, "next": start + len(part["ids"])}, part
+        shards = _shards(meta) if meta.get("shards") is not None else None
+        part = table.export(start, EXPORT_ROWS, shards)
+        return {"rows": table.count(shards), "next": start + len(part["ids"])}, part
+
+    # ------------------------------------------------------------------ moving virtual shards
+    # The master moves a virtual shard (tidal.master.servers): ``drop`` it on the new holder
+    # (rows a move that broke off left there), ``export`` it from the old one and ``load`` it
+    # into the new one page by page, publish the new shard map, then ``drop`` it on the old one.
+    # Each request is idempotent in that order, so a move that broke off is simply done again.
+    def _load(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[dict[str, Any],
+                                                                                       dict[str, torch.Tensor]]:
+        """Rows of one table (``meta.table``) exported by another server, with their state."""
+        shards, num_shards = _shards(meta)
+        name = str(meta.get("table"))
+        table = self.tables.get(name)
+        if table is None:
+            raise PSError(f"unknown table {name!r} (the server holds {sorted(self.tables)})")
+        want = {"ids", "weight", *table.state, *(["steps"] if table.steps is not None else [])}
+        if set(tensors) != want:
+            raise PSError(f"table {name}: rows to load need the tensors {sorted(want)}, got {sorted(tensors)}")
+        ids = tensors["ids"]
+        if ids.dtype != torch.int64 or ids.dim() != 1:
+            raise PSError(f"table {name}: ids to load must be a 1-d int64 tensor")
+        table.check_ids(ids)
+        if ids.numel() and not np.isin(virtual_shard(name, ids, num_shards).numpy(), shards).all():
+            raise PSError(f"table {name}: rows to load that hash outside the virtual shards named")
+        for key, value in tensors.items():
+            if key in ("ids", "steps"):
+                continue
+            if value.dtype != torch.float32 or not bool(torch.isfinite(value).all()):
+                raise PSError(f"table {name}: {key} must be finite float32, got {value.dtype}")
+        table.load(tensors)
+        return {"loaded": ids.numel()}, {}
+
+    def _drop(self, meta: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        shards, num_shards = _shards(meta)
+        return {"dropped": sum(t.drop_shards(shards, num_shards) for t in self.tables.values())}, {}
+
+
+def _shards(meta: dict[str, Any]) -> tuple[list[int], int]:
+    """``shards`` and ``num_shards`` of a move's request, checked."""
+    shards, num_shards = meta.get("shards"), meta.get("num_shards")
+    if not isinstance(num_shards, int) or not 1 <= num_shards <= 1 << 16:
+        raise PSError(f"num_shards must be an integer in [1, 65536], got {num_shards!r}")
+    if not isinstance(shards, list) or not all(isinstance(v, int) and 0 <= v < num_shards for v in shards):
+        raise PSError(f"shards must be a list of virtual shards in [0, {num_shards})")
+    return shards, num_shards
 
 
 # ---------------------------------------------------------------------------- the process

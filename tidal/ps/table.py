@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tidal.ps.api import PSError, TableSpec, initial_rows
+from tidal.ps.api import PSError, TableSpec, initial_rows, virtual_shard
 
 _STATE = {"sgd": (), "adagrad": ("sum",), "adam": ("exp_avg", "exp_avg_sq")}
 
@@ -121,19 +121,57 @@ class DynamicTable:
             self.steps = _grown(self.steps, new)
 
     # ------------------------------------------------------------------ export / load
-    def export(self, start: int = 0, limit: int | None = None) -> dict[str, torch.Tensor]:
+    def export(self, start: int = 0, limit: int | None = None,
+               shards: tuple[list[int], int] | None = None) -> dict[str, torch.Tensor]:
         """Rows ``start`` to ``start + limit`` in id order: ``ids``, ``weight`` and the
-        optimizer state (the canonical order a checkpoint and the fingerprint use)."""
-        order = np.argsort(self._ids[:self.rows], kind="stable")
-        stop = self.rows if limit is None else min(self.rows, start + limit)
-        pick = torch.from_numpy(order[start:stop].copy())
-        out = {"ids": torch.from_numpy(self._ids[:self.rows][order[start:stop]].copy()),
-               "weight": self.weight[pick]}
+        optimizer state (the canonical order a checkpoint and the fingerprint use). ``shards``
+        ``(virtual shards, num_shards)``: only the rows hashing to those shards (a move)."""
+        order = self._positions(shards)
+        stop = len(order) if limit is None else min(len(order), start + limit)
+        pick_np = order[start:stop]
+        pick = torch.from_numpy(pick_np.copy())
+        out = {"ids": torch.from_numpy(self._ids[pick_np]), "weight": self.weight.index_select(0, pick)}
         for name, value in self.state.items():
-            out[name] = value[pick]
+            out[name] = value.index_select(0, pick)
         if self.steps is not None:
-            out["steps"] = self.steps[pick]
+            out["steps"] = self.steps.index_select(0, pick)
         return out
+
+    def count(self, shards: tuple[list[int], int] | None = None) -> int:
+        """Rows stored (in ``shards``, as for ``export``)."""
+        return self.rows if shards is None else len(self._positions(shards))
+
+    def drop_shards(self, shards: list[int], num_shards: int) -> int:
+        """Forget the rows hashing to ``shards`` (moved to another server); returns how many."""
+        gone = self._in_shards(shards, num_shards)
+        dropped = int(gone.sum())
+        if dropped:
+            keep = torch.from_numpy(np.flatnonzero(~gone))
+            n = len(keep)
+            self._ids[:n] = self._ids[:self.rows][keep.numpy()]
+            self.weight[:n] = self.weight.index_select(0, keep)
+            for value in self.state.values():
+                value[:n] = value.index_select(0, keep)
+                value[n:self.rows] = 0
+            if self.steps is not None:
+                self.steps[:n] = self.steps.index_select(0, keep)
+                self.steps[n:self.rows] = 0
+            self.rows = n
+            self._slot = dict(zip(self._ids[:n].tolist(), range(n), strict=True))
+        return dropped
+
+    def _in_shards(self, shards: list[int], num_shards: int) -> np.ndarray:
+        """Whether each stored row hashes to one of ``shards``."""
+        ids = torch.from_numpy(self._ids[:self.rows])
+        return np.isin(virtual_shard(self.spec.name, ids, num_shards).numpy(), np.asarray(shards, dtype=np.int64))
+
+    def _positions(self, shards: tuple[list[int], int] | None) -> np.ndarray:
+        """The slots of the rows (in ``shards``), in id order."""
+        ids = self._ids[:self.rows]
+        if shards is None:
+            return np.argsort(ids, kind="stable")
+        where = np.flatnonzero(self._in_shards(*shards))
+        return where[np.argsort(ids[where], kind="stable")]
 
     def load(self, part: dict[str, torch.Tensor]) -> None:
         """Add exported rows (a restore, or rows moved from another server).

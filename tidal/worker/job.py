@@ -36,6 +36,7 @@ import torch
 
 from tidal.api import (
     MAX_RECORDS_PER_REQUEST,
+    PS_WATERMARK,
     FinishRequest,
     JoinRequest,
     JoinResponse,
@@ -366,7 +367,8 @@ class Job:
         restore_failed, self._restore_failed = self._restore_failed, None
         req = RendezvousRequest(worker_id=self.worker_id, after_round=self.round,
                                 applied_step=state.applied_step, records=records, failure=failure,
-                                restore_failed=restore_failed, stream_partitions=self.stream_partitions)
+                                restore_failed=restore_failed, stream_partitions=self.stream_partitions,
+                                ps_watermark=_watermark(state.extras.get(PS_WATERMARK), state.applied_step))
         while True:
             self._check_gone()
             try:
@@ -549,3 +551,11 @@ def _pin_determinism(level: str) -> None:
         "TIDAL_FILL_UNINITIALIZED", "0") == "1"
     if level in ("D1", "D2"):
         torch.set_num_threads(int(os.environ.get("TIDAL_THREADS", "1")))
+
+
+def _watermark(value: Any, applied_step: int) -> list[int] | None:
+    """The parameter servers' watermark of the applied step, as the master reads it (None when
+    the script has no servers, or the watermark is not the applied step's)."""
+    if isinstance(value, list | tuple) and len(value) == 3 and all(isinstance(v, int) for v in value):
+        return list(value) if value[1] == applied_step else None
+    return None

@@ -1,0 +1,75 @@
+"""One request, one reply, over ZeroMQ with the data-plane codec (``tidal.api.frames``).
+
+The parameter servers answer requests whose ``meta`` holds ``op``, the job's ``token`` and a
+request id ``req``; a reply's ``meta`` holds ``ok`` and, when not ok, ``error``. Workers talk to
+them through ``tidal.ps.client``; the master, which moves virtual shards between them
+(``tidal.master.servers``), uses this: one DEALER socket per server, one request at a time.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+import zmq
+
+from tidal.api import frames
+from tidal.api.errors import PermanentError, RetryableError
+
+
+class RemoteRefusedError(PermanentError):
+    """The other side answered the request with an error (the message is its own)."""
+
+
+class RemoteTimeoutError(RetryableError):
+    """The other side did not answer in time."""
+
+
+class Caller:
+    """Requests to one ZeroMQ ROUTER at ``address`` (``tcp://HOST:PORT``)."""
+
+    def __init__(self, address: str, token: str, *, timeout_s: float = 30.0,
+                 max_bytes: int = frames.MAX_MESSAGE_BYTES) -> None:
+        self.address = address
+        self.token = token
+        self.timeout_s = timeout_s
+        self.max_bytes = max_bytes
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+        self._sock.connect(address)
+        self._req = itertools.count()
+
+    def call(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None) -> frames.Message:
+        """Send ``meta`` (and ``tensors``) and wait for the answer to this request.
+
+        Raises:
+            RemoteRefusedError: the answer says ``ok: false``.
+            RemoteTimeoutError: no answer within ``timeout_s``.
+            tidal.api.errors.FrameError: an answer that breaks the codec's rules.
+        """
+        req = next(self._req)
+        self._sock.send_multipart(frames.encode(tensors or {}, meta={**meta, "token": self.token, "req": req}),
+                                  copy=False)
+        while True:  # answers to earlier requests that timed out are skipped
+            if not self._sock.poll(int(self.timeout_s * 1000)):
+                raise RemoteTimeoutError(f"{self.address} did not answer {meta.get('op')!r} within {self.timeout_s:g} s")
+            msg = frames.decode(self._sock.recv_multipart(copy=False), max_bytes=self.max_bytes)
+            reply = msg.meta or {}
+            if reply.get("req") != req:
+                continue
+            if not reply.get("ok"):
+                raise RemoteRefusedError(f"{self.address}: {reply.get('error', 'refused the request')}")
+            return msg
+
+    def close(self) -> None:
+        self._sock.close(0)
+        self._ctx.term()
+
+    def __enter__(self) -> Caller:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
