@@ -377,6 +377,9 @@ def test_resume_of_a_journal_naming_an_unknown_backend(tidal, tmp_path: Path) ->
     [
         (["--ps", "4", "--ps-shards", "2"], ("--ps-shards", "2", "must be between")),
         (["--ps", "1:8", "--ps-shards", "4"], ("--ps-shards", "4", "must be between 8")),
+        (["--ps", "1", "--ps-memory", "lots"], ("--ps-memory takes a size such as 512M or 4G", "lots")),
+        (["--ps", "1", "--ps-memory", "10"], ("--ps-memory must be between 64K and 1024T", "10")),
+        (["--ps-memory", "1G"], ("--ps-memory needs --ps",)),
         (["--ps", "2", "--checkpoint-dir", "CKPT", "--checkpoint-every", "5"],
          ("--checkpoint-every with --ps", "not in flash checkpoints yet")),
     ],

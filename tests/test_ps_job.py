@@ -157,3 +157,34 @@ def test_a_killed_server_fails_the_job(tmp_path: Path, jobs: list[Job]) -> None:
     assert "parameter server 1 exited with code -9" in out, out[-2000:]
     assert "job failed" in out and "job succeeded" not in out
     assert not job.server_processes() and not job.worker_processes()
+
+
+# ---------------------------------------------------------------------------- out of memory
+# The example's tables grow to about 1.5 MiB over the first epoch (7,400 rows of 8 x 16 float32
+# with Adam's two moments), then stay: one server with 1.2 MiB runs out at about 80% of it.
+OOM_ARGS = ("--step-sleep", "1.0")
+
+
+def test_tables_outgrowing_a_server_fail_the_job_with_an_out_of_memory_report(tmp_path: Path,
+                                                                              jobs: list[Job]) -> None:
+    job, _ = ps_job(tmp_path, jobs, "1:4", "2:2", *OOM_ARGS,
+                    run_args=("--ps-memory", "1.2M", "--no-ps-oom-prevention"))
+    assert job.wait(240) == 1, job.output()[-3000:]
+    out = job.output()
+    assert re.search(r"parameter server 0 exited with code 3: .*parameter server 0 is out of memory: after step "
+                     r"\d+ its tables hold 1\.2\d MiB, over its limit of 1\.20 MiB \(--ps-memory\)", out), out[-3000:]
+    assert "(raise --ps-memory, or let tidal add servers before they fill" in out, out[-3000:]
+    assert "job failed" in out and "job succeeded" not in out
+    assert not job.server_processes() and not job.worker_processes()
+
+
+def test_servers_are_added_before_the_tables_outgrow_them(tmp_path: Path, jobs: list[Job], reference: str) -> None:
+    job, ckpt = ps_job(tmp_path, jobs, "1:4", "2:2", *OOM_ARGS, run_args=("--ps-memory", "1.2M"))
+    assert job.wait(240) == 0, job.output()[-3000:]
+    out = job.output()
+    decision = re.search(r"out-of-memory prevention: the servers' tables are predicted to hold ([0-9.]+) MiB at the "
+                         r"end of the job, over 1 x 1\.2 MiB \(--ps-memory\): 1 -> (\d) parameter servers", out)
+    assert decision and float(decision.group(1)) > 1.2 and int(decision.group(2)) >= 2, out[-3000:]
+    assert re.search(r"moved \d+ rows in [0-9.]+ s; parameter servers now \[0, 1(, 2)?(, 3)?\]", out), out[-3000:]
+    assert "is out of memory" not in out
+    assert fingerprint(ckpt) == reference  # more servers, the same model

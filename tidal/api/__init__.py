@@ -113,6 +113,7 @@ def parse_every(text: str) -> tuple[str, float]:
 # Control-plane limits: the master answers 413 above MAX_BODY_BYTES, 422 above the list limits.
 MAX_BODY_BYTES = 16 << 20
 MAX_RECORDS_PER_REQUEST = 65536
+PS_OUT_OF_MEMORY_EXIT = 3  # a parameter server's exit status when its tables passed --ps-memory
 PS_WATERMARK = "tidal.ps"  # the key of the parameter servers' watermark in a worker's ``state.extras``
 MAX_PAUSES_PER_REPORT = 64
 _I64 = 2**63 - 1

@@ -15,12 +15,13 @@ headroom), plan more memory *before* the OOM happens: the predicted end-of-job n
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["OOMForecast", "fit_memory_growth", "predict_oom"]
+__all__ = ["OOMForecast", "ServerMemoryPlan", "fit_memory_growth", "predict_oom", "servers_for_memory"]
 
 
 @dataclass(frozen=True)
@@ -75,3 +76,36 @@ def predict_oom(samples: Sequence[tuple[float, float]], total_steps: float, capa
     will = predicted > capacity_gb * headroom
     recommended = predicted * (1.0 + margin) if will else capacity_gb
     return OOMForecast(will, predicted, oom_at, recommended)
+
+
+@dataclass(frozen=True)
+class ServerMemoryPlan:
+    """Outcome of ``servers_for_memory``.
+
+    Attributes:
+        servers: the parameter servers the job should have (never fewer than now).
+        forecast: the prediction for the servers it has now.
+        enough: ``servers`` hold the predicted need (False: even ``max_servers`` do not).
+    """
+
+    servers: int
+    forecast: OOMForecast
+    enough: bool
+
+
+def servers_for_memory(samples: Sequence[tuple[float, float]], total: float, per_server: float, servers: int,
+                       max_servers: int, headroom: float = 0.95, margin: float = 0.2) -> ServerMemoryPlan:
+    """DLRover-RM 5.3 for sharded tables: how many servers of ``per_server`` memory keep the job
+    from running out before it consumes ``total``.
+
+    ``samples`` are ``(progress, memory held by all the servers)``, in any units (samples
+    consumed, bytes), oldest first. Rows hash evenly over the servers (virtual shards), so the
+    job's capacity is ``servers * per_server``; when ``predict_oom`` says that runs out, the
+    plan is the servers that hold the predicted need times ``1 + margin`` within ``headroom``
+    (Sec. 5.3: plan the memory before the OOM happens), at most ``max_servers``.
+    """
+    forecast = predict_oom(samples, total, per_server * servers, headroom, margin)
+    if not forecast.will_oom:
+        return ServerMemoryPlan(servers, forecast, True)
+    need = math.ceil(forecast.recommended_gb / (per_server * headroom))
+    return ServerMemoryPlan(min(max(need, servers), max_servers), forecast, need <= max_servers)

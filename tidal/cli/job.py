@@ -66,6 +66,20 @@ def tidal_home() -> Path:
     return Path(os.environ.get(HOME_ENV, ".tidal"))
 
 
+def parse_size(text: str, option: str) -> int:
+    """Bytes of ``512M``, ``4G``, ``100K`` or a plain number of bytes (binary units)."""
+    units = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    value = text.strip().upper().removesuffix("B").removesuffix("I")
+    number, unit = (value[:-1], value[-1]) if value[-1:] in units and value[-1:] else (value, "")
+    try:
+        size = float(number) * units[unit]
+    except ValueError:
+        raise ConfigError(f"{option} takes a size such as 512M or 4G, got {text!r}") from None
+    if not 2**16 <= size < 2**50:
+        raise ConfigError(f"{option} must be between 64K and 1024T, got {text!r}")
+    return int(size)
+
+
 def parse_workers(text: str, option: str = "--workers") -> tuple[int, int]:
     try:
         lo, _, hi = text.partition(":")
@@ -173,6 +187,15 @@ def run(
              "the job (not replaced yet)."),
     ps_shards: int = typer.Option(
         64, "--ps-shards", metavar="V", help="Virtual shards the rows hash to (at least --ps, at most 4096)."),
+    ps_memory_text: str | None = typer.Option(
+        None, "--ps-memory", metavar="SIZE",
+        help="The memory one parameter server's tables (rows and optimizer state) may hold, e.g. 512M or 4G: a "
+             "server that passes it stops with an out-of-memory report, which fails the job. With --ps MIN:MAX "
+             "the master predicts, from the rows the servers hold against the samples trained, whether they "
+             "will pass it before the job ends, and adds servers before they do (DLRover-RM 5.3)."),
+    ps_oom_prevention: bool = typer.Option(
+        True, "--ps-oom-prevention/--no-ps-oom-prevention",
+        help="With --ps-memory: add servers before the tables outgrow them (the default), or not."),
     resume_dir: Path | None = typer.Option(
         None, "--resume", metavar="JOBDIR",
         help="Continue the job of JOBDIR (its master and workers gone) instead of starting one: SCRIPT and its "
@@ -275,6 +298,9 @@ def run(
         raise fail(f"--initial {initial} is outside --workers {low}:{high}")
     check_ledger(ledger)
     ps, ps_max = parse_workers(ps_text, "--ps") if ps_text is not None else (0, 0)
+    ps_memory = parse_size(ps_memory_text, "--ps-memory") if ps_memory_text is not None else 0
+    if ps_memory and not ps:
+        raise fail("--ps-memory needs --ps")
     if ps:
         check_range("--ps MAX", ps_max, (1, MAX_PS))
         check_range("--ps-shards", ps_shards, (ps_max, 4096))
@@ -327,6 +353,7 @@ def run(
         stream_url=stream, stop_when_drained_s=stop_when_drained, trim_after_commit=trim_after_commit,
         time_scale=time_scale, lag_slo_s=1200.0 if lag_slo is None else lag_slo,
         traffic_history=seed[0], traffic_history_interval_s=seed[1], ps=ps, ps_max=ps_max, ps_shards=ps_shards,
+        ps_memory=ps_memory, ps_oom_prevention=ps_oom_prevention,
     )
     _point_current(directory)
     typer.echo(f"tidal: job {job_id} on http://127.0.0.1:{spec.port} (job dir {directory}); "

@@ -127,6 +127,10 @@ class JobSpec:
     ps: int = 0
     ps_max: int = 0
     ps_shards: int = 64
+    # bytes of rows and optimizer state one server may hold (``--ps-memory``; 0: no limit), and
+    # whether the master adds servers before a server would pass it (DLRover-RM 5.3)
+    ps_memory: int = 0
+    ps_oom_prevention: bool = True
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -43,6 +43,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from tidal.api import (
+    PS_OUT_OF_MEMORY_EXIT,
     DatasetRequest,
     Event,
     FinishRequest,
@@ -70,6 +71,7 @@ from tidal.api import (
 from tidal.api.streams import unpack_id
 from tidal.backends.api import Backend
 from tidal.brain.api import Planner
+from tidal.brain.oom import servers_for_memory
 from tidal.master import liveness, rounds
 from tidal.master.actions import Action, FailJob, FailWorker, FormRound, SetStraggler, SlowSince, StartReform
 from tidal.master.api import (
@@ -103,6 +105,8 @@ JOURNAL_PROBE_S = 0.5  # how often a paused master tries its journal again
 CHECK_S = 0.5  # how often progress and stragglers are judged
 LIVENESS_S = 0.1  # heartbeat leases are seconds long: a scan of every worker per 20 ms tick is waste
 TIMELINE_S = 1.0  # one timeline point a second
+MEMORY_CHECK_S = 1.0  # how often the servers' memory is predicted (--ps-memory; they report every second)
+MEMORY_SAMPLES = 30  # (samples consumed, bytes held) points the prediction fits
 PLAN_WAIT_S = 0.2  # how long a tick waits for the planner before going on (its answer comes at a later tick)
 MAX_TIMELINE_PAUSES = 200  # the newest pauses the dashboard is sent
 
@@ -156,6 +160,9 @@ class JobMaster:
         self._planner_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tidal-planner")
         self._planning: tuple[JobObservation, Future[ResourcePlan]] | None = None
         self._next_timeline = 0.0
+        self._next_memory_check = 0.0
+        self._memory_history: list[tuple[float, float]] = []  # (samples consumed, bytes the servers hold)
+        self._oom_warned = False
         self._init_runtime()
 
     def _init_runtime(self) -> None:
@@ -435,6 +442,36 @@ class JobMaster:
             self._persist()
             self._try_close_round()
 
+    def _prevent_ps_oom(self) -> None:
+        """DLRover-RM 5.3, live: from the bytes the servers hold against the samples consumed,
+        predict whether they pass ``--ps-memory`` each before the job ends, and if so add servers
+        now (the shards then spread over more of them: tidal.brain.oom.servers_for_memory)."""
+        servers, cfg = self.servers, self.shards.config
+        held = servers.bytes_held()
+        if held is None or cfg is None or cfg.epochs is None:
+            return  # a stream job has no end to predict at (a horizon is not built yet)
+        progress = self.shards.samples_done
+        history = self._memory_history
+        if progress > (history[-1][0] if history else 0) and held > 0:
+            history.append((float(progress), float(held)))
+            del history[:-MEMORY_SAMPLES]
+        busy = servers.move is not None or servers.target != len(servers.in_map())
+        if len(history) < 3 or busy or not self.spec.ps_oom_prevention:
+            return
+        high = max(self.spec.ps, self.spec.ps_max)
+        plan = servers_for_memory(history, cfg.size * cfg.epochs, self.spec.ps_memory, servers.target, high)
+        mib = 2.0**20
+        predicted = (f"the servers' tables are predicted to hold {plan.forecast.predicted_gb / mib:.1f} MiB at the "
+                     f"end of the job, over {servers.target} x {self.spec.ps_memory / mib:.1f} MiB (--ps-memory)")
+        if plan.servers > servers.target:
+            self.log.add("ps", f"out-of-memory prevention: {predicted}: {servers.target} -> {plan.servers} "
+                               "parameter servers" + ("" if plan.enough else " (the most --ps allows; not enough)"))
+            servers.target = plan.servers
+            self._persist()
+        elif not plan.enough and not self._oom_warned:
+            self._oom_warned = True
+            self.log.add("error", f"out-of-memory prevention: {predicted}, and --ps allows no more than {high}")
+
     def _launch_servers(self) -> None:
         new = self.servers.launch(self._persist)
         if new:
@@ -454,8 +491,10 @@ class JobMaster:
                 self._persist()
             elif rec is not None and self.state in (JobState.RUNNING, JobState.FINISHING):
                 tail = self.servers.log_tail(server_id)
-                self._fail_job(f"parameter server {server_id} {why}{': ' + tail if tail else ''} (a lost "
-                               "server is not replaced yet: its rows cannot be restored)")
+                advice = ("raise --ps-memory, or let tidal add servers before they fill: --ps MIN:MAX with "
+                          "--ps-oom-prevention" if code == PS_OUT_OF_MEMORY_EXIT else
+                          "a lost server is not replaced yet: its rows cannot be restored")
+                self._fail_job(f"parameter server {server_id} {why}{': ' + tail if tail else ''} ({advice})")
             elif rec is not None:
                 self._persist()
             reports.popleft()
@@ -724,6 +763,9 @@ class JobMaster:
                 self._check_drained(now)
             if self.spec.ps:
                 self._launch_servers()
+                if self.spec.ps_memory and now >= self._next_memory_check:
+                    self._next_memory_check = now + MEMORY_CHECK_S
+                    self._prevent_ps_oom()
             self._launch_missing(now)
             cause = rounds.reform_cause(self.rounds, self.workers, self.target)
             if cause is None and self.servers.change_ready() and self.servers.move is None and self.rounds.members:

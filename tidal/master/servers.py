@@ -221,6 +221,11 @@ class Servers:
         index = {sid: k for k, sid in enumerate(self.in_map())}
         return [index[i] for i in self.shard_map]
 
+    def bytes_held(self) -> int | None:
+        """The bytes the servers of the map reported holding (None until each has reported)."""
+        reports = [self.records[i].report for i in self.in_map()]
+        return sum(r.bytes for r in reports if r is not None) if all(reports) else None
+
     def alive(self) -> list[int]:
         return [i for i, r in self.records.items() if r.state != EXITED]
 
@@ -314,6 +319,8 @@ class Servers:
         env = {"TIDAL_MASTER_URL": f"http://{spec.host}:{spec.port}", "TIDAL_TOKEN": spec.token,
                "TIDAL_JOB_ID": spec.job_id, "TIDAL_PS_ID": str(server_id), "TIDAL_PS_HOST": spec.host,
                "PYTHONUNBUFFERED": "1", **spec.env}
+        if spec.ps_memory:
+            env["TIDAL_PS_MEMORY_BYTES"] = str(spec.ps_memory)
         log_path = str(Path(spec.job_dir) / "logs" / f"ps-{server_id}.log")
         return NodeSpec(node_id("ps", server_id), "ps", [sys.executable, "-m", "tidal.ps.server"], env,
                         Resources(cpus=1.0), spec.cwd, log_path)

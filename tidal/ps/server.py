@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import zmq
 
-from tidal.api import frames
+from tidal.api import PS_OUT_OF_MEMORY_EXIT, frames
 from tidal.api.errors import FrameError
 from tidal.ps.api import MAX_TABLES, PSError, TableSpec, virtual_shard
 from tidal.ps.table import DynamicTable
@@ -56,12 +56,22 @@ class Contribution:
     tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
-class ParameterServer:
-    """The state and request handling of one server (the socket loop is ``serve``)."""
+class OutOfMemoryError(PSError):
+    """The tables outgrew the server's memory limit (``tidal run --ps-memory``)."""
 
-    def __init__(self, token: str, server_id: int = 0) -> None:
+
+class ParameterServer:
+    """The state and request handling of one server (the socket loop is ``serve``).
+
+    ``memory_limit``: the bytes its tables (rows and optimizer state) may hold; a step or a move
+    that takes them past it ends the server with ``OutOfMemoryError`` (the out-of-memory kill a
+    real limit would bring, with a message that says so). None: no limit.
+    """
+
+    def __init__(self, token: str, server_id: int = 0, memory_limit: int | None = None) -> None:
         self.token = token
         self.server_id = server_id
+        self.memory_limit = memory_limit
         self.tables: dict[str, DynamicTable] = {}
         self.applied_step = -1
         # (round, step) -> key -> contribution; and the ids each (round, step, key) pulled
@@ -203,6 +213,7 @@ class ParameterServer:
         contributions = self.pending.pop((r, s), {})
         self._apply(contributions, total)
         self.applied_step = s
+        self._check_memory(f"step {s}")
         self.pending = {key: v for key, v in self.pending.items() if key[1] > s}
         self.pulled = {key: v for key, v in self.pulled.items() if key[1] > s}
 
@@ -256,7 +267,17 @@ class ParameterServer:
             if value.dtype != torch.float32 or not bool(torch.isfinite(value).all()):
                 raise PSError(f"table {name}: {key} must be finite float32, got {value.dtype}")
         table.load(tensors)
+        self._check_memory("a move of virtual shards")
         return {"loaded": ids.numel()}, {}
+
+    def _check_memory(self, what: str) -> None:
+        if self.memory_limit is None:
+            return
+        held = sum(t.nbytes for t in self.tables.values())
+        if held > self.memory_limit:
+            raise OutOfMemoryError(
+                f"parameter server {self.server_id} is out of memory: after {what} its tables hold "
+                f"{held / 2**20:.2f} MiB, over its limit of {self.memory_limit / 2**20:.2f} MiB (--ps-memory)")
 
     def _drop(self, meta: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         shards, num_shards = _shards(meta)
@@ -302,6 +323,9 @@ def serve(server: ParameterServer, host: str = "127.0.0.1", *, ready: Any = None
                     continue
                 meta, tensors = answer
                 reply = frames.encode(tensors, meta={"ok": True, "req": req, **meta})
+            except OutOfMemoryError as exc:  # what a real limit's OOM kill would do, said clearly
+                print(f"tidal-ps: {exc}", file=sys.stderr, flush=True)
+                os._exit(PS_OUT_OF_MEMORY_EXIT)
             except (PSError, FrameError, KeyError, ValueError, TypeError) as exc:
                 log.warning("ps %d refused a request: %s", server.server_id, exc)
                 reply = frames.encode({}, meta={"ok": False, "req": _req_of(body), "error": str(exc)[:2000]})
@@ -355,7 +379,8 @@ def main() -> None:
         print("tidal-ps: TIDAL_TOKEN is not set: a server answers only requests with the job's token",
               file=sys.stderr)
         raise SystemExit(2)
-    server = ParameterServer(token, int(os.environ.get("TIDAL_PS_ID", "0")))
+    limit = os.environ.get("TIDAL_PS_MEMORY_BYTES")
+    server = ParameterServer(token, int(os.environ.get("TIDAL_PS_ID", "0")), int(limit) if limit else None)
     host = os.environ.get("TIDAL_PS_HOST", "127.0.0.1")
     url = os.environ.get("TIDAL_MASTER_URL")
 
