@@ -1,7 +1,13 @@
 """Parameter servers (tidal.ps): samples/s and memory of the example with its embedding tables on
-parameter servers, against the same model with replicated tables and tidal's all-reduce.
+parameter servers, against the same model with replicated tables and tidal's all-reduce; and the
+training pause of changing the number of servers while training, against a stop-and-restart.
 
-    .venv/bin/python bench/ps.py [--samples 200000] [--batch-size 512] [--rounds 2] [--json]   # about 1 minute
+    .venv/bin/python bench/ps.py [--samples 200000] [--batch-size 512] [--rounds 2] [--json]   # about 3 minutes
+    .venv/bin/python bench/ps.py --only throughput     # about 1 minute
+    .venv/bin/python bench/ps.py --only pause          # about 1 minute a round
+
+Throughput
+----------
 
 Both sides are ``tidal run`` jobs of examples/ctr/train.py (unchanged, no stamping wrapper),
 2 workers fixed (``--workers 2 --planner fixed --history none``), one epoch of ``--samples``:
@@ -32,8 +38,48 @@ peak of any worker and of any server. Rows held: the servers' own count (``tidal
 last report before the job ended) for tidal_ps; 8 x 1,000 per worker for replicated.
 
 Pure CPU, no emulated device time: the master, 2 workers and (tidal_ps) 2 servers share the
-machine's cores. The elastic part (pause on a worker's loss, tidal vs a restart) is not measured
-yet: the JSON carries ``"pause": {"tidal_s": null, "restart_s": null}``.
+machine's cores.
+
+Pause (``--only pause``)
+------------------------
+
+Each of ``--rounds`` rounds runs one job ``tidal run --ps 1:4 --workers 2 --planner fixed
+--history none examples/ctr/train.py --ps --ps-hash-size 16777216 --samples 1000000
+--step-sleep 0.1``: EMULATED accelerator time, 0.1 s of sleep per step (CPU idle, as a worker
+waiting on a GPU; ``--step-sleep``), so that a step costs ~0.15 s and the job would last well
+over a minute on this machine (it is stopped once measured). While it trains the bench, over the
+job's HTTP API (url and token from ``DIR/job.json``):
+
+* waits for ``--between-steps`` (10) finalized steps and rows on the server (``tidal status``:
+  every server of ``ps_shard_map`` reports ``rows`` > 0);
+* for each change 1 -> 2, 2 -> 4, 4 -> 2, 2 -> 1: times 10 more finalized steps (the step time
+  next to the pause), ``POST /v1/scale {"ps": N}``, waits until ``ps_shard_map`` covers N servers,
+  then 10 more finalized steps with rows on every server;
+* reads the pauses the workers reported (``GET /v1/timeline``, causes ``parameter servers A ->
+  B``: the longest of the workers, from the end of the last step before the re-form to the end of
+  the first step after it, so one ordinary step is inside it) and, from the job log, the master's
+  ``moving K virtual shards: A -> B ...`` and ``moved R rows in S s ...`` lines.
+
+The headline ``tidal_s`` is the pause of 1 -> 2 (median over the rounds); the table shows all
+four changes with the rows moved, the move's own seconds and what the pause holds beyond the move
+and one step. Starting the new servers (seconds) is not a pause: training goes on meanwhile.
+
+The restart peer is what a user without live parameter-server scaling does: stop the job (its
+tables go with it) and start it again on 2 servers. At the end of each round, with the job on 1
+server holding rows, the bench sends SIGINT to ``tidal run``, waits until every process of the
+job (master, workers, servers) has exited, starts ``tidal run --ps 2 ...`` of the same script and
+arguments in a new job directory, and polls its status every 0.05 s until ``finalized_step >= 0``.
+``restart_s`` is SIGINT -> that first finalized step (median over the rounds), shown split into
+stop, start until the job's API answers, and API -> first step. It is a LOWER bound of a real
+stop-checkpoint-restart: the job writes no checkpoint before it stops, and the new job starts
+with empty tables (tidal cannot load parameter-server tables from a checkpoint yet), so neither
+saving nor reloading the tables is counted.
+
+Printed: the ratio ``tidal_s / restart_s`` beside the issue's target (at most 0.1x), the load
+average before each round (the 2 cores may be shared with other work), and job-log lines that
+look like trouble (up to the bench's own SIGINT). ``--json`` prints ``{"throughput": {...},
+"pause": {"tidal_s", "restart_s", "ratio", "changes": [...], "restart_runs": [...], ...}, ...}``;
+a part not run (``--only``) leaves its figures null. With ``--json`` the tables go to stderr.
 """
 
 from __future__ import annotations
@@ -41,13 +87,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +129,6 @@ PS_HASH_SIZE = 2**24
 SAMPLE_EVERY = 0.2  # seconds between RSS samples
 STATUS_EVERY = 1.0  # seconds between status polls (the servers report their rows every second)
 MIB = 1 << 20
-PAUSE_NOTE = "elasticity (pause on a worker's loss, tidal vs a restart) is not measured yet"
 
 
 # ---------------------------------------------------------------------------- watching a job
@@ -220,41 +268,269 @@ def torchrec_status() -> str | None:
     return "not installed (it does not install with torch 2.13 CPU here)"
 
 
+# ---------------------------------------------------------------------------- the pause of a PS change
+MOVING_RE = re.compile(r"moving (\d+) virtual shards: (\d+) -> (\d+) parameter servers, at step (-?\d+)")
+MOVED_RE = re.compile(r"moved (\d+) rows in ([0-9.]+) s; parameter servers now \[([0-9, ]*)\]")
+PS_CAUSE = "parameter servers"
+CHANGES = ((1, 2), (2, 4), (4, 2), (2, 1))  # the pause run's changes, in order; the first is the headline
+TARGET_RATIO = 0.1  # the issue's target: tidal's pause at most 0.1x the stop-and-restart pause
+POLL_S = 0.05  # seconds between status polls while timing a restart
+WAIT_POLL_S = 0.25  # seconds between status polls while waiting for the job to get somewhere
+
+
+class Reaper(threading.Thread):
+    """Notes every process under ``root_pid`` every half second (workers and servers run in
+    sessions of their own: stopping ``tidal run``'s process group does not reach them), so that
+    ``wait_all`` can wait for each to exit and ``kill_leftovers`` can end what outlived the job."""
+
+    def __init__(self, root_pid: int) -> None:
+        super().__init__(daemon=True)
+        self.root = psutil.Process(root_pid)
+        self.halt = threading.Event()
+        self.procs: dict[int, psutil.Process] = {}
+        self._lock = threading.Lock()
+
+    def run(self) -> None:
+        while not self.halt.is_set():
+            self.snapshot()
+            self.halt.wait(0.5)
+
+    def snapshot(self) -> None:
+        with contextlib.suppress(psutil.Error):
+            found = self.root.children(recursive=True)
+            with self._lock:
+                for p in found:
+                    self.procs.setdefault(p.pid, p)
+
+    def wait_all(self, timeout: float) -> list[psutil.Process]:
+        """Wait until the root and every process seen under it have exited; those still alive."""
+        with self._lock:
+            procs = [self.root, *self.procs.values()]
+        _, alive = psutil.wait_procs(procs, timeout=timeout)
+        return alive
+
+    def kill_leftovers(self) -> None:
+        self.halt.set()
+        with self._lock:
+            procs = list(self.procs.values())
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                p.kill()  # psutil checks the pid still names the process it saw
+
+
+class JobClient:
+    """The job's HTTP API (url and token from ``DIR/job.json``, once ``tidal run`` wrote it)."""
+
+    def __init__(self, job_dir: Path, proc: subprocess.Popen[bytes], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        info_path = job_dir / "job.json"
+        while True:
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                info = json.loads(info_path.read_text())
+                url, token = info["url"], info["token"]
+                break
+            if proc.poll() is not None:
+                raise RuntimeError(f"tidal run exited {proc.returncode} before writing {info_path}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no {info_path} after {timeout:g} s")
+            time.sleep(POLL_S)
+        self.http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=5)
+
+    def status(self) -> dict[str, Any] | None:
+        """The job's status; None while the master does not answer (starting, or gone)."""
+        try:
+            resp = self.http.get("/v1/status")
+        except httpx.HTTPError:
+            return None
+        return resp.json() if resp.status_code == 200 else None
+
+    def pauses(self) -> list[dict[str, Any]]:
+        resp = self.http.get("/v1/timeline")
+        resp.raise_for_status()
+        return list(resp.json()["pauses"])
+
+    def scale_ps(self, servers: int) -> None:
+        resp = self.http.post("/v1/scale", json={"ps": servers})
+        if resp.status_code != 200:
+            raise RuntimeError(f"scale to {servers} parameter servers: HTTP {resp.status_code} {resp.text}")
+
+    def close(self) -> None:
+        self.http.close()
+
+
+def wait_status(client: JobClient, proc: subprocess.Popen[bytes], what: str, timeout: float,
+                ok: Callable[[dict[str, Any]], bool], every: float = WAIT_POLL_S,
+                trace: list[tuple[float, int]] | None = None) -> dict[str, Any]:
+    """Poll the job's status until ``ok(status)``; raise if the job ends or ``timeout`` passes.
+    ``trace``: gets ``(time, finalized_step)`` of every poll that saw the step move."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = client.status()
+        if st is not None and trace is not None and (not trace or st["finalized_step"] != trace[-1][1]):
+            trace.append((time.monotonic(), st["finalized_step"]))
+        if st is not None and ok(st):
+            return st
+        if proc.poll() is not None:
+            raise RuntimeError(f"the job ended (tidal run exited {proc.returncode}) while waiting for {what}")
+        if st is not None and st.get("state") not in (None, "running"):
+            raise RuntimeError(f"the job is {st.get('state')} ({st.get('error')}) while waiting for {what}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what}: not after {timeout:g} s (last status: finalized step "
+                               f"{st and st.get('finalized_step')}, map {st and sorted(set(st.get('ps_shard_map', [])))})")
+        time.sleep(every)
+
+
+def _in_map(st: dict[str, Any]) -> list[int]:
+    return sorted(set(st.get("ps_shard_map") or []))
+
+
+def _rows_held(st: dict[str, Any]) -> bool:
+    """Every server of the shard map has reported rows."""
+    rows = {int(s["id"]): int(s.get("rows", 0)) for s in st.get("servers", [])}
+    return all(rows.get(i, 0) > 0 for i in _in_map(st))
+
+
+def pause_argv(job_dir: Path, ps: str, args: argparse.Namespace) -> list[str]:
+    """``tidal run --ps PS ... examples/ctr/train.py --ps ...`` of the pause run and of its restart."""
+    train = [SCRIPT, "--ps", "--ps-hash-size", str(args.ps_hash_size), "--samples", str(args.pause_samples),
+             "--epochs", "1", "--batch-size", str(args.batch_size), "--log-every", "0",
+             "--step-sleep", str(args.step_sleep)]
+    return [TIDAL, "run", "-q", "--job-dir", str(job_dir), *RUN_OPTS, "--workers", str(args.workers),
+            "--ps", ps, *train]
+
+
+def parse_moves(log: str) -> list[dict[str, Any]]:
+    """The master's ``moving ...`` / ``moved ...`` lines, paired in order."""
+    moving = MOVING_RE.findall(log)
+    moved = MOVED_RE.findall(log)
+    out = []
+    for i, (shards, a, b, step) in enumerate(moving):
+        rows, secs, now = moved[i] if i < len(moved) else (None, None, None)
+        out.append({"from": int(a), "to": int(b), "shards": int(shards), "at_step": int(step),
+                    "rows": None if rows is None else int(rows), "move_s": None if secs is None else float(secs),
+                    "servers_now": None if now is None else [int(x) for x in now.split(",") if x.strip()]})
+    return out
+
+
+def log_problems(log: str) -> list[str]:
+    """Lines of the job log that look like trouble (errors, tracebacks, failed moves); the bench
+    passes the log up to its own SIGINT (after it the master kills the workers, as it should)."""
+    bad = re.compile(r"error|traceback|failed|exception", re.IGNORECASE)
+    return [line for line in log.splitlines() if bad.search(line)]
+
+
+def step_time(samples: list[tuple[float, int]]) -> float | None:
+    """Seconds per finalized step over ``(time, finalized_step)`` polls of one steady window."""
+    if len(samples) < 2 or samples[-1][1] <= samples[0][1]:
+        return None
+    return (samples[-1][0] - samples[0][0]) / (samples[-1][1] - samples[0][1])
+
+
+def pause_round(work: Path, args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """One pause run (1 -> 2 -> 4 -> 2 -> 1 servers while training) and, at its end, the restart
+    peer (stop it, start ``--ps 2`` anew, time to its first finalized step)."""
+    log = work / "tidal.log"
+    proc = start(pause_argv(work / "job", f"1:{max(s for c in CHANGES for s in c)}", args), log, bench_env())
+    reaper = Reaper(proc.pid)
+    reaper.start()
+    client: JobClient | None = None
+    restart_proc: subprocess.Popen[bytes] | None = None
+    restart_reaper: Reaper | None = None
+    restart_client: JobClient | None = None
+    t = args.pause_timeout
+    try:
+        client = JobClient(work / "job", proc, t)
+        st = wait_status(client, proc, f"{args.between_steps} finalized steps and rows on the server", t,
+                         lambda s: s["finalized_step"] >= args.between_steps and _rows_held(s))
+        changes: list[dict[str, Any]] = []
+        for a, b in CHANGES:
+            if _in_map(st) != list(range(a)):
+                raise RuntimeError(f"expected servers {list(range(a))} before {a} -> {b}, the map has {_in_map(st)}")
+            # the step time just before the change: the job's pace to compare the pause with
+            window: list[tuple[float, int]] = []
+            s0 = st["finalized_step"]
+            st = wait_status(client, proc, "a steady window", t,
+                             lambda s, s0=s0: s["finalized_step"] >= s0 + args.between_steps, every=POLL_S, trace=window)
+            client.scale_ps(b)
+            asked = time.monotonic()
+            st = wait_status(client, proc, f"the shard map on {b} servers", t, lambda s, b=b: len(_in_map(s)) == b)
+            moved_after = time.monotonic() - asked
+            at = st["finalized_step"]
+            st = wait_status(client, proc, f"{args.between_steps} steps on {b} servers with rows", t,
+                             lambda s, at=at: s["finalized_step"] >= at + args.between_steps and _rows_held(s))
+            changes.append({"from": a, "to": b, "scale_to_map_s": round(moved_after, 3),
+                            "step_s": step_time(window[1:])})
+            print(f"  {a} -> {b} servers: map changed {moved_after:.1f} s after the request", file=sys.stderr,
+                  flush=True)
+        pauses = [p for p in client.pauses() if str(p.get("cause", "")).startswith(PS_CAUSE)]
+        # ---- the restart peer: stop the job (its tables go with it), start it again on 2 servers
+        reaper.snapshot()
+        restart_dir = work / "restart"
+        cut = log.stat().st_size  # the log up to the stop: what follows is the stop's own doing
+        t0 = time.monotonic()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGINT)
+        alive = reaper.wait_all(timeout=60)
+        t_stopped = time.monotonic()
+        if alive:
+            raise RuntimeError(f"processes of the stopped job still alive 60 s after SIGINT: {[p.pid for p in alive]}")
+        restart_proc = start(pause_argv(restart_dir / "job", "2", args), restart_dir / "tidal.log", bench_env())
+        restart_reaper = Reaper(restart_proc.pid)
+        restart_reaper.start()
+        restart_client = JobClient(restart_dir / "job", restart_proc, t)
+        t_api = time.monotonic()
+        rst = wait_status(restart_client, restart_proc, "the restarted job's first finalized step", t,
+                          lambda s: s["finalized_step"] >= 0, every=POLL_S)
+        t_first = time.monotonic()
+        restart_cut = (restart_dir / "tidal.log").stat().st_size
+        restart = {"restart_s": t_first - t0, "stop_s": t_stopped - t0, "start_to_api_s": t_api - t_stopped,
+                   "api_to_first_step_s": t_first - t_api, "first_finalized_step": rst["finalized_step"],
+                   "servers": len(_in_map(rst))}
+    finally:
+        for c in (client, restart_client):
+            if c is not None:
+                c.close()
+        for p, r in ((proc, reaper), (restart_proc, restart_reaper)):
+            if p is not None:
+                if r is not None:
+                    r.snapshot()
+                stop(p)
+            if r is not None:
+                r.kill_leftovers()
+    raw = log.read_bytes()
+    text = raw.decode(errors="replace")
+    moves = parse_moves(text)
+    for ch in changes:
+        cause = f"{PS_CAUSE} {ch['from']} -> {ch['to']}"
+        found = [p for p in pauses if p.get("cause") == cause]
+        ch["pause_s"] = float(found[0]["seconds"]) if found else None
+        mv = [m for m in moves if (m["from"], m["to"]) == (ch["from"], ch["to"])]
+        ch.update({k: mv[0][k] for k in ("shards", "rows", "move_s", "at_step")} if mv else
+                  {"shards": None, "rows": None, "move_s": None, "at_step": None})
+    restart["problems"] = (log_problems(raw[:cut].decode(errors="replace"))
+                           + log_problems((restart_dir / "tidal.log").read_bytes()[:restart_cut].decode(errors="replace")))
+    for job_dir in (work / "job", restart_dir / "job"):  # the workers' and servers' own output
+        for f in sorted((job_dir / "logs").glob("*.log")):
+            restart["problems"] += [f"{f.name}: {line}" for line in log_problems(f.read_text(errors="replace"))]
+    return changes, restart
+
+
 # ---------------------------------------------------------------------------- main
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog="See the module's docstring for what is measured and how.")
-    p.add_argument("--samples", type=int, default=200_000, help="training samples of the one epoch")
-    p.add_argument("--batch-size", type=int, default=512, help="samples per worker per step")
-    p.add_argument("--rounds", type=int, default=2, help="runs of each side, alternated (medians reported)")
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--servers", type=int, default=2, help="parameter servers of the tidal_ps side")
-    p.add_argument("--ps-hash-size", type=int, default=PS_HASH_SIZE, help="ids per table on the servers")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds one job may take")
-    p.add_argument("--keep", type=Path, default=None, help="keep the job directories and logs here")
-    p.add_argument("--json", action="store_true")
-    args = p.parse_args()
-    if args.rounds < 1 or args.workers < 1 or args.servers < 1 or args.samples < 20 * args.batch_size * args.workers:
-        p.error("need --rounds, --workers, --servers >= 1 and --samples >= 20 steps of every worker")
-    cleanup_on_sigterm()
+def measure_throughput(args: argparse.Namespace, base: Path) -> tuple[dict[str, Any], list[str]]:
+    """The throughput part: (its JSON entries, its printed lines)."""
     torchrec_why = torchrec_status()
-    base = args.keep or Path(tempfile.mkdtemp(prefix="tidal-ps-bench-"))
     results: dict[str, list[dict[str, Any]]] = {"tidal_ps": [], "replicated": []}
     loads: list[float] = []
-    try:
-        for i in range(args.rounds):
-            order = ("tidal_ps", "replicated") if i % 2 == 0 else ("replicated", "tidal_ps")
-            for kind in order:
-                loads.append(load_average())
-                r = run_job(base / f"{kind}-{i}", kind == "tidal_ps", args)
-                results[kind].append(r)
-                print(f"{kind} {i}: {r['samples_per_s']:,.0f} samples/s ({r['train_s']:.2f} s of training, "
-                      f"job {r['wall_s']:.1f} s), worker peak {r['worker_mb']:.0f} MB"
-                      + (f", server peak {r['server_mb']:.0f} MB, {r['rows']:,} rows" if r["server_mb"] else "")
-                      + f" (load {loads[-1]:.2f})", file=sys.stderr, flush=True)
-    finally:
-        if args.keep is None:
-            shutil.rmtree(base, ignore_errors=True)
+    for i in range(args.rounds):
+        order = ("tidal_ps", "replicated") if i % 2 == 0 else ("replicated", "tidal_ps")
+        for kind in order:
+            loads.append(load_average())
+            r = run_job(base / f"{kind}-{i}", kind == "tidal_ps", args)
+            results[kind].append(r)
+            print(f"{kind} {i}: {r['samples_per_s']:,.0f} samples/s ({r['train_s']:.2f} s of training, "
+                  f"job {r['wall_s']:.1f} s), worker peak {r['worker_mb']:.0f} MB"
+                  + (f", server peak {r['server_mb']:.0f} MB, {r['rows']:,} rows" if r["server_mb"] else "")
+                  + f" (load {loads[-1]:.2f})", file=sys.stderr, flush=True)
 
     def med(kind: str, key: str) -> float:
         return median([r[key] for r in results[kind] if r[key] is not None])
@@ -273,25 +549,19 @@ def main() -> int:
         "machine_ram": round(ram_mb, 1),
     }
     ps_rows = int(med("tidal_ps", "rows"))
-    result = {
+    out = {
         "throughput": {"tidal_ps": round(ps_rate, 1), "replicated": round(rep_rate, 1), "torchrec": None},
-        "pause": {"tidal_s": None, "restart_s": None},
         "memory_mb": memory,
-        "config": {"samples": args.samples, "batch_size": args.batch_size, "rounds": args.rounds,
-                   "workers": args.workers, "servers": args.servers, "ps_hash_size": args.ps_hash_size,
-                   "replicated_hash_size": REPLICATED_ROWS, "tables": FIELDS, "emb_dim": EMB_DIM,
-                   "ps_rows_held": ps_rows, "machine": MACHINE, "load_average": [round(x, 2) for x in loads]},
+        "config": {"samples": args.samples, "servers": args.servers, "replicated_hash_size": REPLICATED_ROWS,
+                   "tables": FIELDS, "emb_dim": EMB_DIM, "ps_rows_held": ps_rows,
+                   "load_average": [round(x, 2) for x in loads]},
         "runs": {k: [{kk: (round(vv, 3) if isinstance(vv, float) else vv) for kk, vv in r.items()} for r in v]
                  for k, v in results.items()},
-        "notes": {"pause": PAUSE_NOTE, "torchrec": torchrec_why,
+        "notes": {"torchrec": torchrec_why,
                   "replicated": f"measured at the example's default {REPLICATED_ROWS}-row tables: at "
                                 f"{args.ps_hash_size} rows it does not fit ({need_mb / 1024:.1f} GiB per worker "
                                 f"with Adam, RAM {ram_mb / 1024:.1f} GiB)"},
-        "emulated": False,
     }
-    if args.json:
-        print(json.dumps(result))
-        return 0
     cap = FIELDS * args.ps_hash_size
     rows = [["config", "samples/s", "ratio vs replicated", "worker peak RSS MB", "server peak RSS MB",
              "table rows held"],
@@ -302,26 +572,176 @@ def main() -> int:
              f"{memory['replicated_worker_peak']:.0f}", "-",
              f"{FIELDS * REPLICATED_ROWS:,} in each of {args.workers} workers"],
             ["torchrec", "-", "-", "-", "-", f"{torchrec_why}" if torchrec_why else "(importable, not measured yet)"]]
-    print(table(rows))
+    lines = [table(rows), ""]
     ps_runs = ", ".join(f"{r['samples_per_s']:,.0f}" for r in results["tidal_ps"])
     rep_runs = ", ".join(f"{r['samples_per_s']:,.0f}" for r in results["replicated"])
-    print(f"\nruns (samples/s): tidal_ps {ps_runs}; replicated {rep_runs}; "
-          f"load average before each run: {' '.join(f'{x:.2f}' for x in loads)}")
+    lines.append(f"runs (samples/s): tidal_ps {ps_runs}; replicated {rep_runs}; "
+                 f"load average before each run: {' '.join(f'{x:.2f}' for x in loads)}")
     for kind in ("tidal_ps", "replicated"):
         cpu = {role: median([r["cpu_s"][role] for r in results[kind]]) for role in ("worker", "server", "master")}
-        print(f"CPU seconds of the whole job, {kind} (median): workers {cpu['worker']:.1f}, servers "
-              f"{cpu['server']:.1f}, master {cpu['master']:.1f}; training {med(kind, 'train_s'):.1f} s of wall "
-              f"time on {psutil.cpu_count()} cores")
-    print(f"memory per worker: with --ps {memory['tidal_ps_worker_peak']:,.0f} MB measured (independent of the "
-          f"table size: a worker holds only its batch's pulled rows); replicated at {args.ps_hash_size:,} rows "
-          f"would need {need_mb:,.0f} MB per worker (weights {weights_mb:,.0f} MB + Adam's two moments; "
-          f"{need_grad_mb:,.0f} MB with the dense gradient) against {ram_mb:,.0f} MB of RAM in the whole "
-          f"machine: does not fit")
+        lines.append(f"CPU seconds of the whole job, {kind} (median): workers {cpu['worker']:.1f}, servers "
+                     f"{cpu['server']:.1f}, master {cpu['master']:.1f}; training {med(kind, 'train_s'):.1f} s of "
+                     f"wall time on {psutil.cpu_count()} cores")
+    lines.append(f"memory per worker: with --ps {memory['tidal_ps_worker_peak']:,.0f} MB measured (independent of "
+                 f"the table size: a worker holds only its batch's pulled rows); replicated at {args.ps_hash_size:,} "
+                 f"rows would need {need_mb:,.0f} MB per worker (weights {weights_mb:,.0f} MB + Adam's two moments; "
+                 f"{need_grad_mb:,.0f} MB with the dense gradient) against {ram_mb:,.0f} MB of RAM in the whole "
+                 f"machine: does not fit")
     if torchrec_why:
-        print(f"torchrec: {torchrec_why}")
-    print(f"pause: not measured ({PAUSE_NOTE})")
-    print(f"{args.workers} workers, batch {args.batch_size}, {args.samples:,} samples, 1 epoch, {args.rounds} "
-          f"rounds (medians), no emulated device time; {MACHINE}")
+        lines.append(f"torchrec: {torchrec_why}")
+    lines.append(f"throughput: {args.workers} workers, batch {args.batch_size}, {args.samples:,} samples, 1 epoch, "
+                 f"{args.rounds} rounds (medians), no emulated device time")
+    return out, lines
+
+
+def _med(values: list[Any]) -> float | None:
+    vals = [float(v) for v in values if v is not None]
+    return round(median(vals), 4) if vals else None
+
+
+def _fmt(value: float | None, fmt: str = "{:.3f}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def measure_pause(args: argparse.Namespace, base: Path) -> tuple[dict[str, Any], list[str]]:
+    """The pause part: (its JSON entries, its printed lines)."""
+    rounds: list[tuple[list[dict[str, Any]], dict[str, Any]]] = []
+    loads: list[float] = []
+    for i in range(args.rounds):
+        loads.append(load_average())
+        print(f"pause round {i} (load {loads[-1]:.2f}):", file=sys.stderr, flush=True)
+        changes, restart = pause_round(base / f"pause-{i}", args)
+        rounds.append((changes, restart))
+        done = ", ".join(f"{c['from']}->{c['to']} {_fmt(c['pause_s'])} s" for c in changes)
+        print(f"  pauses {done}; "
+              f"restart {restart['restart_s']:.2f} s (stop {restart['stop_s']:.2f} s)", file=sys.stderr, flush=True)
+    changes_out = []
+    for k, (a, b) in enumerate(CHANGES):
+        per = [r[0][k] for r in rounds]
+        pause, move = _med([c["pause_s"] for c in per]), _med([c["move_s"] for c in per])
+        changes_out.append({
+            "from": a, "to": b, "pause_s": pause, "pause_runs": [c["pause_s"] for c in per],
+            "move_s": move, "move_runs": [c["move_s"] for c in per],
+            "rows": _med([c["rows"] for c in per]), "rows_runs": [c["rows"] for c in per],
+            "shards": per[0]["shards"], "at_step_runs": [c["at_step"] for c in per],
+            "step_s": _med([c["step_s"] for c in per]),
+            "scale_to_map_s": _med([c["scale_to_map_s"] for c in per]),
+        })
+    restarts = [r[1] for r in rounds]
+    tidal_s = changes_out[0]["pause_s"]
+    restart_s = _med([r["restart_s"] for r in restarts])
+    ratio = tidal_s / restart_s if tidal_s is not None and restart_s else None
+    emulated = f"EMULATED accelerator time: --step-sleep {args.step_sleep:g} s per step"
+    lower = ("restart_s is a LOWER bound of a stop-checkpoint-restart: the restarted job does not reload the "
+             "tables (tidal cannot load parameter-server tables from a checkpoint yet) and writes no checkpoint "
+             "before stopping; its servers start empty")
+    out = {
+        "pause": {
+            "tidal_s": tidal_s, "restart_s": restart_s,
+            "ratio": None if ratio is None else round(ratio, 4), "target_ratio": TARGET_RATIO,
+            "met": None if ratio is None else ratio <= TARGET_RATIO,
+            "restart_is_lower_bound": True, "emulated": emulated,
+            "changes": changes_out,
+            "restart_runs": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}
+                             for r in restarts],
+            "config": {"samples": args.pause_samples, "step_sleep_s": args.step_sleep, "ps": "1:4",
+                       "restart_ps": 2, "between_steps": args.between_steps},
+            "load_average": [round(x, 2) for x in loads],
+            "notes": {"restart": lower,
+                      "pause": "the pause each change's re-form cost, as the workers report it (GET /v1/timeline, "
+                               "the longest of the workers): from the end of the last step before the re-form to "
+                               "the end of the first step after it, so it includes one ordinary step (step_s)"},
+        },
+    }
+    rows = [["change", "pause s (median)", "pause runs", "move s", "rows moved", "shards",
+             "pause - move - step s", "step s", "map changed after request s"]]
+    for c in changes_out:
+        extra = (c["pause_s"] - c["move_s"] - (c["step_s"] or 0.0)
+                 if c["pause_s"] is not None and c["move_s"] is not None else None)
+        rows.append([f"{c['from']} -> {c['to']} servers", _fmt(c["pause_s"]),
+                     " ".join(_fmt(x) for x in c["pause_runs"]), _fmt(c["move_s"]),
+                     _fmt(c["rows"], "{:,.0f}"), str(c["shards"]), _fmt(extra), _fmt(c["step_s"]),
+                     _fmt(c["scale_to_map_s"], "{:.1f}")])
+    lines = [table(rows), ""]
+    rrows = [["peer: stop + start --ps 2", "seconds (median)", "runs"]]
+    for key, what in (("restart_s", "SIGINT -> first finalized step (restart_s)"),
+                      ("stop_s", "  SIGINT -> every process exited"),
+                      ("start_to_api_s", "  tidal run -> job API answers"),
+                      ("api_to_first_step_s", "  job API -> first finalized step")):
+        rrows.append([what, _fmt(_med([r[key] for r in restarts])), " ".join(_fmt(r[key]) for r in restarts)])
+    lines += [table(rrows), ""]
+    verdict = "-" if ratio is None else ("met" if ratio <= TARGET_RATIO else "MISSED")
+    lines.append(f"pause of 1 -> 2 servers: tidal {_fmt(tidal_s)} s vs stop-and-restart >= {_fmt(restart_s)} s: "
+                 f"ratio {_fmt(ratio, '{:.3f}')}x (target <= {TARGET_RATIO}x: {verdict})")
+    lines.append(f"pause: {emulated}; {args.workers} workers, batch {args.batch_size}, {args.rounds} rounds "
+                 f"(medians); load average before each round: {' '.join(f'{x:.2f}' for x in loads)}")
+    lines.append(f"NOTE: {lower}")
+    problems = sorted({p for r in restarts for p in r["problems"]})
+    if problems:
+        lines.append("job log lines that look like trouble: " + " | ".join(problems[:10]))
+    return out, lines
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog="See the module's docstring for what is measured and how.")
+    p.add_argument("--only", choices=("throughput", "pause"), default=None,
+                   help="run only this part (default: both)")
+    p.add_argument("--samples", type=int, default=200_000, help="throughput: training samples of the one epoch")
+    p.add_argument("--batch-size", type=int, default=512, help="samples per worker per step")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="runs of each throughput side (alternated), and pause rounds (medians reported)")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--servers", type=int, default=2, help="parameter servers of the tidal_ps throughput side")
+    p.add_argument("--ps-hash-size", type=int, default=PS_HASH_SIZE, help="ids per table on the servers")
+    p.add_argument("--pause-samples", type=int, default=1_000_000,
+                   help="pause: the job's samples (it is stopped once its changes are measured)")
+    p.add_argument("--step-sleep", type=float, default=0.1,
+                   help="pause: EMULATED accelerator seconds per step (the example's --step-sleep)")
+    p.add_argument("--between-steps", type=int, default=10,
+                   help="pause: finalized steps to wait for before and after each change")
+    p.add_argument("--pause-timeout", type=float, default=120.0, help="pause: seconds any one wait may take")
+    p.add_argument("--timeout", type=float, default=300.0, help="throughput: seconds one job may take")
+    p.add_argument("--keep", type=Path, default=None, help="keep the job directories and logs here")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    if args.rounds < 1 or args.workers < 1 or args.servers < 1 or args.samples < 20 * args.batch_size * args.workers:
+        p.error("need --rounds, --workers, --servers >= 1 and --samples >= 20 steps of every worker")
+    if args.between_steps < 2 or args.pause_samples < 20 * args.between_steps * args.batch_size * args.workers:
+        p.error("need --between-steps >= 2 and --pause-samples >= 20 x --between-steps steps of every worker")
+    cleanup_on_sigterm()
+    base = args.keep or Path(tempfile.mkdtemp(prefix="tidal-ps-bench-"))
+    result: dict[str, Any] = {
+        "throughput": {"tidal_ps": None, "replicated": None, "torchrec": None},
+        "pause": {"tidal_s": None, "restart_s": None, "changes": []},
+    }
+    lines: list[str] = []
+    try:
+        if args.only in (None, "throughput"):
+            part, text = measure_throughput(args, base)
+            config = part.pop("config")
+            result.update(part)
+            lines += text
+        else:
+            config = {}
+        if args.only in (None, "pause"):
+            part, text = measure_pause(args, base)
+            result.update(part)
+            lines += ([""] if lines else []) + text
+    finally:
+        if args.keep is None:
+            shutil.rmtree(base, ignore_errors=True)
+    result["config"] = {"only": args.only or "both", "batch_size": args.batch_size, "rounds": args.rounds,
+                        "workers": args.workers, "ps_hash_size": args.ps_hash_size, **config, "machine": MACHINE,
+                        "load_average_end": [round(x, 2) for x in os.getloadavg()]}
+    result["emulated"] = {"throughput": False if args.only in (None, "throughput") else None,
+                          "pause": result["pause"].get("emulated")}
+    lines.append(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; {MACHINE}")
+    if args.json:  # the tables to stderr, the JSON alone on stdout
+        print("\n".join(lines), file=sys.stderr)
+        print(json.dumps(result))
+        return 0
+    print("\n".join(lines))
     return 0
 
 
