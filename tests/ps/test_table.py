@@ -9,10 +9,11 @@ import subprocess
 import sys
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 
-from tidal.ps.api import PSError, TableSpec, initial_rows, virtual_shard
+from tidal.ps.api import PSError, TableSpec, initial_rows, mix64, virtual_shard
 from tidal.ps.table import DynamicTable
 
 STEPS = 5
@@ -301,3 +302,190 @@ def test_export_by_shard_and_drop_shards_partition_the_rows() -> None:
         assert torch.equal(again.export()[name], value), name
     table.apply(part["ids"][:1], torch.ones(1, 2))
     assert int(table.export(shards=moved)["steps"][0]) == 1
+
+
+# ---------------------------------------------------------------------------- the id index
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def sharing_a_start_cell(count: int, capacity: int, seed: int = 0) -> list[int]:
+    """``count`` ids whose probes start at one cell of an index of ``capacity`` cells: the
+    longest chains and the most ids meeting at one free cell that a batch can make."""
+    g = np.random.default_rng(seed)
+    ids = g.integers(INT64_MIN, INT64_MAX, 4 * capacity * count, dtype=np.int64, endpoint=True)
+    cells = (mix64(ids.view(np.uint64)) & np.uint64(capacity - 1)).astype(np.int64)
+    crowd = ids[cells == np.bincount(cells).argmax()][:count].tolist()
+    assert len(crowd) == count
+    return crowd
+
+
+def awkward_ids(seed: int) -> list[int]:
+    """Distinct ids at the edges of int64, negative ids, ids that differ only in high bits, and
+    ids that share the first cell of a small index."""
+    edges = [INT64_MIN, INT64_MIN + 1, -1, 0, 1, INT64_MAX - 1, INT64_MAX]
+    high_bits = [k << 40 for k in range(-64, 64) if k] + [(k << 56) | 5 for k in range(-128, 128)]
+    return [*edges, *high_bits, *sharing_a_start_cell(24, 64, seed)]
+
+
+def check_slots(table: DynamicTable, ref: dict[int, int], probe: list[int]) -> None:
+    want = [ref.get(i, -1) for i in probe]
+    got = table.slots(torch.tensor(probe, dtype=torch.int64))
+    assert got.dtype == np.int64 and got.tolist() == want
+    assert table.rows == len(ref)
+    assert sorted(table.export()["ids"].tolist()) == sorted(ref)
+
+
+def test_the_index_agrees_with_a_dict_over_many_random_batches() -> None:
+    """Batches of unique ids of every kind, some stored, some new: apply stores the new ones at
+    the next slots in batch order, and every lookup matches a dict's (including ids absent)."""
+    spec = TableSpec("x", 2, optimizer="sgd", lr=0.5)
+    table = DynamicTable(spec, capacity=2)
+    g = np.random.default_rng(7)
+    pool = np.unique(np.concatenate([
+        np.array(awkward_ids(1), dtype=np.int64),
+        g.integers(INT64_MIN, INT64_MAX, 3000, dtype=np.int64, endpoint=True),
+        g.integers(-50, 50, 100),
+        g.integers(0, 2**20, 1000) << 20,  # low 20 bits all zero
+    ]))
+    ref: dict[int, int] = {}
+    for _ in range(60):
+        batch = g.choice(pool, int(g.integers(0, 400)), replace=False).tolist()
+        for i in batch:
+            if i not in ref:
+                ref[i] = len(ref)
+        table.apply(torch.tensor(batch, dtype=torch.int64), torch.ones(len(batch), 2))
+        check_slots(table, ref, g.choice(pool, 500).tolist())
+    check_slots(table, ref, pool.tolist())
+    assert table.export()["ids"].tolist() == sorted(ref)
+
+
+def test_ids_meeting_at_one_cell_in_one_batch_each_get_their_own_slot() -> None:
+    spec = TableSpec("x", 3, optimizer="adagrad", lr=0.1)
+    crowd = sharing_a_start_cell(30, 64)
+    table = DynamicTable(spec)
+    table.apply(torch.tensor(crowd[:20], dtype=torch.int64), torch.ones(20, 3))
+    table.apply(torch.tensor(crowd[10:], dtype=torch.int64), torch.ones(20, 3))
+    ref = {i: n for n, i in enumerate(crowd)}
+    check_slots(table, ref, [*crowd, *sharing_a_start_cell(10, 64, seed=1)])
+    steps = {i: 2 if 10 <= n < 20 else 1 for n, i in enumerate(crowd)}
+    out = table.export()
+    want_sum = torch.tensor([float(steps[i]) for i in out["ids"].tolist()])[:, None].expand(-1, 3)
+    assert torch.equal(out["sum"], want_sum)
+
+
+def test_the_index_grows_past_several_doublings() -> None:
+    spec = TableSpec("x", 1, optimizer="sgd")
+    table = DynamicTable(spec, capacity=1)
+    g = np.random.default_rng(3)
+    ids = np.unique(g.integers(INT64_MIN, INT64_MAX, 40_000, dtype=np.int64, endpoint=True))
+    g.shuffle(ids)
+    ref: dict[int, int] = {}
+    start, sizes = 0, [1, 1, 5, 30, 31, 64, 200, 1000, 7, 5000, 20_000]
+    capacities = []
+    for size in sizes:
+        batch = ids[start:start + size].tolist()
+        start += size
+        ref.update({i: len(ref) + n for n, i in enumerate(batch)})
+        table.apply(torch.tensor(batch, dtype=torch.int64), torch.zeros(len(batch), 1))
+        capacities.append(table._index.capacity)
+        assert table._index.size == len(ref) and table._index.capacity >= 2 * len(ref)
+        check_slots(table, ref, ids[:start + 500].tolist())  # with 500 ids not stored yet
+    assert capacities[0] == 64 and capacities[-1] >= 64 * 2**9
+    assert all(c & (c - 1) == 0 for c in capacities)
+
+
+def test_reads_of_unknown_ids_give_initial_rows_and_store_nothing_in_a_full_index() -> None:
+    spec = TableSpec("x", 4, optimizer="adam", lr=0.1)
+    table = DynamicTable(spec)
+    stored = torch.tensor(awkward_ids(2), dtype=torch.int64)
+    table.apply(stored, torch.ones(stored.numel(), 4))
+    before = table.export()
+    index = (table._index.size, table._index.capacity)
+    unknown = torch.tensor([*sharing_a_start_cell(40, index[1], seed=5), 12345, -12345], dtype=torch.int64)
+    assert not set(unknown.tolist()) & set(stored.tolist())
+    assert (table.slots(unknown) == -1).all()
+    assert torch.equal(table.read(unknown), initial_rows(spec, unknown))
+    mixed = torch.cat([unknown, stored])
+    rows = table.read(mixed)
+    assert torch.equal(rows[:unknown.numel()], initial_rows(spec, unknown))
+    assert torch.equal(rows[unknown.numel():], table.read(stored))
+    assert not torch.equal(table.read(stored), initial_rows(spec, stored))  # trained
+    assert table.rows == stored.numel() and (table._index.size, table._index.capacity) == index
+    for name, value in table.export().items():
+        assert torch.equal(value, before[name]), name
+    assert table.slots(torch.tensor([], dtype=torch.int64)).shape == (0,)
+
+
+def test_drop_shards_then_reads_reinserts_and_exports_follow_the_index() -> None:
+    """Kept rows move down to slots 0..n-1 in their old order; dropped ids are forgotten,
+    read as initial values again and are stored afresh when trained."""
+    spec = TableSpec("d", 2, optimizer="adam", lr=0.1)
+    table = DynamicTable(spec, capacity=8)
+    g = np.random.default_rng(11)
+    ids = torch.from_numpy(np.unique(np.concatenate([
+        np.array(awkward_ids(3), dtype=np.int64), g.integers(INT64_MIN, INT64_MAX, 3000, dtype=np.int64)])))
+    ids = ids[torch.from_numpy(g.permutation(ids.numel()))]
+    for part in ids.split(700):
+        table.apply(part, torch.randn(part.numel(), 2, generator=torch.Generator().manual_seed(part.numel())))
+    order = ids.tolist()  # slot order
+    moved = ([0, 3], 4)
+    part = table.export(shards=moved)
+    gone = set(part["ids"].tolist())
+    assert 0 < len(gone) < len(order)
+    rest = table.export(shards=([1, 2], 4))
+    assert table.drop_shards(*moved) == len(gone)
+
+    kept = [i for i in order if i not in gone]
+    ref = {i: n for n, i in enumerate(kept)}
+    check_slots(table, ref, order)
+    for name, value in table.export().items():
+        assert torch.equal(value, rest[name]), name
+    dropped = part["ids"][:50]
+    assert torch.equal(table.read(dropped), initial_rows(spec, dropped))
+    assert table.rows == len(kept)
+
+    # trained again: new rows at the next slots, state from scratch
+    again = part["ids"][10:60]
+    table.apply(again, torch.ones(again.numel(), 2))
+    ref.update({i: len(kept) + n for n, i in enumerate(again.tolist())})
+    check_slots(table, ref, order)
+    assert table.export(shards=moved)["steps"].tolist() == [1] * again.numel()
+    # the rest of the moved rows come back by load, bitwise
+    others = {k: v[torch.from_numpy(~np.isin(part["ids"].numpy(), again.numpy()))] for k, v in part.items()}
+    table.load(others)
+    ref.update({i: len(ref) + n for n, i in enumerate(others["ids"].tolist())})
+    check_slots(table, ref, order)
+    back = table.export(shards=moved)
+    keep = ~np.isin(back["ids"].numpy(), again.numpy())
+    for name, value in others.items():
+        assert torch.equal(back[name][torch.from_numpy(keep)], value), name
+    assert table.drop_shards(*moved) == part["ids"].numel()
+    check_slots(table, {i: n for n, i in enumerate(kept)}, order)
+
+
+def test_load_into_a_table_holding_rows_indexes_them_and_round_trips() -> None:
+    spec = TableSpec("l", 3, optimizer="adam", lr=0.05)
+    source = DynamicTable(spec)
+    g = np.random.default_rng(5)
+    ids = torch.from_numpy(np.unique(np.concatenate([
+        np.array(awkward_ids(4), dtype=np.int64), g.integers(INT64_MIN, INT64_MAX, 5000, dtype=np.int64)])))
+    for k in range(3):  # three steps for every row
+        source.apply(ids, torch.randn(ids.numel(), 3, generator=torch.Generator().manual_seed(k)))
+    out = source.export()
+    target = DynamicTable(spec, capacity=4)
+    target.apply(ids[::7], torch.ones(ids[::7].numel(), 3))  # its own rows
+    held = set(ids[::7].tolist())
+    want_ids = [i for i in out["ids"].tolist() if i not in held]
+    pick = torch.from_numpy(~np.isin(out["ids"].numpy(), ids[::7].numpy()))
+    part = {k: v[pick] for k, v in out.items()}
+    for start in range(0, len(want_ids), 1000):  # pages, as a move loads them
+        target.load({k: v[start:start + 1000] for k, v in part.items()})
+    ref = {i: n for n, i in enumerate([*ids[::7].tolist(), *want_ids])}
+    check_slots(target, ref, ids.tolist())
+    assert torch.equal(target.read(part["ids"]), part["weight"])
+    merged = target.export()
+    for name, value in part.items():
+        assert torch.equal(merged[name][pick], value), name
+    with pytest.raises(PSError, match="already stored"):
+        target.load({k: v[-3:] for k, v in part.items()})
+    assert target.rows == ids.numel()

@@ -125,7 +125,7 @@ _S30, _S27, _S31, _S40 = (np.uint64(k) for k in (30, 27, 31, 40))
 _INV24 = np.float32(1.0 / (1 << 24))
 
 
-def _mix(z: np.ndarray) -> np.ndarray:
+def mix64(z: np.ndarray) -> np.ndarray:
     """splitmix64's finaliser on a uint64 array (a new array)."""
     z = z ^ (z >> _S30)
     z = z * _M1
@@ -138,7 +138,7 @@ def _mix(z: np.ndarray) -> np.ndarray:
 def _name_key(name: str, seed: int) -> np.uint64:
     key = np.uint64(seed & ((1 << 64) - 1))
     for ch in name.encode():
-        key = _mix(np.array([key ^ np.uint64(ch)], dtype=np.uint64))[0]
+        key = mix64(np.array([key ^ np.uint64(ch)], dtype=np.uint64))[0]
     return np.uint64(key)
 
 
@@ -146,7 +146,7 @@ def virtual_shard(table: str, ids: torch.Tensor, num_shards: int) -> torch.Tenso
     """The virtual shard of each id of ``table`` (int64 ``[n]`` -> int64 ``[n]`` in
     ``[0, num_shards)``): a hash, so that consecutive ids spread over every shard."""
     with np.errstate(over="ignore"):
-        z = _mix(ids.numpy().view(np.uint64) ^ _name_key(table, 0x5EED))
+        z = mix64(ids.numpy().view(np.uint64) ^ _name_key(table, 0x5EED))
     return torch.from_numpy((z % np.uint64(num_shards)).astype(np.int64))
 
 
@@ -160,7 +160,7 @@ def initial_rows(spec: TableSpec, ids: torch.Tensor) -> torch.Tensor:
     with np.errstate(over="ignore"):
         base = ids.numpy().view(np.uint64)[:, None] * _GAMMA
         cols = (np.arange(1, spec.dim + 1, dtype=np.uint64) * _M2)[None, :]
-        z = _mix(base ^ cols ^ _name_key(spec.name, spec.seed))
+        z = mix64(base ^ cols ^ _name_key(spec.name, spec.seed))
     unit = (z >> _S40).astype(np.float32) * _INV24  # [0, 1), 24 bits: exact in float32
     out = torch.from_numpy(unit)
     return out.mul_(2.0 * spec.scale).sub_(spec.scale)

@@ -3,8 +3,12 @@
 Rows are stored only once trained (``apply``): a pull of an id never trained reads its initial
 value (``tidal.ps.api.initial_rows``) without storing it, so memory grows with the ids the job
 has trained, as in production tables (DLRover-RM 2.2), and a step that is rolled back leaves no
-row behind. The id -> slot index is a dict (collision-free); rows and state live in float32
-tensors grown by doubling.
+row behind. Rows and state live in float32 tensors grown by doubling, a row at its slot.
+
+The id -> slot index (``IdIndex``) is an open-addressing hash table in numpy arrays, looked up
+and filled a whole batch at a time: a server's request holds thousands of ids, and a dict looked
+up one Python int at a time took most of the request's time (2-3 ms for 4,000 ids on 2 cores,
+against 0.4 ms).
 
 The optimizers update only the rows of a step's gradient and are elementwise, so a row's value
 depends on its own history alone: the same on any server and in any shard map. Adagrad follows
@@ -19,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tidal.ps.api import PSError, TableSpec, initial_rows, virtual_shard
+from tidal.ps.api import PSError, TableSpec, initial_rows, mix64, virtual_shard
 
 _STATE = {"sgd": (), "adagrad": ("sum",), "adam": ("exp_avg", "exp_avg_sq")}
 
@@ -28,7 +32,7 @@ class DynamicTable:
     def __init__(self, spec: TableSpec, capacity: int = 1024) -> None:
         self.spec = spec
         self.rows = 0
-        self._slot: dict[int, int] = {}
+        self._index = IdIndex()
         self._ids = np.empty(capacity, dtype=np.int64)
         self.weight = torch.empty(capacity, spec.dim)
         self.state = {name: torch.zeros(capacity, spec.dim) for name in _STATE[spec.optimizer]}
@@ -50,8 +54,7 @@ class DynamicTable:
 
     def slots(self, ids: torch.Tensor) -> np.ndarray:
         """The slot of each id, -1 where the row is not stored."""
-        get = self._slot.get
-        return np.fromiter((get(i, -1) for i in ids.tolist()), dtype=np.int64, count=ids.numel())
+        return self._index.find(ids.numpy())
 
     def read(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows of ``ids`` (a new float32 ``[n, dim]`` tensor)."""
@@ -59,10 +62,14 @@ class DynamicTable:
         stored = slots >= 0
         if stored.all():
             return self.weight.index_select(0, torch.from_numpy(slots))
-        out = initial_rows(self.spec, ids)
-        if stored.any():
-            where = torch.from_numpy(np.flatnonzero(stored))
-            out.index_copy_(0, where, self.weight.index_select(0, torch.from_numpy(slots[stored])))
+        if not stored.any():
+            return initial_rows(self.spec, ids)
+        # the initial values of the missing rows only: each is a function of its id alone
+        missing = np.flatnonzero(~stored)
+        out = torch.empty(ids.numel(), self.spec.dim)
+        out.index_copy_(0, torch.from_numpy(missing), initial_rows(self.spec, torch.from_numpy(ids.numpy()[missing])))
+        where = torch.from_numpy(np.flatnonzero(stored))
+        out.index_copy_(0, where, self.weight.index_select(0, torch.from_numpy(slots[stored])))
         return out
 
     def apply(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
@@ -71,7 +78,7 @@ class DynamicTable:
         slots = self.slots(ids)
         missing = slots < 0
         if missing.any():
-            slots[missing] = self._insert(ids[torch.from_numpy(missing)])
+            slots[missing] = self._insert(torch.from_numpy(ids.numpy()[missing]))
         index = torch.from_numpy(slots)
         spec = self.spec
         # index_select/index_copy_, not ``t[index]``: advanced indexing took 2 ms for 500 rows
@@ -105,7 +112,7 @@ class DynamicTable:
         slots = np.arange(self.rows, self.rows + n, dtype=np.int64)
         self.weight[self.rows:self.rows + n] = initial_rows(self.spec, ids)
         self._ids[self.rows:self.rows + n] = ids.numpy()
-        self._slot.update(zip(ids.tolist(), slots.tolist(), strict=True))
+        self._index.add(ids.numpy(), slots)
         self.rows += n
         return slots
 
@@ -157,7 +164,7 @@ class DynamicTable:
                 self.steps[:n] = self.steps.index_select(0, keep)
                 self.steps[n:self.rows] = 0
             self.rows = n
-            self._slot = dict(zip(self._ids[:n].tolist(), range(n), strict=True))
+            self._index = IdIndex(self._ids[:n], self._index.capacity)
         return dropped
 
     def _in_shards(self, shards: list[int], num_shards: int) -> np.ndarray:
@@ -192,14 +199,93 @@ class DynamicTable:
         if (self.slots(ids) >= 0).any():
             raise PSError(f"table {self.spec.name}: rows to load are already stored")
         slots = torch.from_numpy(self._insert(ids))
-        self.weight[slots] = part["weight"].float()
+        self.weight.index_copy_(0, slots, part["weight"].float())
         for name in self.state:
-            self.state[name][slots] = part[name].float()
+            self.state[name].index_copy_(0, slots, part[name].float())
         if self.steps is not None:
-            self.steps[slots] = part["steps"].long()
+            self.steps.index_copy_(0, slots, part["steps"].long())
 
     def stats(self) -> dict[str, Any]:
         return {"rows": self.rows, "bytes": self.nbytes}
+
+
+class IdIndex:
+    """id -> slot for int64 ids (any value): an open-addressing hash table in numpy arrays.
+
+    Cell ``c`` maps ``keys[c]`` to ``slots[c]``; ``slots[c] == -1`` marks an empty cell (so no id
+    value is reserved). The capacity is a power of two, at least twice the ids held (load <= 1/2;
+    doubled and rehashed past it). An id's probe sequence starts at the cell of its splitmix64
+    hash and steps 1, 2, 3... cells on (triangular numbers: it visits every cell); it ends at the
+    id's cell or at the first empty one. Probes run for a whole batch at once, one numpy pass per
+    step over the ids still probing (about 15 passes for thousands of ids at load 1/2, most of
+    them over a few ids). Ids are only ever added: the table rebuilds the index to forget some.
+    """
+
+    def __init__(self, ids: np.ndarray | None = None, capacity: int = 64) -> None:
+        """An index of ``ids`` (distinct) at slots ``0..len(ids)-1``, of ``capacity`` cells at least."""
+        n = 0 if ids is None else len(ids)
+        self._allocate(max(capacity, _cells_for(n)))
+        if ids is not None:
+            self.add(ids, np.arange(n, dtype=np.int64))
+
+    @property
+    def capacity(self) -> int:
+        return len(self._keys)
+
+    def find(self, ids: np.ndarray) -> np.ndarray:
+        """The slot of each id (a new int64 array), -1 where it is not held."""
+        return self._slots.take(self._probe(ids))
+
+    def add(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        """Map ``ids`` (none held yet) to ``slots``; an id repeated in ``ids`` gets one of its slots."""
+        if _cells_for(self.size + len(ids)) > self.capacity:
+            held = np.flatnonzero(self._slots >= 0)
+            old_ids, old_slots = self._keys[held], self._slots[held]
+            self._allocate(_cells_for(self.size + len(ids)))
+            self._place(old_ids, old_slots)
+        self._place(ids, slots)
+
+    def _allocate(self, capacity: int) -> None:
+        self._keys = np.zeros(capacity, dtype=np.int64)
+        self._slots = np.full(capacity, -1, dtype=np.int64)
+        self.size = 0
+
+    def _probe(self, ids: np.ndarray) -> np.ndarray:
+        """The cell where each id's probe sequence ends: its own, or the first empty one."""
+        mask = self.capacity - 1
+        cell = (mix64(ids.view(np.uint64)) & np.uint64(mask)).view(np.int64)
+        end = cell.copy()
+        pending = np.arange(len(ids))  # positions in ``ids`` still probing
+        step = 0
+        while pending.size:
+            more = np.flatnonzero((self._slots.take(cell) >= 0) & (self._keys.take(cell) != ids))
+            pending, ids, cell = pending.take(more), ids.take(more), cell.take(more)
+            step += 1
+            cell = (cell + step) & mask
+            end[pending] = cell
+        return end
+
+    def _place(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        claim = np.arange(len(ids))
+        while ids.size:
+            cell = self._probe(ids)
+            # a probe ending at a held cell is an id repeated in ``ids``, placed by an earlier pass
+            vacant = np.flatnonzero(self._slots.take(cell) < 0)
+            ids, slots, cell, claim = ids.take(vacant), slots.take(vacant), cell.take(vacant), claim.take(vacant)
+            # ids whose probes end at one empty cell each write their number there; the one read
+            # back takes the cell, the others probe again (past it)
+            self._slots[cell] = claim
+            won = self._slots.take(cell) == claim
+            self._keys[cell[won]] = ids[won]
+            self._slots[cell[won]] = slots[won]
+            self.size += int(won.sum())
+            lost = ~won
+            ids, slots, claim = ids[lost], slots[lost], claim[lost]
+
+
+def _cells_for(ids: int) -> int:
+    """The capacity (a power of two, 64 at least) for ``ids`` at load 1/2 at most."""
+    return max(64, 1 << (2 * ids - 1).bit_length())
 
 
 def _grown(t: torch.Tensor, rows: int) -> torch.Tensor:
