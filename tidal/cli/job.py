@@ -193,9 +193,9 @@ def run(
              "server that passes it stops with an out-of-memory report, which fails the job. With --ps MIN:MAX "
              "the master predicts, from the rows the servers hold against the samples trained, whether they "
              "will pass it before the job ends, and adds servers before they do (DLRover-RM 5.3)."),
-    ps_oom_prevention: bool = typer.Option(
-        True, "--ps-oom-prevention/--no-ps-oom-prevention",
-        help="With --ps-memory: add servers before the tables outgrow them (the default), or not."),
+    no_ps_oom_prevention: bool = typer.Option(
+        False, "--no-ps-oom-prevention",
+        help="With --ps-memory: do not add servers before the tables outgrow them (they do by default)."),
     resume_dir: Path | None = typer.Option(
         None, "--resume", metavar="JOBDIR",
         help="Continue the job of JOBDIR (its master and workers gone) instead of starting one: SCRIPT and its "
@@ -353,7 +353,7 @@ def run(
         stream_url=stream, stop_when_drained_s=stop_when_drained, trim_after_commit=trim_after_commit,
         time_scale=time_scale, lag_slo_s=1200.0 if lag_slo is None else lag_slo,
         traffic_history=seed[0], traffic_history_interval_s=seed[1], ps=ps, ps_max=ps_max, ps_shards=ps_shards,
-        ps_memory=ps_memory, ps_oom_prevention=ps_oom_prevention,
+        ps_memory=ps_memory, ps_oom_prevention=not no_ps_oom_prevention,
     )
     _point_current(directory)
     typer.echo(f"tidal: job {job_id} on http://127.0.0.1:{spec.port} (job dir {directory}); "

@@ -491,8 +491,8 @@ class JobMaster:
                 self._persist()
             elif rec is not None and self.state in (JobState.RUNNING, JobState.FINISHING):
                 tail = self.servers.log_tail(server_id)
-                advice = ("raise --ps-memory, or let tidal add servers before they fill: --ps MIN:MAX with "
-                          "--ps-oom-prevention" if code == PS_OUT_OF_MEMORY_EXIT else
+                advice = ("raise --ps-memory, or let tidal add servers before they fill: --ps MIN:MAX without "
+                          "--no-ps-oom-prevention" if code == PS_OUT_OF_MEMORY_EXIT else
                           "a lost server is not replaced yet: its rows cannot be restored")
                 self._fail_job(f"parameter server {server_id} {why}{': ' + tail if tail else ''} ({advice})")
             elif rec is not None:
