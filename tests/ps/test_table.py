@@ -286,7 +286,7 @@ def test_export_by_shard_and_drop_shards_partition_the_rows() -> None:
     before = table.export()
     moved = ([1, 5, 6], 8)
     part, rest = table.export(shards=moved), table.export(shards=([0, 2, 3, 4, 7], 8))
-    assert 0 < part["ids"].numel() < ids.numel() and table.count(moved) == part["ids"].numel()
+    assert 0 < part["ids"].numel() < ids.numel() and table.export_page(shards=moved)[1] == part["ids"].numel()
     assert set(virtual_shard("e", part["ids"], 8).tolist()) <= {1, 5, 6}
     assert torch.equal(torch.sort(torch.cat([part["ids"], rest["ids"]])).values, before["ids"])
     assert table.drop_shards(*moved) == part["ids"].numel()

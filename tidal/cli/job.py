@@ -80,7 +80,8 @@ def parse_size(text: str, option: str) -> int:
     return int(size)
 
 
-def parse_workers(text: str, option: str = "--workers") -> tuple[int, int]:
+def parse_range(text: str, option: str) -> tuple[int, int]:
+    """``MIN:MAX`` or ``N`` (``N:N``), both at least 1."""
     try:
         lo, _, hi = text.partition(":")
         low, high = int(lo), int(hi or lo)
@@ -90,8 +91,11 @@ def parse_workers(text: str, option: str = "--workers") -> tuple[int, int]:
         raise ConfigError(f"{option} MIN must be at least 1, got {low}")
     if low > high:
         raise ConfigError(f"{option} MIN ({low}) is greater than MAX ({high})")
-    if option != "--workers":
-        return low, high
+    return low, high
+
+
+def parse_workers(text: str) -> tuple[int, int]:
+    low, high = parse_range(text, "--workers")
     check_range("--workers MAX", high, (1, MAX_LOCAL_WORKERS),
                 " (MAX_LOCAL_WORKERS: the local backend runs every worker on this machine)")
     return low, high
@@ -297,7 +301,7 @@ def run(
     if initial is not None and not low <= initial <= high:
         raise fail(f"--initial {initial} is outside --workers {low}:{high}")
     check_ledger(ledger)
-    ps, ps_max = parse_workers(ps_text, "--ps") if ps_text is not None else (0, 0)
+    ps, ps_max = parse_range(ps_text, "--ps") if ps_text is not None else (0, 0)
     ps_memory = parse_size(ps_memory_text, "--ps-memory") if ps_memory_text is not None else 0
     if ps_memory and not ps:
         raise fail("--ps-memory needs --ps")

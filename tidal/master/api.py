@@ -132,6 +132,11 @@ class JobSpec:
     ps_memory: int = 0
     ps_oom_prevention: bool = True
 
+    @property
+    def ps_range(self) -> tuple[int, int]:
+        """``--ps MIN:MAX`` (MAX is MIN for ``--ps N``)."""
+        return self.ps, max(self.ps, self.ps_max)
+
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 

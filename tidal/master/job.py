@@ -458,7 +458,7 @@ class JobMaster:
         busy = servers.move is not None or servers.target != len(servers.in_map())
         if len(history) < 3 or busy or not self.spec.ps_oom_prevention:
             return
-        high = max(self.spec.ps, self.spec.ps_max)
+        high = self.spec.ps_range[1]
         plan = servers_for_memory(history, cfg.size * cfg.epochs, self.spec.ps_memory, servers.target, high)
         mib = 2.0**20
         predicted = (f"the servers' tables are predicted to hold {plan.forecast.predicted_gb / mib:.1f} MiB at the "
@@ -687,7 +687,7 @@ class JobMaster:
                 its ``--ps MIN:MAX``.
         """
         self._check_scalable()
-        low, high = self.spec.ps, max(self.spec.ps, self.spec.ps_max)
+        low, high = self.spec.ps_range
         if not self.spec.ps:
             raise BadRequestError("this job has no parameter servers (start it with --ps)")
         if not low <= servers <= high:
@@ -1217,7 +1217,7 @@ class JobMaster:
             stream_lag=self.planning.lag.status(self.spec.time_scale) if self.streams is not None else None,
             servers=self.servers.info(), ps_shard_map=self.servers.shard_map,
             ps_target=self.servers.target if self.spec.ps else 0,
-            ps_range=[self.spec.ps, max(self.spec.ps, self.spec.ps_max)] if self.spec.ps else [],
+            ps_range=list(self.spec.ps_range) if self.spec.ps else [],
         )
 
     # ================================================================== helpers

@@ -303,8 +303,9 @@ class Servers:
         move, self.move = self.move, None
         assert move is not None and move.done.is_set() and move.error is None
         self.shard_map = move.new_map
+        # servers out of the map, unless the target grew during the move (those join the next one)
         spare = [i for i, r in self.records.items() if r.state in (LAUNCHING, RUNNING) and i not in self.shard_map
-                 and len(self.shard_map) and len(self.in_map()) >= self.target]
+                 and len(self.in_map()) >= self.target]
         for i in spare:
             self.records[i].state = RETIRING
         journal()

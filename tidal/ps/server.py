@@ -236,8 +236,8 @@ class ParameterServer:
             raise PSError(f"unknown table {name!r}")
         start = int(meta.get("start", 0))
         shards = _shards(meta) if meta.get("shards") is not None else None
-        part = table.export(start, EXPORT_ROWS, shards)
-        return {"rows": table.count(shards), "next": start + len(part["ids"])}, part
+        part, rows = table.export_page(start, EXPORT_ROWS, shards)
+        return {"rows": rows, "next": start + len(part["ids"])}, part
 
     # ------------------------------------------------------------------ moving virtual shards
     # The master moves a virtual shard (tidal.master.servers): ``drop`` it on the new holder

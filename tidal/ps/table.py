@@ -133,6 +133,11 @@ class DynamicTable:
         """Rows ``start`` to ``start + limit`` in id order: ``ids``, ``weight`` and the
         optimizer state (the canonical order a checkpoint and the fingerprint use). ``shards``
         ``(virtual shards, num_shards)``: only the rows hashing to those shards (a move)."""
+        return self.export_page(start, limit, shards)[0]
+
+    def export_page(self, start: int = 0, limit: int | None = None,
+                    shards: tuple[list[int], int] | None = None) -> tuple[dict[str, torch.Tensor], int]:
+        """``export``'s rows, and how many rows (in ``shards``) there are in all."""
         order = self._positions(shards)
         stop = len(order) if limit is None else min(len(order), start + limit)
         pick_np = order[start:stop]
@@ -142,11 +147,7 @@ class DynamicTable:
             out[name] = value.index_select(0, pick)
         if self.steps is not None:
             out["steps"] = self.steps.index_select(0, pick)
-        return out
-
-    def count(self, shards: tuple[list[int], int] | None = None) -> int:
-        """Rows stored (in ``shards``, as for ``export``)."""
-        return self.rows if shards is None else len(self._positions(shards))
+        return out, len(order)
 
     def drop_shards(self, shards: list[int], num_shards: int) -> int:
         """Forget the rows hashing to ``shards`` (moved to another server); returns how many."""
