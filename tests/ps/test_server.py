@@ -23,7 +23,14 @@ import zmq
 from tidal.api import frames
 from tidal.api.rpc import Caller, RemoteRefusedError
 from tidal.master.servers import ShardMove, rebalanced
-from tidal.ps.api import PSError, PSUnavailableError, TableSpec, default_shard_map, initial_rows
+from tidal.ps.api import (
+    PSAbortedError,
+    PSError,
+    PSUnavailableError,
+    TableSpec,
+    default_shard_map,
+    initial_rows,
+)
 from tidal.ps.client import PSClient
 
 TOKEN = "ps-secret-of-the-job"
@@ -605,3 +612,74 @@ def test_a_move_refuses_a_server_not_at_the_committed_step(launch: Launch) -> No
                 other.call({"op": "load", "table": "a", "shards": [0], "num_shards": 64}, {"ids": part["ids"]})
     finally:
         c.close()
+
+
+# ---------------------------------------------------------------------------- restore from a checkpoint
+def test_a_lost_server_is_restored_from_a_checkpoint_on_any_map(launch: Launch) -> None:
+    """Two servers train, the tables are exported at step 1 (a checkpoint), training goes on,
+    one server is SIGKILLed: a fresh server and the survivor, under another shard map, go back
+    to exactly the checkpoint's rows and step, and accept step 2 again (not step 4)."""
+    started: list[subprocess.Popen[str]] = []
+    try:
+        a, b = _start(2, started)
+        c = connect([a, b], MIXED)
+        try:
+            gen = torch.Generator().manual_seed(3)
+            for step in range(4):
+                ids = {s.name: torch.unique(torch.randint(0, 300, (40,), generator=gen)) for s in MIXED}
+                c.pull(ids, round_=0, step=step, key=0)
+                c.push({s.name: (ids[s.name], torch.randn(ids[s.name].numel(), s.dim, generator=gen)) for s in MIXED},
+                       round_=0, step=step, key=0)
+                c.commit(0, step, 40)
+                if step == 1:
+                    snapshot = c.export()
+            later = c.export()
+        finally:
+            c.close()
+        _kill(started[1])
+        (fresh,) = launch(1)
+        shard_map = [1 if v % 4 else 0 for v in range(64)]  # another map: most shards on the new server
+        r = PSClient([a, fresh], shard_map, TOKEN, MIXED, timeout_s=30)
+        try:
+            assert len(later["a"]["ids"]) > len(snapshot["a"]["ids"])  # trained on after the checkpoint
+            loaded = r.restore(snapshot, 1)
+            assert loaded == sum(len(t["ids"]) for t in snapshot.values())
+            assert [s["applied_step"] for s in r.stats()] == [1, 1]
+            back = r.export()
+            for name, fields in snapshot.items():
+                for field, value in fields.items():
+                    assert torch.equal(back[name][field], value), (name, field)
+            with pytest.raises(PSError, match="step 4 is not the next step: this server applied step 1"):
+                r.pull({"a": ids_of(1)}, round_=1, step=4, key=0)
+            r.pull({"a": ids_of(1)}, round_=1, step=2, key=0)  # step 2 comes again
+            with pytest.raises(PSError, match=r"tables \['zz'\] this script does not declare"):
+                r.restore({"zz": snapshot["a"]}, 1)
+            r.restore({}, -1)  # a job resumed from scratch: empty tables at step -1
+            assert [(s["applied_step"], s["rows"]) for s in r.stats()] == [(-1, 0), (-1, 0)]
+        finally:
+            r.close()
+    finally:
+        for proc in started:
+            _kill(proc)
+
+
+def test_a_wait_for_a_lost_server_is_given_up_when_the_job_re_forms() -> None:
+    """A server that stops answering holds a pull only until ``abort`` says the job re-forms
+    (not the whole timeout); the step is then dropped by the worker (PSAbortedError)."""
+    started: list[subprocess.Popen[str]] = []
+    try:
+        (address,) = _start(1, started)
+        reforming = [False]
+        c = PSClient([address], ONE, TOKEN, SPECS, timeout_s=60, abort=lambda: reforming[0])
+        try:
+            os.kill(started[0].pid, signal.SIGSTOP)
+            reforming[0] = True
+            t0 = time.monotonic()
+            with pytest.raises(PSAbortedError, match=r"parameter server 0 \(tcp://.*\): the job is re-forming"):
+                c.pull({"emb": ids_of(1)}, round_=0, step=0, key=0)
+            assert time.monotonic() - t0 < 2.0
+        finally:
+            c.close()
+    finally:
+        for proc in started:
+            _kill(proc)

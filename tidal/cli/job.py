@@ -187,8 +187,9 @@ def run(
              "(tidal.ps.embedding.ServerEmbeddings): rows hash-partitioned over virtual shards, created on "
              "first use, updated on the servers in sync with every committed step. With MIN:MAX, "
              "`tidal scale --ps N` changes their number while training runs: new servers start, and the "
-             f"virtual shards move at the next step boundary. At most {MAX_PS}; a server that dies fails "
-             "the job (not replaced yet)."),
+             f"virtual shards move at the next step boundary. At most {MAX_PS}. A server that dies is "
+             "replaced and every server restored from the newest flash checkpoint (--checkpoint-every), the "
+             "steps after it trained again; without checkpoints its loss fails the job."),
     ps_shards: int = typer.Option(
         64, "--ps-shards", metavar="V", help="Virtual shards the rows hash to (at least --ps, at most 4096)."),
     ps_memory_text: str | None = typer.Option(
@@ -308,9 +309,6 @@ def run(
     if ps:
         check_range("--ps MAX", ps_max, (1, MAX_PS))
         check_range("--ps-shards", ps_shards, (ps_max, 4096))
-        if checkpoint_every is not None:
-            raise fail("--checkpoint-every with --ps: the servers' tables are not in flash checkpoints yet, so "
-                       "a resume would lose them; use --checkpoint-dir for the final checkpoint")
     env = logical_env(logical_workers, high, checkpoint_dir, determinism)
     if stream is not None:
         check_stream(stream, logical_workers)

@@ -479,8 +479,10 @@ class JobMaster:
             self._persist()
 
     def _handle_server_exits(self) -> None:
-        """A parameter server that ends while the job runs fails the job (no server is replaced
-        yet: its rows are gone, and training on without them would be a silent loss)."""
+        """A parameter server that ends while the job runs is replaced, and the next round
+        restores every server from the newest checkpoint (tidal.master.servers); one that ran
+        out of memory, or a job without checkpoints, fails (its rows cannot come back, and
+        training on without them would be a silent loss)."""
         reports = self.fleet.server_reports
         while reports:
             server_id, code, why = reports[0]
@@ -489,11 +491,17 @@ class JobMaster:
             if rec is not None and retiring:
                 self.log.add("ps", f"parameter server {server_id} stopped (its shards moved away)")
                 self._persist()
+            elif rec is not None and self.state is JobState.RUNNING and code != PS_OUT_OF_MEMORY_EXIT \
+                    and self.takes_checkpoints and server_id in self.servers.shard_map:
+                new = self.servers.replace(server_id, f"parameter server {server_id} was lost", self._persist)
+                self.log.add("ps", f"parameter server {server_id} {why}: server {new} takes its place, and every "
+                                   "server goes back to the newest checkpoint with the model")
+                self._execute([StartReform(f"parameter server {server_id} lost")])
             elif rec is not None and self.state in (JobState.RUNNING, JobState.FINISHING):
                 tail = self.servers.log_tail(server_id)
                 advice = ("raise --ps-memory, or let tidal add servers before they fill: --ps MIN:MAX without "
                           "--no-ps-oom-prevention" if code == PS_OUT_OF_MEMORY_EXIT else
-                          "a lost server is not replaced yet: its rows cannot be restored")
+                          "its rows cannot be restored without --checkpoint-every")
                 self._fail_job(f"parameter server {server_id} {why}{': ' + tail if tail else ''} ({advice})")
             elif rec is not None:
                 self._persist()
@@ -1009,7 +1017,7 @@ class JobMaster:
         decision = rounds.decide_round(
             self.rounds, self.workers, now=self.clock(), target=self.target, min_workers=self.spec.min_workers,
             start_grace_s=self.spec.start_grace_s, finalized_step=self.finalized_step,
-            round_failure_limit=self.spec.round_failure_limit, restore_from=restore_from)
+            round_failure_limit=self.spec.round_failure_limit, restore_from=restore_from, lost=self.servers.lost)
         if isinstance(decision, FormRound) and not self._servers_settled(decision):
             return
         if decision is not None:
@@ -1031,11 +1039,11 @@ class JobMaster:
         if not servers.move.done.is_set():
             return False
         move = servers.move
-        if move.error is not None:
+        if move.error is not None or move.void is not None:
             servers.move = None
             servers.target = len(servers.in_map())
             self.log.add("error", f"moving virtual shards failed, the servers keep their map "
-                                  f"({len(servers.in_map())} servers): {move.error}")
+                                  f"({len(servers.in_map())} servers): {move.error or move.void}")
             self._persist()
             return True
         stopped = servers.end_move(self._persist)
@@ -1048,17 +1056,20 @@ class JobMaster:
         prev_round = rs.round
         rs.failed_rounds, rs.round_failure = form.failed_rounds, form.round_failure
         restore_lineage = self._restore_choice.lineage if form.restore and self._restore_choice else 0
+        source_req = rs.waiting[form.source]
+        records, applied = source_req.records, source_req.applied_step
         if form.restore:
             lost = self.finalized_step
             voided = self.commits.rollback(form.resume_step)
             self.checkpoints.rollback(form.resume_step)
             where = (f"the checkpoint of step {form.resume_step}" if form.resume_step >= 0
                      else "scratch (no checkpoint it can load)")
-            self.log.add("restore", f"every worker holding the model was lost after step {lost}: resuming from "
-                                    f"{where}; the {voided} samples of the steps after it are trained again")
-        source_req = rs.waiting[form.source]
-        committed = self.commits.settle_round(source_req.records, source_req.applied_step, form.has_state,
-                                              form.members)
+            what = self.servers.lost or "every worker holding the model was lost"
+            self.log.add("restore", f"{what} after step {lost}: resuming from {where}; the {voided} samples "
+                                    "of the steps after it are trained again")
+            records, applied = [], form.resume_step  # what survivors applied after it is void
+        self.servers.lost = None  # journaled with the round
+        committed = self.commits.settle_round(records, applied, form.has_state, form.members)
         stream = self.streams.assign(form.members) if self.streams is not None else {}
         rs.round = prev_round + 1
         rs.round_start_step = form.resume_step

@@ -96,12 +96,15 @@ def reform_cause(rs: RoundState, workers: Mapping[int, WorkerRecord], target: in
 
 def decide_round(rs: RoundState, workers: Mapping[int, WorkerRecord], *, now: float, target: int,
                  min_workers: int, start_grace_s: float, finalized_step: int,
-                 round_failure_limit: int, restore_from: int | None = None) -> FormRound | FailJob | None:
+                 round_failure_limit: int, restore_from: int | None = None,
+                 lost: str | None = None) -> FormRound | FailJob | None:
     """Form the next round when everyone it needs is at the rendezvous; None: not yet.
 
     ``restore_from``: when every worker holding the model is gone, the step of the checkpoint to
     resume from (``tidal.master.checkpoints``; -1: none usable, start again from scratch); None:
-    the job takes no checkpoints, and then such a loss fails it.
+    the job takes no checkpoints, and then such a loss fails it. ``lost``: something beside the
+    workers that holds part of the model was lost (a parameter server, named): the round
+    resumes from the checkpoint even though workers hold the model, or fails the job if none can.
     """
     if not rs.waiting:
         return None
@@ -128,8 +131,13 @@ def decide_round(rs: RoundState, workers: Mapping[int, WorkerRecord], *, now: fl
         return FailJob(f"{failed_rounds} rounds in a row failed before a step was applied; the last: {round_failure}")
     reqs = {w: rs.waiting[w] for w in chosen}
     with_state = [w for w in chosen if reqs[w].applied_step >= 0]
-    restore = not with_state and finalized_step >= 0
+    # a lost server took rows of every step any member applied: nothing trained is whole
+    restore = (not with_state and finalized_step >= 0) or (lost is not None and (bool(with_state) or finalized_step >= 0))
     if restore:
+        if lost is not None and (restore_from is None or (restore_from < 0 and with_state)):
+            # the workers' models are not the fresh one: a restart from scratch cannot use them
+            return FailJob(f"{lost} after step {finalized_step}, and no checkpoint holds its part of the model "
+                           "(--checkpoint-every lets a job restore it; the first is taken after its first steps)")
         if restore_from is None:
             return FailJob(f"every worker holding the model was lost after step {finalized_step}; "
                            "there is no survivor to take the state from (--checkpoint-every lets a job resume)")

@@ -24,9 +24,16 @@ A row's update depends on the step's contributions alone, never on the server ho
 move changes no number of the model. Every request of a move is idempotent in that order, so a
 move that breaks off (a master failover, a refused request) is done again, or the old map kept.
 
-A server that exits on its own while the job runs fails the job with a message that says so:
-restoring a lost server from a checkpoint is not built yet (issue "Parameter servers"). Nothing
-is trained with a server missing, so nothing is lost: the job stops instead.
+**A server lost** (it exits on its own while the job runs). Its rows are gone, and the other
+servers hold rows of steps it can no longer give back, so the job goes back to its newest flash
+checkpoint (the tables are in it: rank 0 exports them at each checkpoint step). ``replace``
+starts a new server in the lost one's place in the shard map; the master re-forms the round as
+a *restore* from that checkpoint (``JobMaster._handle_server_exits``): the workers' steps after
+it are rolled back and their samples trained again (the ledger's ``rollback_to_step``), and the
+round's source resets every server of the map to the checkpoint's step and loads its rows
+(``ServerEmbeddings.restore_tree``) before any member trains. Without ``--checkpoint-every`` (or
+before the first checkpoint of a job that trained), nothing can restore the rows: the job fails
+with a message that says so. Nothing is trained with a server missing, so nothing is lost.
 """
 
 from __future__ import annotations
@@ -108,6 +115,7 @@ class ShardMove:
     rows: int = 0
     seconds: float = 0.0
     error: str | None = None
+    void: str | None = None  # a server it involves was lost: whatever the thread did is void
     done: threading.Event = field(default_factory=threading.Event)
 
     def moves(self) -> dict[tuple[int, int], list[int]]:
@@ -196,6 +204,7 @@ class Servers:
         self.shard_map: list[int] = [v % spec.ps for v in range(spec.ps_shards)] if spec.ps else []
         self.target = spec.ps  # how many servers the map should spread over
         self.move: ShardMove | None = None
+        self.lost: str | None = None  # why the next round must restore the servers from a checkpoint
         self._seq = 0
 
     # ------------------------------------------------------------------ views
@@ -241,7 +250,7 @@ class Servers:
     # ------------------------------------------------------------------ journal
     def to_meta(self) -> dict[str, Any]:
         return {"servers": [r.to_row() for r in self.records.values()], "ps_shard_map": self.shard_map,
-                "ps_target": self.target}
+                "ps_target": self.target, "ps_lost": self.lost}
 
     def restore(self, meta: dict[str, Any], request_id: str) -> None:
         """Rebuild from the journal and watch the servers an earlier master started (a move in
@@ -252,6 +261,7 @@ class Servers:
             self.records[rec.server_id] = rec
         self.shard_map = list(meta.get("ps_shard_map") or self.shard_map)
         self.target = int(meta.get("ps_target", len(self.in_map())))
+        self.lost = meta.get("ps_lost")
         handles = [NodeHandle(node_id("ps", r.server_id), r.pid) for r in self.records.values()
                    if r.state != EXITED and r.pid]
         if handles:
@@ -314,6 +324,21 @@ class Servers:
             self._seq += 1
             self.backend.terminate([node_id("ps", i) for i in spare], f"{self.spec.job_id}-ps-retire-{self._seq}")
         return spare
+
+    def replace(self, lost: int, why: str, journal_first: Any) -> int:
+        """Start a new server in the shard map's places of the ``lost`` one; the next round
+        restores every server from a checkpoint (``why`` says what for). Returns the new id. A
+        move in flight is void (the restore loads every server of the map anyway)."""
+        self.lost = why
+        new = max(self.records) + 1
+        self.records[new] = ServerRecord(new)
+        self.shard_map = [new if i == lost else i for i in self.shard_map]
+        if self.move is not None:
+            self.move.void = f"parameter server {lost} was lost during the move"
+        journal_first()
+        self._seq += 1
+        self.backend.launch([self.node_spec(new)], f"{self.spec.job_id}-ps-replace-{self._seq}")
+        return new
 
     def node_spec(self, server_id: int) -> NodeSpec:
         spec = self.spec

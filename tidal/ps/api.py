@@ -54,6 +54,11 @@ class PSUnavailableError(RetryableError):
     """A parameter server did not answer in time."""
 
 
+class PSAbortedError(PSUnavailableError):
+    """A request was given up before its answer because the job is re-forming (a server was
+    lost, or the master asked): the step is dropped and trained again in the next round."""
+
+
 @dataclass(frozen=True)
 class TableSpec:
     """One embedding table held by the servers.

@@ -10,20 +10,26 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import zmq
 
 from tidal.api import frames
-from tidal.ps.api import PSError, PSUnavailableError, TableSpec, virtual_shard
+from tidal.ps.api import PSAbortedError, PSError, PSUnavailableError, TableSpec, virtual_shard
 
 MAX_REPLY_BYTES = 1 << 31
+POLL_S = 0.1  # how often a wait for a server asks ``abort``
+LOAD_ROWS = 1 << 18  # rows per load request of a restore
 
 
 class PSClient:
     """Requests to the servers at ``addresses`` (server ``i`` at ``addresses[i]``) holding the
     virtual shards of ``shard_map`` (shard ``v`` on server ``shard_map[v]``).
+
+    ``abort``: asked while a request waits for its answer; when it says so the request is
+    given up (``PSAbortedError``): the job is re-forming, a server may never answer.
 
     Raises:
         PSError: a server refuses the tables (another worker declared them otherwise).
@@ -31,7 +37,7 @@ class PSClient:
     """
 
     def __init__(self, addresses: list[str], shard_map: list[int], token: str, tables: list[TableSpec],
-                 *, timeout_s: float = 60.0) -> None:
+                 *, timeout_s: float = 60.0, abort: Callable[[], bool] | None = None) -> None:
         if not addresses:
             raise PSError("no parameter servers to connect to")
         if not shard_map or min(shard_map) < 0 or max(shard_map) >= len(addresses):
@@ -41,6 +47,7 @@ class PSClient:
         self.token = token
         self.tables = {t.name: t for t in tables}
         self.timeout_s = timeout_s
+        self.abort = abort
         self.watermark: list[int] | None = None  # [round, step, total] of the last applied step
         # per table, the ids of the last split and their positions by server: a step's push
         # sends exactly the ids its pull fetched, so it reuses their split instead of hashing again
@@ -154,6 +161,32 @@ class PSClient:
             out[name] = {field: torch.cat([p[field] for p in parts])[order] for field in parts[0]}
         return out
 
+    def restore(self, tables: dict[str, dict[str, torch.Tensor]], step: int) -> int:
+        """Put the servers back at a checkpoint of ``step``: each forgets everything
+        (``reset``), then loads the rows of its virtual shards; ``tables`` as ``export`` gives
+        them (an empty dict: the fresh tables of a job resumed from scratch). Returns the rows.
+
+        Raises:
+            PSError: a table the client does not declare, or a server refuses the rows.
+        """
+        unknown = sorted(set(tables) - set(self.tables))
+        if unknown:
+            raise PSError(f"the checkpoint holds tables {unknown} this script does not declare")
+        self._call({i: ({"op": "reset", "step": step}, {}) for i in range(len(self._socks))})
+        num_shards = len(self.shard_map)
+        held = {i: (self.shard_map == i).nonzero().squeeze(1).tolist() for i in range(len(self._socks))}
+        loaded = 0
+        for name, part in sorted(tables.items()):
+            ids = part["ids"]
+            for server, mask in self.split(name, ids).items():
+                for at in range(0, mask.numel(), LOAD_ROWS):
+                    pick = mask[at:at + LOAD_ROWS]
+                    rows = {field: value.index_select(0, pick) for field, value in part.items()}
+                    self._call({server: ({"op": "load", "table": name, "shards": held[server],
+                                          "num_shards": num_shards}, rows)})
+                    loaded += pick.numel()
+        return loaded
+
     def stats(self) -> list[dict[str, Any]]:
         replies = self._call({i: ({"op": "stats"}, {}) for i in range(len(self._socks))}, with_meta=True)
         return [replies[i]["__meta__"] for i in range(len(self._socks))]
@@ -175,10 +208,15 @@ class PSClient:
         out: dict[int, Any] = {}
         deadline = time.monotonic() + self.timeout_s  # for the whole call, however many servers
         while waiting:
-            ready = dict(poller.poll(max(0, int((deadline - time.monotonic()) * 1000))))
+            left = deadline - time.monotonic()
+            ready = dict(poller.poll(max(0, int(min(left, POLL_S) * 1000))))
             if not ready:
                 late = ", ".join(f"{s} ({self.addresses[s]})" for s in sorted(waiting))
-                raise PSUnavailableError(f"parameter server {late} did not answer within {self.timeout_s:g} s")
+                if self.abort is not None and self.abort():
+                    raise PSAbortedError(f"gave up waiting for parameter server {late}: the job is re-forming")
+                if left <= 0:
+                    raise PSUnavailableError(f"parameter server {late} did not answer within {self.timeout_s:g} s")
+                continue
             for server in list(waiting):
                 sock = self._socks[server]
                 if sock not in ready:

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tidal.api import PS_WATERMARK
-from tidal.ps.api import DEFAULT_SHARDS, PSError, TableSpec, default_shard_map
+from tidal.ps.api import DEFAULT_SHARDS, PSAbortedError, PSError, TableSpec, default_shard_map
 from tidal.ps.client import PSClient
 
 WATERMARK = PS_WATERMARK  # the key of the servers' watermark in ``state.extras``
@@ -73,6 +73,7 @@ class ServerEmbeddings(nn.Module):
         # this step's pulled rows: (round, step, key) and, per table, the ids and the leaf
         self._pulled: tuple[tuple[int, int, int], dict[str, tuple[torch.Tensor, torch.Tensor]]] | None = None
         self._local: tuple[threading.Event, threading.Thread] | None = None
+        self._void: str | None = None  # why this step's pull was given up (it is dropped)
 
     def attach(self, state: Any) -> None:
         """Register the step hook with the job (after ``job.state()``)."""
@@ -97,7 +98,13 @@ class ServerEmbeddings(nn.Module):
             uniques[name], inverses[name] = torch.unique(t_ids.cpu(), sorted=True, return_inverse=True)
         track = torch.is_grad_enabled() and self.training
         key = self._key() if track else None
-        rows = client.pull(uniques, round_=self.job.round, step=self.job.applied_step + 1, key=key)
+        try:
+            rows = client.pull(uniques, round_=self.job.round, step=self.job.applied_step + 1, key=key)
+        except PSAbortedError as exc:
+            # the job re-forms (a server was lost): this step is dropped at job.step(), so the
+            # script gets zero rows to finish it with, never rows of another step
+            self._void = str(exc)
+            rows = {name: torch.zeros(u.numel(), self.tables[name].dim) for name, u in uniques.items()}
         out, leaves = {}, {}
         device = next(iter(ids.values())).device
         for name, t_ids in ids.items():
@@ -136,10 +143,13 @@ class ServerEmbeddings(nn.Module):
             if self._client is not None:
                 self._client.close()
             self._client = PSClient(servers, shard_map, self.job.token, list(self.tables.values()),
-                                    timeout_s=self.timeout_s)
+                                    timeout_s=self.timeout_s, abort=self._reforming)
             self._servers = (servers, shard_map)
         self._client.watermark = self._state.extras.get(WATERMARK)
         return self._client
+
+    def _reforming(self) -> bool:
+        return bool(self.job.reform_notice)
 
     def _serve_locally(self) -> str:
         """A server thread for a run without a master; returns its address."""
@@ -163,6 +173,9 @@ class ServerEmbeddings(nn.Module):
 
     # ------------------------------------------------------------------ the step hook
     def before_reduce(self, step: int, key: int, samples: int) -> None:
+        if self._void is not None:
+            why, self._void, self._pulled = self._void, None, None
+            raise PSAbortedError(why)  # the step runner drops the step and re-forms
         pulled = self._pulled
         if pulled is None or samples == 0:
             return
@@ -189,6 +202,23 @@ class ServerEmbeddings(nn.Module):
         """Every table's rows and optimizer state in id order, whatever the shard map."""
         client = self._connect()
         return {name: dict(part) for name, part in client.export().items()}
+
+    def restore_tree(self, tree: dict[str, Any] | None, step: int) -> None:
+        """Put the servers back at the checkpoint of ``step`` whose ``checkpoint_tree`` is
+        ``tree`` (None: the fresh tables of step -1), whatever shard map each was taken with.
+        The source of a round that resumes from a checkpoint calls it before sending the
+        model, so no member trains on the servers before they are restored.
+
+        Raises:
+            PSError: the checkpoint's tables do not fit the script's, or a server refuses them.
+            PSUnavailableError: a server did not answer.
+        """
+        self._pulled, self._void = None, None
+        client = self._connect()
+        tables = {name: {k: v for k, v in part.items() if isinstance(v, torch.Tensor)}
+                  for name, part in (tree or {}).items()}
+        client.restore(tables, step)
+        client.watermark = self._state.extras.get(WATERMARK)
 
     def close(self) -> None:
         if self._client is not None:

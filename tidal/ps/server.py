@@ -96,6 +96,8 @@ class ParameterServer:
             return {"applied_step": self.applied_step, "server": self.server_id}, {}
         if not self.tables and op not in ("stats", "commit"):
             raise PSError(f"{op!r} before hello: the tables are not configured")
+        if op == "reset":  # before the watermark: a reset goes back in steps
+            return self._reset(meta)
         self._commit(meta.get("commit"))
         if op == "commit":
             return None
@@ -240,6 +242,8 @@ class ParameterServer:
         return {"rows": rows, "next": start + len(part["ids"])}, part
 
     # ------------------------------------------------------------------ moving virtual shards
+    # A restore from a checkpoint (a lost server replaced: tidal.ps.embedding) is ``reset`` to
+    # the checkpoint's step on every server, then ``load`` of each server's rows.
     # The master moves a virtual shard (tidal.master.servers): ``drop`` it on the new holder
     # (rows a move that broke off left there), ``export`` it from the old one and ``load`` it
     # into the new one page by page, publish the new shard map, then ``drop`` it on the old one.
@@ -269,6 +273,18 @@ class ParameterServer:
         table.load(tensors)
         self._check_memory("a move of virtual shards")
         return {"loaded": ids.numel()}, {}
+
+    def _reset(self, meta: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """Forget every row and pending contribution and stand at ``step``: the first request of
+        a restore from a checkpoint of that step (its rows follow with ``load``)."""
+        step = meta.get("step")
+        if not isinstance(step, int) or step < -1:
+            raise PSError(f"reset needs the integer step of the checkpoint (>= -1), got {step!r}")
+        self.tables = {name: DynamicTable(t.spec) for name, t in self.tables.items()}
+        self.applied_step = step
+        self.pending.clear()
+        self.pulled.clear()
+        return {"applied_step": step}, {}
 
     def _check_memory(self, what: str) -> None:
         if self.memory_limit is None:

@@ -40,7 +40,8 @@ class StepHook(Protocol):
     (a parameter server that refuses or does not answer). ``after_apply`` runs once the step is
     applied, before it is committed: what it writes into ``state.extras`` is committed with the
     step, restored on a re-form and sent to new workers. A checkpoint holds ``checkpoint_tree()``
-    under ``hooks/{name}``."""
+    under ``hooks/{name}``. A hook whose ``before_reduce`` raises ``RetryableError`` (its
+    parameter server is lost) breaks the step: it is dropped and the round re-forms."""
 
     name: str
 
@@ -50,6 +51,12 @@ class StepHook(Protocol):
 
     def checkpoint_tree(self) -> dict[str, Any]:
         """What a checkpoint holds of it beside the model (tensors in a canonical order)."""
+        ...
+
+    def restore_tree(self, tree: dict[str, Any] | None, step: int) -> None:
+        """Go back to a checkpoint of ``step`` (``tree``: its ``checkpoint_tree()``; None: the
+        fresh state of a job resumed from scratch). The source of a resuming round calls it
+        before the model is sent to the members; an exception fails the resume."""
         ...
 
 

@@ -46,6 +46,7 @@ from tidal.api import (
     StaleRoundError,
     parse_every,
 )
+from tidal.api.errors import PermanentError, RetryableError
 from tidal.api.shm import worker_checkpoint_name
 from tidal.worker.api import CollectiveError, FinishRefusedError, StepHook, UsageError, WorkerGoneError
 from tidal.worker.checkpoint import CheckpointError, save_checkpoint
@@ -276,11 +277,16 @@ class Job:
         if not target:
             raise UsageError("no checkpoint directory: pass one or run with --checkpoint-dir")
         state = self.steps.state
+        path = save_checkpoint(target, state.applied_step, self._checkpoint_tree(state), self.est_contexts())
+        return str(path)
+
+    def _checkpoint_tree(self, state: State) -> dict[str, Any]:
+        """The committed state and, under ``hooks``, what each step hook holds beside it (the
+        parameter servers' tables)."""
         tree = state.to_tree()
         if self.steps.hooks:
             tree["hooks"] = {h.name: h.checkpoint_tree() for h in self.steps.hooks}
-        path = save_checkpoint(target, state.applied_step, tree, self.est_contexts())
-        return str(path)
+        return tree
 
     # ------------------------------------------------------------------ what the step runner tells
     @property
@@ -299,7 +305,13 @@ class Job:
         periodic = self.periodic_checkpoint
         if periodic is not None and self.rank == 0 and self._state is not None and periodic.due(applied.step):
             # rank 0 holds the state every member holds; the copy is the only time training waits
-            periodic.save(applied.step, self._state.to_tree(), self.est_contexts(),
+            # (with parameter servers, also their export of the tables)
+            try:
+                tree = self._checkpoint_tree(self._state)
+            except RetryableError as exc:  # a server lost: the round re-forms, the last checkpoint stays
+                periodic.problem = f"checkpoint of step {applied.step} not taken: {exc}"
+                return
+            periodic.save(applied.step, tree, self.est_contexts(),
                           {"job_id": self.job_id, "step": applied.step, "round": self.round,
                            "world_size": self.world_size, "worker_id": self.worker_id, "lineage": self.lineage})
             if self._reporter is not None:
@@ -394,7 +406,7 @@ class Job:
         self.round = a.round
         assert self.client is not None and self._reporter is not None
         # closing the round finalized every step up to the source's: nothing held is pending
-        self._reporter.new_round(a.round, a.applied_step)
+        self._reporter.new_round(a.round, a.applied_step, rollback=a.restore)
         self._comm = RoundComm.connect(
             url=self.client.url, token=self.client.token,
             prefix=f"tidal/{self.job_id}/round{a.round}/", rank=a.rank, world_size=a.world_size,
@@ -428,11 +440,15 @@ class Job:
 
     def _resume_state(self, state: State, a: RendezvousResponse) -> dict[str, Any] | None:
         """The source of a round that resumes from the job's checkpoint of step ``a.applied_step``
-        (every worker holding the model was lost) loads it into ``state``; -1: none, the fresh
+        (every worker holding the model was lost, or a parameter server) loads it into ``state``
+        and puts the servers back at it (``_restore_hooks``); -1: none, the fresh
         model. None when it cannot: the master hears why with the next rendezvous, and tries the
         checkpoint before it, or fails the job when the checkpoint does not fit the model."""
         if a.applied_step < 0:
-            return self._committed_tree(state)
+            # every worker was lost (a survivor is never told to start again from scratch):
+            # this fresh model is the job's, and the servers' tables go back to empty
+            state.restore()
+            return self._restore_hooks(None, -1, state)
         step = a.applied_step
         try:
             if not self.checkpoint_dir:
@@ -453,6 +469,29 @@ class Job:
             return None
         log.info("worker %d: resumed from the %s checkpoint of step %d (%s)", self.worker_id, loaded.source, step,
                  loaded.path)
+        return self._restore_hooks(loaded.tree.get("hooks"), step, state, a.restore_lineage)
+
+    def _restore_hooks(self, trees: dict[str, Any] | None, step: int, state: State,
+                       lineage: int = 0) -> dict[str, Any] | None:
+        """Put the step hooks (the parameter servers) back at the checkpoint of ``step``; the
+        state to send, or None when the checkpoint cannot give them back (the master hears why).
+
+        Raises:
+            RetryableError: a server did not answer (this worker ends; the round forms again).
+        """
+        for hook in self.steps.hooks:
+            tree = (trees or {}).get(hook.name)
+            if tree is None and step >= 0:
+                self._restore_failed = RestoreFailure(step=step, lineage=lineage,
+                                                      problem=f"it holds nothing of {hook.name!r}")
+                return None
+            try:
+                hook.restore_tree(tree, step)
+            except PermanentError as exc:
+                problem = f"its {hook.name!r} part does not fit the script's: {exc}"[:1000]
+                self._restore_failed = RestoreFailure(step=max(step, 0), lineage=lineage, problem=problem,
+                                                      fatal=True)
+                return None
         return state.to_tree()
 
     def _leave_round(self, *, pause: bool = False) -> None:

@@ -219,13 +219,14 @@ class Reporter:
             self._pause_from = None
         self._last_step_end = self._prev_end = applied.finished
 
-    def new_round(self, round_: int, acked_step: int) -> None:
+    def new_round(self, round_: int, acked_step: int, rollback: bool = False) -> None:
         """The rendezvous put this worker in ``round_`` (before its group forms): closing the
         previous round finalized every step up to ``acked_step``, the source's, so nothing held
-        is pending any more, and reports name the new round from now on."""
+        is pending any more, and reports name the new round from now on. ``rollback``: the
+        round resumes from a checkpoint of ``acked_step``, and the steps after it come again."""
         with self._lock:
             self._round = round_
-            self._acked = max(self._acked, acked_step)
+            self._acked = acked_step if rollback else max(self._acked, acked_step)
             self._unsent = []
             self._records.clear()
 

@@ -37,7 +37,7 @@ from typing import Any, Protocol
 
 import torch
 
-from tidal.api import StepRecord
+from tidal.api import RetryableError, StepRecord
 from tidal.worker.api import CollectiveError, StepHook, UsageError
 from tidal.worker.comm import END, EPOCH, FIRST, REFORM, START, WORKER, N
 from tidal.worker.logical import (
@@ -208,6 +208,7 @@ class StepRunner:
         self._pending: PendingStep | None = None
         self._lstep: LogicalStep | None = None
         self._stash = GradientStash()
+        self._hook_broke: str | None = None  # why a hook broke the step in flight (see _before_reduce)
         self.hooks: list[StepHook] = []  # tidal.worker.api.StepHook: updated in step with the model
         if logical is not None and state.optimizer is not None:
             skip_empty_zero_grad(state.optimizer)  # called once per EST, after the stash emptied .grad
@@ -238,6 +239,7 @@ class StepRunner:
         """Forget the step in flight (a re-form: its samples go back to the queue)."""
         self._pending = None
         self._lstep = None
+        self._hook_broke = None
 
     @property
     def pending(self) -> PendingStep | None:
@@ -310,6 +312,21 @@ class StepRunner:
         self.state.epoch_step = 0
         self.state.commit()
 
+    def _before_reduce(self, step: int, key: int, samples: int) -> None:
+        """The hooks' part of a contribution. One that fails for a reason a re-form cures (a
+        parameter server lost: ``RetryableError``) breaks the step: it is dropped before its
+        reduction, so the peers' reduction fails too and every member re-forms."""
+        for hook in self.hooks:
+            try:
+                hook.before_reduce(step, key, samples)
+            except RetryableError as exc:
+                self._hook_broke = self._hook_broke or f"{hook.name}: {exc}"
+
+    def _raise_if_hook_broke(self) -> None:
+        why, self._hook_broke = self._hook_broke, None
+        if why is not None:
+            raise CollectiveError(why)
+
     def _new_pending(self, epoch: int, start: int, end: int, mine: int) -> PendingStep:
         return PendingStep(self.state.applied_step + 1, epoch, start, end, mine, self._clock())
 
@@ -321,10 +338,10 @@ class StepRunner:
         self.idle_reform = False
         row = [pending.mine, int(self._host.reform_notice), pending.epoch, pending.start, pending.end,
                self._worker_id, pending.first]
-        for hook in self.hooks:
-            hook.before_reduce(pending.step, self._rank, pending.mine)
+        self._before_reduce(pending.step, self._rank, pending.mine)
         t0 = self._clock()
         try:
+            self._raise_if_hook_broke()
             # each worker adds its samples' share; dividing by the step's total gives the mean
             headers = comm.reduce_with_header(params, float(pending.mine), row)
         except CollectiveError as exc:
@@ -401,9 +418,8 @@ class StepRunner:
         if lstep is None or r is None:
             raise UsageError("job.step() called twice for one batch")
         state = self.state
-        for hook in self.hooks:
-            s, e = lstep.batches[r]
-            hook.before_reduce(lstep.pending.step, r, e - s)
+        s, e = lstep.batches[r]
+        self._before_reduce(lstep.pending.step, r, e - s)
         self._stash.put(r, state.trainable())
         if r == 0 and len(self.local_ests) > 1 and state.buffers():  # the ESTs after it will change them
             lstep.buffers_est0 = [b.detach().clone() for b in state.buffers()]
@@ -431,6 +447,7 @@ class StepRunner:
         row = [pending.mine, int(self._host.reform_notice), pending.epoch, 0, 0, self._worker_id, 0]
         t0 = self._clock()
         try:
+            self._raise_if_hook_broke()
             local = self._stash.take()
             after = lstep.weighting.after
             if self._reduction == "allreduce":
