@@ -10,6 +10,7 @@ example's ``--ps`` (its eight tables of 2^24 hashed ids on the servers).
   the way: the virtual shards move at re-forms; the lost server is replaced and every server
   restored from the newest flash checkpoint, the steps after it trained again (the ledger's
   rollback); the emptied server is stopped; and the model is still the one of plain python.
+* Async mode trains, and the dense side still commits every sample once.
 * ``tidal status --json`` lists the servers, their rows and bytes.
 * Without checkpoints, a server SIGKILLed fails the job with a message naming it: never a false
   "succeeded".
@@ -127,6 +128,18 @@ def test_servers_scale_1_3_2_with_a_server_sigkilled_and_the_model_is_the_same(t
     assert not job.server_processes()
     with pytest.raises(httpx.HTTPError):
         job.scale_ps(3)  # the job is over
+
+
+def test_async_mode_trains_and_commits_every_sample_once(tmp_path: Path, jobs: list[Job]) -> None:
+    """``--ps-async`` (Kale Eq. 8): the servers apply each contribution on arrival; the job
+    trains (its AUC near the sync run's) and the ledger shows every sample once."""
+    job, ckpt = ps_job(tmp_path, jobs, 2, "2:2", "--ps-async")
+    assert job.wait(240) == 0, job.output()[-3000:]
+    auc = re.search(r"auc = ([0-9.]+)", job.output())
+    assert auc and float(auc.group(1)) > 0.6, job.output()[-2000:]
+    assert "failed" not in job.output(), job.output()[-3000:]  # late async pushes are no protocol error
+    assert job.audit(SAMPLES, EPOCHS).ok
+    assert fingerprint(ckpt)  # the checkpoint holds the servers' tables
 
 
 def test_status_json_lists_the_servers(tmp_path: Path, jobs: list[Job]) -> None:

@@ -99,6 +99,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "to replicate in every worker)")
     p.add_argument("--ps-optimizer", choices=["adam", "adagrad", "sgd"], default="adam",
                    help="with --ps: the tables' optimizer, run on the servers (lr: --lr)")
+    p.add_argument("--ps-async", action="store_true",
+                   help="with --ps: async mode (Kale Eq. 8): each worker's sparse gradients are applied on "
+                        "arrival, without waiting for the others (at least once under failures; see "
+                        "tidal.ps.embedding); default: sync, exactly once and the same model on any layout")
     args = p.parse_args(argv)
     args.device_ms_per_step += args.step_sleep * 1e3  # the alias; args.step_sleep stays for its readers
     return args
@@ -130,7 +134,8 @@ def server_tables(args: argparse.Namespace, job: tidal.worker.Job) -> ServerEmbe
         return None
     dim, fields = int(MODEL_SIZES[args.model_size]["emb_dim"]), 8  # type: ignore[call-overload]
     return ServerEmbeddings(job, [TableSpec(f"field{f}", dim=dim, num_ids=args.ps_hash_size, optimizer=args.ps_optimizer,
-                                            lr=args.lr, seed=args.seed) for f in range(fields)])
+                                            lr=args.lr, seed=args.seed) for f in range(fields)],
+                            synchronous=not args.ps_async)
 
 
 def predict(model: DLRM, tables: ServerEmbeddings | None, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:

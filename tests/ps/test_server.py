@@ -683,3 +683,40 @@ def test_a_wait_for_a_lost_server_is_given_up_when_the_job_re_forms() -> None:
     finally:
         for proc in started:
             _kill(proc)
+
+
+# ---------------------------------------------------------------------------- async mode
+def test_an_async_push_is_applied_on_arrival_and_a_refusal_surfaces(launch: Launch) -> None:
+    """Async mode (Kale Eq. 8): each push is one optimizer step with its own gradient, visible to
+    the next pull of the same step, with no watermark; the worker does not wait for the answer,
+    and a refused async push raises at ``flush`` (never a silent wrong update)."""
+    (address,) = launch(1)
+    spec = SPECS[0]  # sgd, lr 0.5
+    c = PSClient([address], ONE, TOKEN, SPECS, timeout_s=30)
+    try:
+        ids = ids_of(3, 9)
+        start = c.pull({"emb": ids}, round_=0, step=0, key=0)["emb"]
+        c.pull({"emb": ids}, round_=0, step=0, key=1)
+        c.pull({"emb": ids}, round_=0, step=0, key=2)
+        g0, g1 = torch.full((2, 2), 0.25), torch.full((2, 2), -1.0)
+        c.push({"emb": (ids, g0)}, round_=0, step=0, key=0, asynchronous=True)
+        c.push({"emb": (ids, g1)}, round_=0, step=0, key=1, asynchronous=True)
+        c.flush()
+        seen = c.pull({"emb": ids}, round_=0, step=0, key=None)["emb"]  # before any commit
+        assert torch.allclose(seen, start - spec.lr * g0 - spec.lr * g1)
+        c.commit(0, 0, 6)
+        assert c.stats()[0]["applied_step"] == 0
+        assert torch.equal(c.pull({"emb": ids}, round_=0, step=1, key=None)["emb"], seen)  # nothing applied twice
+        # a push of the step just committed (another worker committed it first) is applied too
+        c.push({"emb": (ids, g0)}, round_=0, step=0, key=2, asynchronous=True)
+        c.flush()
+        seen = c.pull({"emb": ids}, round_=0, step=1, key=None)["emb"]
+        assert torch.allclose(seen, start - spec.lr * (2 * g0 + g1))
+        # a push of rows not pulled, sent asynchronously: the next call reports the refusal
+        c.push({"emb": (ids_of(77), torch.zeros(1, 2))}, round_=0, step=1, key=0, asynchronous=True)
+        with pytest.raises(PSError, match="a push for rows not pulled at step 1"):
+            c.flush()
+        still = c.pull({"emb": ids}, round_=0, step=1, key=None)["emb"]
+        assert torch.equal(still, seen)
+    finally:
+        c.close()

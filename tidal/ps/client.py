@@ -61,6 +61,7 @@ class PSClient:
             s.connect(address)
             self._socks.append(s)
         self._req = itertools.count()
+        self._unacked: dict[int, set[int]] = {}  # server -> ids of asynchronous pushes not yet answered
         specs = [t.to_json() for t in tables]
         try:
             self._call({i: ({"op": "hello", "tables": specs}, {}) for i in range(len(self._socks))})
@@ -121,15 +122,27 @@ class PSClient:
             out[name] = rows
         return out
 
-    def push(self, grads: dict[str, tuple[torch.Tensor, torch.Tensor]], *, round_: int, step: int, key: int) -> None:
-        """Each table's ``(ids, grad)``: the contribution's gradient of the pulled rows."""
+    def push(self, grads: dict[str, tuple[torch.Tensor, torch.Tensor]], *, round_: int, step: int, key: int,
+             asynchronous: bool = False) -> None:
+        """Each table's ``(ids, grad)``: the contribution's gradient of the pulled rows.
+        ``asynchronous``: the servers apply it on arrival, and this returns without waiting for
+        their answers (``flush`` waits; any later request checks those it receives)."""
         per_server: dict[int, dict[str, torch.Tensor]] = {}
         for name, (t_ids, grad) in grads.items():
             for server, mask in self.split(name, t_ids).items():
                 per_server.setdefault(server, {})[f"{name}.ids"] = t_ids.index_select(0, mask)
                 per_server[server][f"{name}.grad"] = grad.index_select(0, mask)
-        meta = {"op": "push", "round": round_, "step": step, "key": key}
-        self._call({s: (meta, tensors) for s, tensors in per_server.items()})
+        meta = {"op": "push", "round": round_, "step": step, "key": key, "async": asynchronous}
+        requests = {s: (meta, tensors) for s, tensors in per_server.items()}
+        if not asynchronous:
+            self._call(requests)
+            return
+        for server, req in self._send(requests).items():
+            self._unacked.setdefault(server, set()).add(req)
+
+    def flush(self) -> None:
+        """Wait for the answers to the asynchronous pushes sent so far (a refusal raises)."""
+        self._wait({})
 
     def commit(self, round_: int, step: int, total: int) -> None:
         """The step is applied: tell every server (no reply awaited; every later request
@@ -194,40 +207,56 @@ class PSClient:
     # ------------------------------------------------------------------ transport
     def _call(self, requests: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]],
               with_meta: bool = False) -> dict[int, Any]:
-        """Send every request at once, then wait for every reply (matched by request id; late
-        replies to earlier requests are skipped)."""
-        waiting: dict[int, int] = {}
+        """Send every request at once, then wait for every reply."""
+        return self._wait(self._send(requests), with_meta)
+
+    def _send(self, requests: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]]) -> dict[int, int]:
+        """Send each server its request; returns the request id sent to each."""
+        sent: dict[int, int] = {}
         for server, (meta, tensors) in requests.items():
             req = next(self._req)
             header = {**meta, "token": self.token, "req": req, "commit": self.watermark}
             self._socks[server].send_multipart(frames.encode(tensors, meta=header), copy=False)
-            waiting[server] = req
+            sent[server] = req
+        return sent
+
+    def _wait(self, waiting: dict[int, int], with_meta: bool = False) -> dict[int, Any]:
+        """The reply to each server's request ``waiting[server]`` (matched by request id; late
+        replies to requests that timed out are skipped), and every unacknowledged asynchronous
+        push's on the way, all within ``timeout_s``."""
+        waiting = dict(waiting)
         poller = zmq.Poller()
-        for server in waiting:
+        for server in set(waiting) | {s for s, reqs in self._unacked.items() if reqs}:
             poller.register(self._socks[server], zmq.POLLIN)
         out: dict[int, Any] = {}
         deadline = time.monotonic() + self.timeout_s  # for the whole call, however many servers
-        while waiting:
+        while waiting or any(self._unacked.values()):
             left = deadline - time.monotonic()
             ready = dict(poller.poll(max(0, int(min(left, POLL_S) * 1000))))
             if not ready:
-                late = ", ".join(f"{s} ({self.addresses[s]})" for s in sorted(waiting))
+                late = ", ".join(f"{s} ({self.addresses[s]})"
+                                 for s in sorted(set(waiting) | {s for s, r in self._unacked.items() if r}))
                 if self.abort is not None and self.abort():
+                    self._unacked.clear()  # pushes of a step the re-form drops
                     raise PSAbortedError(f"gave up waiting for parameter server {late}: the job is re-forming")
                 if left <= 0:
+                    self._unacked.clear()
                     raise PSUnavailableError(f"parameter server {late} did not answer within {self.timeout_s:g} s")
                 continue
-            for server in list(waiting):
-                sock = self._socks[server]
-                if sock not in ready:
-                    continue
+            for sock in ready:
+                server = self._socks.index(sock)
                 msg = frames.decode(sock.recv_multipart(copy=False), max_bytes=MAX_REPLY_BYTES)
                 meta = msg.meta or {}
-                if meta.get("req") != waiting[server]:
+                req = meta.get("req")
+                unacked = self._unacked.get(server, set())
+                if req != waiting.get(server) and req not in unacked:
                     continue  # the answer to a request that timed out earlier
+                unacked.discard(req)
                 if not meta.get("ok"):
                     raise PSError(f"parameter server {server}: {meta.get('error', 'refused the request')}")
-                del waiting[server]
-                poller.unregister(sock)
-                out[server] = {**msg.tensors, "__meta__": meta} if with_meta else msg.tensors
+                if req == waiting.get(server):
+                    del waiting[server]
+                    out[server] = {**msg.tensors, "__meta__": meta} if with_meta else msg.tensors
+                if server not in waiting and not unacked:
+                    poller.unregister(sock)
         return out

@@ -17,6 +17,25 @@ the step once it is committed (tidal.ps.server). Dense parameters stay in the wo
 reduced among them as usual: a hybrid of parameter servers for the sparse part and all-reduce
 for the dense part.
 
+**Sync and async, and what each promises under failures.**
+
+* Sync (the default). A step's sparse gradients are applied exactly once, when the step is
+  committed, in key order (logical-rank order with logical workers): the model is the same
+  whatever the number of servers and workers, and ``tidal fingerprint`` shows it. A worker lost
+  mid-step: its pushes are never named by a watermark and are dropped; the step is trained
+  again. A server lost: it is replaced and every server goes back to the newest flash
+  checkpoint with the workers (tidal.master.servers); the steps after it are rolled back and
+  trained again, so the model's lineage sees every sample exactly once.
+* Async (``synchronous=False``; Kale 3.3, Eq. 8). Each contribution's own mean gradient is
+  applied by the servers on arrival, whatever the other workers do, and the worker does not
+  wait for the answer before its dense all-reduce (only before committing the step). The
+  dense part stays exactly once. The sparse part is *at least once*: a step dropped by a
+  re-form after its pushes arrived (a worker lost, a scale) has them applied and is trained
+  again. Rows read in a step may hold some of the same step's updates by other workers, in
+  arrival order, so two runs give different models (no fingerprint equality). A server lost is
+  handled as in sync mode, except that the checkpoint may hold some updates of the step after
+  it (pushes that arrived while rank 0 exported the tables).
+
 ``ids`` of a table are an int64 tensor ``[n]`` (one id per sample: an embedding lookup) or
 ``[n, k]`` (a bag of ``k`` ids per sample, pooled by ``mode``, ``sum`` or ``mean``).
 
@@ -34,7 +53,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from tidal.api import PS_WATERMARK
-from tidal.ps.api import DEFAULT_SHARDS, PSAbortedError, PSError, TableSpec, default_shard_map
+from tidal.ps.api import (
+    DEFAULT_SHARDS,
+    PSAbortedError,
+    PSError,
+    PSUnavailableError,
+    TableSpec,
+    default_shard_map,
+)
 from tidal.ps.client import PSClient
 
 WATERMARK = PS_WATERMARK  # the key of the servers' watermark in ``state.extras``
@@ -47,6 +73,9 @@ class ServerEmbeddings(nn.Module):
         job: the script's ``tidal.worker.Job``.
         tables: the tables (names unique).
         mode: how a bag of ids (``[n, k]``) is pooled: ``sum`` or ``mean``.
+        synchronous: sync mode (the default): a step's sparse gradients are applied once the
+            step is committed, summed in key order, so the model is the same whatever the
+            number of servers and workers. False: async mode (below).
         timeout_s: how long a pull or push waits for a server.
 
     Raises:
@@ -55,7 +84,8 @@ class ServerEmbeddings(nn.Module):
 
     name = "ps"
 
-    def __init__(self, job: Any, tables: list[TableSpec], *, mode: str = "sum", timeout_s: float = 60.0) -> None:
+    def __init__(self, job: Any, tables: list[TableSpec], *, mode: str = "sum", synchronous: bool = True,
+                 timeout_s: float = 60.0) -> None:
         super().__init__()
         if not tables:
             raise PSError("ServerEmbeddings needs at least one table")
@@ -66,6 +96,7 @@ class ServerEmbeddings(nn.Module):
         self.job = job
         self.tables = {t.name: t for t in tables}
         self.mode = mode
+        self.synchronous = synchronous
         self.timeout_s = timeout_s
         self._state: Any = None
         self._client: PSClient | None = None
@@ -184,18 +215,28 @@ class ServerEmbeddings(nn.Module):
             return  # rows of a step a re-form dropped
         self._pulled = None
         grads = {}
+        # sync: the contribution's share of the step's mean (times its samples, divided by the
+        # step's total on the servers); async: its own mean gradient, applied on arrival
+        weight = float(samples) if self.synchronous else 1.0
         for name, (ids, leaf) in leaves.items():
             if leaf.grad is None:
                 continue  # the table was not used in the loss
-            grads[name] = (ids, (leaf.grad.detach() * float(samples)).cpu().contiguous())
+            grads[name] = (ids, (leaf.grad.detach() * weight).cpu().contiguous())
         if grads:
             assert self._client is not None
-            self._client.push(grads, round_=round_, step=step, key=key)
+            self._client.push(grads, round_=round_, step=step, key=key, asynchronous=not self.synchronous)
 
     def after_apply(self, step: int, total: int) -> None:
         watermark = [int(self.job.round), int(step), int(total)]
         self._state.extras[WATERMARK] = watermark
         if self._client is not None:
+            if not self.synchronous:
+                # a committed step's pushes are applied: wait for their answers (a lost server's
+                # never come: the re-form that follows restores every server)
+                try:
+                    self._client.flush()
+                except PSUnavailableError:
+                    pass
             self._client.commit(*watermark)
 
     def checkpoint_tree(self) -> dict[str, Any]:

@@ -19,6 +19,12 @@ key order (logical-rank order with logical workers), summed per row and scaled b
 all-reduce are never named by a watermark and are dropped once a later step is applied; the
 step is trained again in the next round. A row's update depends on the contributions alone,
 never on which server holds it, so the model does not depend on the number of servers.
+
+**Async mode** (``ServerEmbeddings(..., synchronous=False)``; Kale 3.3, Eq. 8): a push marked
+``async`` is applied on arrival (an optimizer step with the contribution's own mean gradient),
+so no worker's sparse update waits for the others'; the worker does not wait for the answer
+before its dense all-reduce, only before committing the step. What that gives up is in
+``tidal.ps.embedding``.
 """
 
 from __future__ import annotations
@@ -135,12 +141,15 @@ class ParameterServer:
             raise PSError(f"the server holds tables {sorted(have)} with other settings than this client's "
                           f"{sorted(wanted)}: every worker must declare the same tables")
 
-    def _key(self, meta: dict[str, Any]) -> tuple[int, int, int]:
+    def _key(self, meta: dict[str, Any], late_ok: bool = False) -> tuple[int, int, int]:
+        """The request's (round, step, key), for the step after the applied one; ``late_ok``:
+        or for the applied one (an async push may arrive after another worker committed its
+        step: it does not wait for the answer before the all-reduce, only before its commit)."""
         try:
             r, s, k = (int(meta[n]) for n in ("round", "step", "key"))
         except (KeyError, TypeError, ValueError):
             raise PSError("pull and push need integer round, step and key") from None
-        if s != self.applied_step + 1:
+        if s != self.applied_step + 1 and not (late_ok and s == self.applied_step):
             raise PSError(f"step {s} is not the next step: this server applied step {self.applied_step} "
                           "(a watermark was lost, or the worker is behind)")
         return r, s, k
@@ -177,7 +186,7 @@ class ParameterServer:
 
     def _push(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[dict[str, Any],
                                                                                        dict[str, torch.Tensor]]:
-        r, s, k = self._key(meta)
+        r, s, k = self._key(meta, late_ok=bool(meta.get("async")))
         pulled = self.pulled.get((r, s, k), {})
         contribution = Contribution()
         for name in self._tables_of(tensors, ("ids", "grad")):
@@ -193,6 +202,13 @@ class ParameterServer:
             if seen is None or not np.isin(ids.numpy(), seen.numpy(), assume_unique=True).all():
                 raise PSError(f"table {name}: a push for rows not pulled at step {s} (round {r}, key {k})")
             contribution.tables[name] = (ids, grad)
+        if meta.get("async"):
+            # async mode (Kale Eq. 8): applied on arrival, the contribution's own mean gradient,
+            # in whatever order pushes come; no watermark waits for it
+            for name, (ids, grad) in contribution.tables.items():
+                self.tables[name].apply(ids, grad)
+            self._check_memory(f"an async push of step {s}")
+            return {}, {}
         self.pending.setdefault((r, s), {})[k] = contribution
         return {}, {}
 
@@ -217,7 +233,7 @@ class ParameterServer:
         self.applied_step = s
         self._check_memory(f"step {s}")
         self.pending = {key: v for key, v in self.pending.items() if key[1] > s}
-        self.pulled = {key: v for key, v in self.pulled.items() if key[1] > s}
+        self.pulled = {key: v for key, v in self.pulled.items() if key[1] >= s}  # s: for late async pushes
 
     def _apply(self, contributions: dict[int, Contribution], total: int) -> None:
         scale = 1.0 / total
