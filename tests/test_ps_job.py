@@ -11,6 +11,7 @@ example's ``--ps`` (its eight tables of 2^24 hashed ids on the servers).
   restored from the newest flash checkpoint, the steps after it trained again (the ledger's
   rollback); the emptied server is stopped; and the model is still the one of plain python.
 * Async mode trains, and the dense side still commits every sample once.
+* A slow (hot) server gives virtual shards away (the hot-PS planner), the model unchanged.
 * ``tidal status --json`` lists the servers, their rows and bytes.
 * Without checkpoints, a server SIGKILLed fails the job with a message naming it: never a false
   "succeeded".
@@ -140,6 +141,25 @@ def test_async_mode_trains_and_commits_every_sample_once(tmp_path: Path, jobs: l
     assert "failed" not in job.output(), job.output()[-3000:]  # late async pushes are no protocol error
     assert job.audit(SAMPLES, EPOCHS).ok
     assert fingerprint(ckpt)  # the checkpoint holds the servers' tables
+
+
+def test_a_hot_server_gives_shards_away_and_the_model_is_the_same(tmp_path: Path, jobs: list[Job], reference: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """DLRover 4.2's hot PS, live: server 0 is made slow (an emulated 600 us per row pulled, as
+    on a shared machine); the planner moves virtual shards off it at a re-form, and the model is
+    still plain python's (a move changes no number)."""
+    monkeypatch.setenv("TIDAL_PS_EMULATE_SLOW", "0:600")
+    job, ckpt = ps_job(tmp_path, jobs, 2, "2:2", "--step-sleep", "0.5")
+    st = job.wait_status(lambda s: any(v["id"] == 0 and 0 < v["shards"] < 32 for v in s["servers"]), 120,
+                         "shards moved off server 0")
+    assert sum(v["shards"] for v in st["servers"]) == 64
+    assert job.wait(240) == 0, job.output()[-3000:]
+    out = job.output()
+    assert re.search(r"hot parameter server 0 \(busy [0-9.]+, peers' median [0-9.]+\): moving virtual shards "
+                     r"\[[0-9, ]+\] away", out), out[-3000:]
+    assert "(hot parameter server: moving virtual shards)" in out, out[-3000:]
+    assert fingerprint(ckpt) == reference
+    assert job.audit(SAMPLES, EPOCHS).ok
 
 
 def test_status_json_lists_the_servers(tmp_path: Path, jobs: list[Job]) -> None:

@@ -389,6 +389,7 @@ class ServerReport(_Wire):
     applied_step: int = Field(default=-1, ge=-1, le=_I64)
     requests_per_s: float = Field(default=0.0, ge=0, le=1e9)
     busy: float = Field(default=0.0, ge=0, le=1)  # share of the last interval spent serving
+    shard_hits: list[int] = Field(default_factory=list, max_length=1 << 16)  # rows pulled per virtual shard, so far
 
 
 class ServerInfo(_Wire):

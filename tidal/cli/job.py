@@ -201,6 +201,10 @@ def run(
     no_ps_oom_prevention: bool = typer.Option(
         False, "--no-ps-oom-prevention",
         help="With --ps-memory: do not add servers before the tables outgrow them (they do by default)."),
+    no_ps_hot_balance: bool = typer.Option(
+        False, "--no-ps-hot-balance",
+        help="With --ps N>1: do not move virtual shards off a server much busier than its peers (DLRover 4.2's "
+             "hot PS; by default the master does, every 5 s, from the servers' busy time and rows per shard)."),
     resume_dir: Path | None = typer.Option(
         None, "--resume", metavar="JOBDIR",
         help="Continue the job of JOBDIR (its master and workers gone) instead of starting one: SCRIPT and its "
@@ -355,7 +359,7 @@ def run(
         stream_url=stream, stop_when_drained_s=stop_when_drained, trim_after_commit=trim_after_commit,
         time_scale=time_scale, lag_slo_s=1200.0 if lag_slo is None else lag_slo,
         traffic_history=seed[0], traffic_history_interval_s=seed[1], ps=ps, ps_max=ps_max, ps_shards=ps_shards,
-        ps_memory=ps_memory, ps_oom_prevention=not no_ps_oom_prevention,
+        ps_memory=ps_memory, ps_oom_prevention=not no_ps_oom_prevention, ps_hot_balance=not no_ps_hot_balance,
     )
     _point_current(directory)
     typer.echo(f"tidal: job {job_id} on http://127.0.0.1:{spec.port} (job dir {directory}); "

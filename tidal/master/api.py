@@ -131,6 +131,7 @@ class JobSpec:
     # whether the master adds servers before a server would pass it (DLRover-RM 5.3)
     ps_memory: int = 0
     ps_oom_prevention: bool = True
+    ps_hot_balance: bool = True  # move virtual shards off a hot server (tidal.brain.hotps)
 
     @property
     def ps_range(self) -> tuple[int, int]:

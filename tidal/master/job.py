@@ -106,6 +106,7 @@ CHECK_S = 0.5  # how often progress and stragglers are judged
 LIVENESS_S = 0.1  # heartbeat leases are seconds long: a scan of every worker per 20 ms tick is waste
 TIMELINE_S = 1.0  # one timeline point a second
 MEMORY_CHECK_S = 1.0  # how often the servers' memory is predicted (--ps-memory; they report every second)
+HOT_CHECK_S = 5.0  # the window of the hot-PS planner (tidal.brain.hotps)
 MEMORY_SAMPLES = 30  # (samples consumed, bytes held) points the prediction fits
 PLAN_WAIT_S = 0.2  # how long a tick waits for the planner before going on (its answer comes at a later tick)
 MAX_TIMELINE_PAUSES = 200  # the newest pauses the dashboard is sent
@@ -161,6 +162,7 @@ class JobMaster:
         self._planning: tuple[JobObservation, Future[ResourcePlan]] | None = None
         self._next_timeline = 0.0
         self._next_memory_check = 0.0
+        self._next_hot_check = 0.0
         self._memory_history: list[tuple[float, float]] = []  # (samples consumed, bytes the servers hold)
         self._oom_warned = False
         self._init_runtime()
@@ -436,7 +438,7 @@ class JobMaster:
             raise WorkerGoneError(f"the job has {self.state.value}")
         if req.server_id not in self.servers.records:
             raise WorkerGoneError(f"no parameter server {req.server_id} in this job")
-        registered = self.servers.report(req)
+        registered = self.servers.report(req, self.clock())
         if registered is not None:
             self.log.add("ps", f"parameter server {req.server_id} listens at {req.address} (pid {req.pid})")
             self._persist()
@@ -471,6 +473,19 @@ class JobMaster:
         elif not plan.enough and not self._oom_warned:
             self._oom_warned = True
             self.log.add("error", f"out-of-memory prevention: {predicted}, and --ps allows no more than {high}")
+
+    def _balance_hot_servers(self, now: float) -> None:
+        """DLRover 4.2's adjust stage for a hot server, live: from the servers' busy shares and
+        rows pulled per virtual shard over the last HOT_CHECK_S, the planner
+        (tidal.brain.hotps) picks shards to move off a server much busier than its peers; they
+        move at the next re-form like any change of the map."""
+        if not self.rounds.members:
+            return
+        plan = self.servers.hot_plan(now, HOT_CHECK_S)
+        if plan is None:
+            return
+        self.servers.planned_map = plan.new_map
+        self.log.add("ps", plan.describe())
 
     def _launch_servers(self) -> None:
         new = self.servers.launch(self._persist)
@@ -774,10 +789,13 @@ class JobMaster:
                 if self.spec.ps_memory and now >= self._next_memory_check:
                     self._next_memory_check = now + MEMORY_CHECK_S
                     self._prevent_ps_oom()
+                if self.spec.ps_hot_balance and now >= self._next_hot_check:
+                    self._next_hot_check = now + HOT_CHECK_S
+                    self._balance_hot_servers(now)
             self._launch_missing(now)
             cause = rounds.reform_cause(self.rounds, self.workers, self.target)
             if cause is None and self.servers.change_ready() and self.servers.move is None and self.rounds.members:
-                cause = f"parameter servers {len(self.servers.in_map())} -> {self.servers.target}"
+                cause = self.servers.change_cause()
             if cause is not None:
                 self._execute([StartReform(cause)])
             self._try_close_round()
@@ -1042,6 +1060,7 @@ class JobMaster:
         if move.error is not None or move.void is not None:
             servers.move = None
             servers.target = len(servers.in_map())
+            servers.planned_map = None
             self.log.add("error", f"moving virtual shards failed, the servers keep their map "
                                   f"({len(servers.in_map())} servers): {move.error or move.void}")
             self._persist()

@@ -42,7 +42,8 @@ A stream job adds (``tidal.master.planning.StreamLag``; trace time, as ``tidal s
 A job with parameter servers (``--ps``; tidal.master.servers) adds, per server, from its last
 report: ``tidal_ps_rows{server}`` (embedding rows held), ``tidal_ps_bytes{server}`` (those rows
 and their optimizer state), ``tidal_ps_busy_ratio{server}`` (the share of the last second spent
-serving requests) and ``tidal_ps_shards{server}`` (virtual shards the shard map gives it).
+serving requests) and ``tidal_ps_shards{server}`` (virtual shards the shard map gives it);
+``tidal_ps_hot_moves_total`` counts the hot-PS planner's moves.
 """
 
 from __future__ import annotations
@@ -165,6 +166,8 @@ def _servers(master: JobMaster) -> Iterator[Metric]:
     for family, _ in families:
         yield family
     yield held
+    yield CounterMetricFamily("tidal_ps_hot_moves", "Moves of virtual shards off a hot parameter server "
+                              "(tidal.brain.hotps).", value=master.servers.hot_moves)
 
 
 def _shuffle(active: list[WorkerRecord]) -> Iterator[Metric]:

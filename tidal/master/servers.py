@@ -51,6 +51,7 @@ from tidal.api import ServerInfo, ServerReport
 from tidal.api.errors import TidalError
 from tidal.api.rpc import Caller
 from tidal.backends.api import Backend, NodeHandle, NodeSpec, Resources, node_id
+from tidal.brain.hotps import HotShardPlan, plan_hot_shards
 from tidal.master.api import JobSpec
 from tidal.master.fleet import last_log_line
 
@@ -205,6 +206,9 @@ class Servers:
         self.target = spec.ps  # how many servers the map should spread over
         self.move: ShardMove | None = None
         self.lost: str | None = None  # why the next round must restore the servers from a checkpoint
+        self.planned_map: list[int] | None = None  # the hot-PS planner's map, moved to at the next re-form
+        self.hot_moves = 0  # plans of the hot-PS planner carried out (a metric)
+        self._window: dict[int, list[tuple[float, float, list[int]]]] = {}  # reports since the last check
         self._seq = 0
 
     # ------------------------------------------------------------------ views
@@ -296,12 +300,40 @@ class Servers:
         """A change of the map is wanted and every server it needs has registered."""
         if not self.spec.ps or not self.records:
             return False
+        if self.target != len(self.in_map()):
+            self.planned_map = None  # a change of the number of servers comes first
+        if self.planned_map is not None:
+            return self.planned_map != self.shard_map and all(self.records[i].state == RUNNING
+                                                              for i in set(self.planned_map))
         wanted = self.wanted()
         return len(wanted) == self.target and wanted != self.in_map()
 
+    def change_cause(self) -> str:
+        if self.planned_map is not None:
+            return "hot parameter server: moving virtual shards"
+        return f"parameter servers {len(self.in_map())} -> {self.target}"
+
+    def hot_plan(self, now: float, window_s: float) -> HotShardPlan | None:
+        """The hot-PS planner on the reports of the last ``window_s`` (tidal.brain.hotps); None
+        while the window is short or a change is under way. Starts the next window."""
+        window, self._window = self._window, {}
+        if self.move is not None or self.planned_map is not None or self.target != len(self.in_map()):
+            return None
+        busy, hits = {}, {}
+        for i in self.in_map():
+            reports = window.get(i, [])
+            if len(reports) < 3 or reports[-1][0] - reports[0][0] < window_s * 0.5:
+                return None
+            (t0, _, first), (t1, _, last) = reports[0], reports[-1]
+            if len(first) != len(self.shard_map) or len(last) != len(first):
+                return None  # counted under another number of virtual shards
+            busy[i] = sum(r[1] for r in reports[1:]) / (len(reports) - 1)
+            hits[i] = [(b - a) / (t1 - t0) for a, b in zip(first, last, strict=True)]
+        return plan_hot_shards(busy, hits, self.shard_map)
+
     def begin_move(self, watermark: list[int] | None) -> ShardMove:
-        """Start moving shards to the map over ``wanted()`` (see ShardMove)."""
-        new_map = rebalanced(self.shard_map, self.wanted())
+        """Start moving shards to the planned map, or to the map over ``wanted()`` (see ShardMove)."""
+        new_map = self.planned_map if self.planned_map is not None else rebalanced(self.shard_map, self.wanted())
         addresses = {i: self.records[i].address for i in set(self.shard_map) | set(new_map)}
         self.move = ShardMove(list(self.shard_map), new_map, addresses, self.spec.token, watermark)
         self.move.start()
@@ -313,6 +345,10 @@ class Servers:
         move, self.move = self.move, None
         assert move is not None and move.done.is_set() and move.error is None
         self.shard_map = move.new_map
+        if self.planned_map is not None:
+            self.hot_moves += 1
+        self.planned_map = None
+        self._window = {}  # the load before the move says nothing of the load after it
         # servers out of the map, unless the target grew during the move (those join the next one)
         spare = [i for i, r in self.records.items() if r.state in (LAUNCHING, RUNNING) and i not in self.shard_map
                  and len(self.in_map()) >= self.target]
@@ -351,7 +387,7 @@ class Servers:
         return NodeSpec(node_id("ps", server_id), "ps", [sys.executable, "-m", "tidal.ps.server"], env,
                         Resources(cpus=1.0), spec.cwd, log_path)
 
-    def report(self, req: ServerReport) -> ServerRecord | None:
+    def report(self, req: ServerReport, now: float) -> ServerRecord | None:
         """A server's report; returns its record when this one registered it (its first)."""
         rec = self.records.get(req.server_id)
         if rec is None or rec.state in (EXITED, RETIRING):
@@ -359,6 +395,8 @@ class Servers:
         first = rec.state != RUNNING or rec.address != req.address
         rec.state, rec.pid, rec.address = RUNNING, req.pid, req.address
         rec.report = req
+        if req.shard_hits:
+            self._window.setdefault(req.server_id, []).append((now, req.busy, req.shard_hits))
         return rec if first else None
 
     def exited(self, server_id: int, code: int | None) -> ServerRecord | None:

@@ -64,7 +64,8 @@ class PSClient:
         self._unacked: dict[int, set[int]] = {}  # server -> ids of asynchronous pushes not yet answered
         specs = [t.to_json() for t in tables]
         try:
-            self._call({i: ({"op": "hello", "tables": specs}, {}) for i in range(len(self._socks))})
+            hello = {"op": "hello", "tables": specs, "num_shards": len(shard_map)}
+            self._call({i: (hello, {}) for i in range(len(self._socks))})
         except Exception:
             self.close()
             raise

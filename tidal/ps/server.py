@@ -85,6 +85,10 @@ class ParameterServer:
         self.pulled: dict[tuple[int, int, int], dict[str, torch.Tensor]] = {}
         self.requests = 0
         self.busy_s = 0.0
+        # rows pulled per virtual shard (the load the hot-PS planner reads: tidal.brain.hotps);
+        # sized by the clients' hello, which names the number of virtual shards
+        self.shard_hits = np.zeros(0, dtype=np.int64)
+        self.row_cost_s = 0.0  # emulated service time per row (TIDAL_PS_EMULATE_SLOW, benchmarks)
 
     # ------------------------------------------------------------------ requests
     def handle(self, msg: frames.Message) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
@@ -99,6 +103,12 @@ class ParameterServer:
         op = meta.get("op")
         if op == "hello":
             self._configure(meta.get("tables"))
+            num_shards = meta.get("num_shards")
+            if num_shards is not None:
+                if not isinstance(num_shards, int) or not 1 <= num_shards <= 1 << 16:
+                    raise PSError(f"num_shards must be an integer in [1, 65536], got {num_shards!r}")
+                if len(self.shard_hits) != num_shards:
+                    self.shard_hits = np.zeros(num_shards, dtype=np.int64)
             return {"applied_step": self.applied_step, "server": self.server_id}, {}
         if not self.tables and op not in ("stats", "commit"):
             raise PSError(f"{op!r} before hello: the tables are not configured")
@@ -182,6 +192,11 @@ class ParameterServer:
                 raise PSError(f"table {name}: pulled ids must be sorted and unique")
             out[f"{name}.rows"] = self.tables[name].read(ids)
             pulled[name] = ids
+            if meta.get("key") is not None and len(self.shard_hits):
+                self.shard_hits += np.bincount(virtual_shard(name, ids, len(self.shard_hits)).numpy(),
+                                               minlength=len(self.shard_hits))
+            if self.row_cost_s:
+                time.sleep(self.row_cost_s * ids.numel())
         return {}, out
 
     def _push(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[dict[str, Any],
@@ -369,6 +384,25 @@ def serve(server: ParameterServer, host: str = "127.0.0.1", *, ready: Any = None
         ctx.term()
 
 
+def emulated_row_cost(value: str, server_id: int) -> float:
+    """``TIDAL_PS_EMULATE_SLOW=ID:MICROSECONDS``: server ``ID`` takes that much longer per row
+    pulled, as a server on a slower or shared machine would (benchmarks and tests of the
+    hot-PS planner; on this 2-core machine a real hot spot cannot be made any other way).
+    Seconds per row for this server (0: not it, or unset).
+
+    Raises:
+        SystemExit: a value that is not ID:MICROSECONDS.
+    """
+    if not value:
+        return 0.0
+    sid, _, micros = value.partition(":")
+    try:
+        return float(micros) * 1e-6 if int(sid) == server_id else 0.0
+    except ValueError:
+        print(f"tidal-ps: TIDAL_PS_EMULATE_SLOW={value!r}: expected ID:MICROSECONDS", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def _req_of(body: list[Any]) -> Any:
     """The request id of a message that failed, when its header can be read (else None)."""
     try:
@@ -392,7 +426,8 @@ def _reporter(server: ParameterServer, url: str, token: str, address: str) -> No
         body = {"server_id": server.server_id, "address": address, "pid": os.getpid(),
                 "rows": stats["rows"], "bytes": stats["bytes"], "applied_step": server.applied_step,
                 "requests_per_s": round((requests - last_requests) / max(now - last_t, 1e-9), 1),
-                "busy": round(min(1.0, (busy - last_busy) / max(now - last_t, 1e-9)), 3)}
+                "busy": round(min(1.0, (busy - last_busy) / max(now - last_t, 1e-9)), 3),
+                "shard_hits": server.shard_hits.tolist()}
         last_requests, last_busy, last_t = requests, busy, now
         try:
             resp = http.post("/v1/ps/report", json=body)
@@ -413,6 +448,7 @@ def main() -> None:
         raise SystemExit(2)
     limit = os.environ.get("TIDAL_PS_MEMORY_BYTES")
     server = ParameterServer(token, int(os.environ.get("TIDAL_PS_ID", "0")), int(limit) if limit else None)
+    server.row_cost_s = emulated_row_cost(os.environ.get("TIDAL_PS_EMULATE_SLOW", ""), server.server_id)
     host = os.environ.get("TIDAL_PS_HOST", "127.0.0.1")
     url = os.environ.get("TIDAL_MASTER_URL")
 
