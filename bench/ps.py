@@ -5,6 +5,7 @@ training pause of changing the number of servers while training, against a stop-
     .venv/bin/python bench/ps.py [--samples 200000] [--batch-size 512] [--rounds 2] [--json]   # about 3 minutes
     .venv/bin/python bench/ps.py --only throughput     # about 1 minute
     .venv/bin/python bench/ps.py --only pause          # about 1 minute a round
+    .venv/bin/python bench/ps.py --only hot            # about 3 minutes
 
 Throughput
 ----------
@@ -72,13 +73,33 @@ arguments in a new job directory, and polls its status every 0.05 s until ``fina
 ``restart_s`` is SIGINT -> that first finalized step (median over the rounds), shown split into
 stop, start until the job's API answers, and API -> first step. It is a LOWER bound of a real
 stop-checkpoint-restart: the job writes no checkpoint before it stops, and the new job starts
-with empty tables (tidal cannot load parameter-server tables from a checkpoint yet), so neither
-saving nor reloading the tables is counted.
+with empty tables, so neither saving nor reloading the tables is counted.
+
+Hot PS (``--only hot``)
+-----------------------
+
+DLRover 4.2's adjust stage for a hot server (tidal.brain.hotps, run live by the master every 5 s).
+
+* Skew: the example's categories follow a power law (examples/ctr/data.py), so a few ids take
+  most lookups. The bench counts, over ``--hot-probe`` samples of the dataset, the share of
+  lookups that fall on the top 1% of the ids seen (per table, then over all tables): the
+  issue's "80% of lookups on 1% of ids".
+* Skewed ids alone: ``tidal run --ps 2 --workers 2 ... --ps --step-sleep S`` (EMULATED device
+  time); the bench polls ``tidal status`` for ``--hot-window`` seconds and reports each server's
+  mean busy share and whether the planner moved anything. Rows hash to virtual shards, so the hot
+  ids spread over both servers: the finding is that skewed ids make no hot server here.
+* A hot server: the same job with server 0 EMULATED slow (``TIDAL_PS_EMULATE_SLOW=0:US``: US
+  microseconds per row pulled, as on a shared or slower machine; a real hot spot cannot be made
+  on 2 cores otherwise), once with the planner (default) and once with ``--no-ps-hot-balance``
+  (the control). Step time = seconds per finalized step over polls of ``tidal status`` every
+  0.1 s: before the adjust stage (from step 3 until the planner's decision) and after it (from 2 s
+  after the shard map changed to the end of the window); the control over its whole window.
 
 Printed: the ratio ``tidal_s / restart_s`` beside the issue's target (at most 0.1x), the load
 average before each round (the 2 cores may be shared with other work), and job-log lines that
 look like trouble (up to the bench's own SIGINT). ``--json`` prints ``{"throughput": {...},
 "pause": {"tidal_s", "restart_s", "ratio", "changes": [...], "restart_runs": [...], ...}, ...}``;
+``"hot": {"top1pct_share", "skew_busy": {...}, "step_s_before", "step_s_after", "step_s_control", ...}``;
 a part not run (``--only``) leaves its figures null. With ``--json`` the tables go to stderr.
 """
 
@@ -632,9 +653,8 @@ def measure_pause(args: argparse.Namespace, base: Path) -> tuple[dict[str, Any],
     restart_s = _med([r["restart_s"] for r in restarts])
     ratio = tidal_s / restart_s if tidal_s is not None and restart_s else None
     emulated = f"EMULATED accelerator time: --step-sleep {args.step_sleep:g} s per step"
-    lower = ("restart_s is a LOWER bound of a stop-checkpoint-restart: the restarted job does not reload the "
-             "tables (tidal cannot load parameter-server tables from a checkpoint yet) and writes no checkpoint "
-             "before stopping; its servers start empty")
+    lower = ("restart_s is a LOWER bound of a stop-checkpoint-restart: the job writes no checkpoint before "
+             "stopping and the restarted job reloads no tables (its servers start empty), so neither is counted")
     out = {
         "pause": {
             "tidal_s": tidal_s, "restart_s": restart_s,
@@ -682,11 +702,128 @@ def measure_pause(args: argparse.Namespace, base: Path) -> tuple[dict[str, Any],
     return out, lines
 
 
+HOT_RE = re.compile(r"hot parameter server (\d+) \(busy ([0-9.]+), peers' median ([0-9.]+)\): moving virtual "
+                    r"shards \[([0-9, ]*)\] away, busiest predicted ([0-9.]+)")
+
+
+def top_share(args: argparse.Namespace) -> float:
+    """The share of lookups on the top 1% of the ids seen, over ``--hot-probe`` samples."""
+    import numpy as np
+
+    from examples.ctr.data import ClickDataset
+
+    sparse = ClickDataset(args.hot_probe, hash_size=args.ps_hash_size).get_range(0, args.hot_probe)["sparse"].numpy()
+    top = total = 0
+    for f in range(sparse.shape[1]):
+        _, counts = np.unique(sparse[:, f], return_counts=True)
+        counts = np.sort(counts)[::-1]
+        top += int(counts[:max(1, len(counts) // 100)].sum())
+        total += int(counts.sum())
+    return top / total
+
+
+def hot_run(work: Path, args: argparse.Namespace, slow_us: float | None, balance: bool) -> dict[str, Any]:
+    """One job of ``--hot-window`` seconds: the servers' busy shares, the planner's decision, and
+    the step time before and after it (see the module's docstring)."""
+    train = [SCRIPT, "--ps", "--ps-hash-size", str(args.ps_hash_size), "--samples", str(args.pause_samples),
+             "--epochs", "1", "--batch-size", str(args.batch_size), "--log-every", "0",
+             "--step-sleep", str(args.step_sleep)]
+    argv = [TIDAL, "run", "-q", "--job-dir", str(work / "job"), *RUN_OPTS, "--workers", str(args.workers),
+            "--ps", "2", *([] if balance else ["--no-ps-hot-balance"]), *train]
+    extra = {"TIDAL_PS_EMULATE_SLOW": f"0:{slow_us:g}"} if slow_us else {}
+    log = work / "tidal.log"
+    proc = start(argv, log, bench_env(**extra))
+    reaper = Reaper(proc.pid)
+    reaper.start()
+    client: JobClient | None = None
+    trace: list[tuple[float, int, int]] = []  # (time, finalized step, shards on server 0)
+    busy: dict[int, list[float]] = {0: [], 1: []}
+    try:
+        client = JobClient(work / "job", proc, args.pause_timeout)
+        wait_status(client, proc, "3 finalized steps", args.pause_timeout, lambda s: s["finalized_step"] >= 3)
+        end = time.monotonic() + args.hot_window
+        while time.monotonic() < end:
+            st = client.status()
+            if st is None or st.get("state") != "running":
+                raise RuntimeError(f"the job is {st and st.get('state')} during the hot-PS window (see {log})")
+            shards0 = sum(1 for v in st["ps_shard_map"] if v == 0)
+            trace.append((time.monotonic(), st["finalized_step"], shards0))
+            for v in st["servers"]:
+                if v["id"] in busy and v["state"] == "running":
+                    busy[v["id"]].append(float(v.get("busy", 0.0)))
+            time.sleep(0.1)
+    finally:
+        if client is not None:
+            client.close()
+        reaper.snapshot()
+        stop(proc)
+        reaper.kill_leftovers()
+    text = log.read_text(errors="replace")
+    plan = HOT_RE.search(text)
+    changed = next((t for t, _, n in trace if n < 32), None)
+
+    def pace(points: list[tuple[float, int, int]]) -> float | None:
+        return step_time([(t, step) for t, step, _ in points])
+
+    if changed is None:
+        before, after = pace(trace), None
+    else:
+        before = pace([p for p in trace if p[0] < changed - 3.0])  # the re-form's wait is no step
+        after = pace([p for p in trace if p[0] > changed + 2.0])
+    return {"busy": {k: _med(v) for k, v in busy.items()},
+            "plan": None if plan is None else {"hot": int(plan.group(1)), "busy": float(plan.group(2)),
+                                               "peers_median": float(plan.group(3)),
+                                               "moved": len([x for x in plan.group(4).split(",") if x.strip()]),
+                                               "predicted_busiest": float(plan.group(5))},
+            "shards_on_0": trace[-1][2] if trace else None, "step_s_before": before, "step_s_after": after,
+            "problems": log_problems(text)}
+
+
+def measure_hot(args: argparse.Namespace, base: Path) -> tuple[dict[str, Any], list[str]]:
+    """The hot-PS part: (its JSON entries, its printed lines)."""
+    share = top_share(args)
+    print(f"hot: {share:.0%} of lookups on the top 1% of ids", file=sys.stderr, flush=True)
+    skew = hot_run(base / "hot-skew", args, None, True)
+    print(f"hot: skewed ids alone: busy {skew['busy']}, plan {skew['plan']}", file=sys.stderr, flush=True)
+    hot = hot_run(base / "hot-slow", args, args.hot_slow_us, True)
+    print(f"hot: slow server 0: {hot['step_s_before']} -> {hot['step_s_after']} s/step, plan {hot['plan']}",
+          file=sys.stderr, flush=True)
+    control = hot_run(base / "hot-control", args, args.hot_slow_us, False)
+    emulated = (f"EMULATED: --step-sleep {args.step_sleep:g} s per step; server 0 slowed by "
+                f"{args.hot_slow_us:g} us per row pulled (TIDAL_PS_EMULATE_SLOW)")
+    before, after, ctrl = hot["step_s_before"], hot["step_s_after"], control["step_s_before"]
+    out = {"hot": {"top1pct_share": round(share, 4), "skew_busy": skew["busy"], "skew_plan": skew["plan"],
+                   "step_s_before": before, "step_s_after": after, "step_s_control": ctrl,
+                   "speedup": None if not before or not after else round(before / after, 3),
+                   "plan": hot["plan"], "shards_on_slow_server": hot["shards_on_0"], "emulated": emulated,
+                   "problems": sorted(set(skew["problems"] + hot["problems"] + control["problems"]))[:10]}}
+    rows = [["hot PS", "server 0 busy", "server 1 busy", "planner", "s/step before", "s/step after"],
+            [f"skewed ids ({share:.0%} of lookups on 1% of ids)", _fmt(skew["busy"][0]), _fmt(skew["busy"][1]),
+             "no move" if skew["plan"] is None else f"moved {skew['plan']['moved']} shards",
+             _fmt(skew["step_s_before"]), _fmt(skew["step_s_after"])],
+            [f"server 0 slow ({args.hot_slow_us:g} us/row), planner on", _fmt(hot["busy"][0]), _fmt(hot["busy"][1]),
+             "no move" if hot["plan"] is None else f"moved {hot['plan']['moved']} of 32 shards off 0",
+             _fmt(before), _fmt(after)],
+            [f"server 0 slow ({args.hot_slow_us:g} us/row), --no-ps-hot-balance", _fmt(control["busy"][0]),
+             _fmt(control["busy"][1]), "off", _fmt(ctrl), "-"]]
+    lines = [table(rows), ""]
+    if before and after:
+        lines.append(f"hot PS: step time after the adjust stage {after:.3f} s vs before {before:.3f} s: "
+                     f"{before / after:.2f}x faster (control without the planner: {_fmt(ctrl)} s)")
+    lines.append(f"hot PS: {emulated}; {args.workers} workers, 2 servers, batch {args.batch_size}, window "
+                 f"{args.hot_window:g} s")
+    return out, lines
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 epilog="See the module's docstring for what is measured and how.")
-    p.add_argument("--only", choices=("throughput", "pause"), default=None,
-                   help="run only this part (default: both)")
+    p.add_argument("--only", choices=("throughput", "pause", "hot"), default=None,
+                   help="run only this part (default: all)")
+    p.add_argument("--hot-window", type=float, default=40.0, help="hot: seconds each hot-PS job is watched")
+    p.add_argument("--hot-slow-us", type=float, default=600.0,
+                   help="hot: EMULATED microseconds per row pulled added on server 0")
+    p.add_argument("--hot-probe", type=int, default=200_000, help="hot: samples counted for the id skew")
     p.add_argument("--samples", type=int, default=200_000, help="throughput: training samples of the one epoch")
     p.add_argument("--batch-size", type=int, default=512, help="samples per worker per step")
     p.add_argument("--rounds", type=int, default=2,
@@ -714,6 +851,7 @@ def main() -> int:
     result: dict[str, Any] = {
         "throughput": {"tidal_ps": None, "replicated": None, "torchrec": None},
         "pause": {"tidal_s": None, "restart_s": None, "changes": []},
+        "hot": {"step_s_before": None, "step_s_after": None},
     }
     lines: list[str] = []
     try:
@@ -728,6 +866,10 @@ def main() -> int:
             part, text = measure_pause(args, base)
             result.update(part)
             lines += ([""] if lines else []) + text
+        if args.only in (None, "hot"):
+            part, text = measure_hot(args, base)
+            result.update(part)
+            lines += ([""] if lines else []) + text
     finally:
         if args.keep is None:
             shutil.rmtree(base, ignore_errors=True)
@@ -735,7 +877,7 @@ def main() -> int:
                         "workers": args.workers, "ps_hash_size": args.ps_hash_size, **config, "machine": MACHINE,
                         "load_average_end": [round(x, 2) for x in os.getloadavg()]}
     result["emulated"] = {"throughput": False if args.only in (None, "throughput") else None,
-                          "pause": result["pause"].get("emulated")}
+                          "pause": result["pause"].get("emulated"), "hot": result["hot"].get("emulated")}
     lines.append(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; {MACHINE}")
     if args.json:  # the tables to stderr, the JSON alone on stdout
         print("\n".join(lines), file=sys.stderr)

@@ -13,6 +13,8 @@ example's ``--ps`` (its eight tables of 2^24 hashed ids on the servers).
 * Async mode trains, and the dense side still commits every sample once.
 * A slow (hot) server gives virtual shards away (the hot-PS planner), the model unchanged.
 * ``tidal status --json`` lists the servers, their rows and bytes.
+* Out of memory: without prevention the job fails with a report; with it (a dataset job: before
+  its end; a stream job: within ``--ps-oom-horizon``) servers are added before they fill.
 * Without checkpoints, a server SIGKILLed fails the job with a message naming it: never a false
   "succeeded".
 """
@@ -31,6 +33,8 @@ import pytest
 
 from tests import chromium
 from tests.jobtools import TIDAL, Job, fingerprint, plain_python_fingerprint
+from tests.redis_server import redis_server
+from tests.test_stream_job import produce
 
 pytestmark = pytest.mark.slow
 
@@ -233,3 +237,27 @@ def test_servers_are_added_before_the_tables_outgrow_them(tmp_path: Path, jobs: 
     assert re.search(r"moved \d+ rows in [0-9.]+ s; parameter servers now \[0, 1(, 2)?(, 3)?\]", out), out[-3000:]
     assert "is out of memory" not in out
     assert fingerprint(ckpt) == reference  # more servers, the same model
+
+
+def test_a_stream_jobs_servers_are_added_before_the_horizon_outgrows_them(tmp_path: Path) -> None:
+    """A stream has no end to predict at: the master predicts the tables' size within
+    ``--ps-oom-horizon`` at the rate records are committed, and adds servers before they fill."""
+    with redis_server(tmp_path / "redis") as server:
+        url = server.url("clicks")
+        produce(url, 2, [3000, 3000])
+        job = Job(tmp_path, "2:2", ["--ps", "--batch-size", "128", "--step-sleep", "0.5", "--log-every", "0"],
+                  run_args=["--stream", url, "--stop-when-drained", "3", "--ps", "1:3", "--ps-memory", "1.2M",
+                            "--ps-oom-horizon", "60"]).start()
+        try:
+            assert job.wait(300) == 0, job.output()[-3000:]
+        finally:
+            job.kill_all()
+        out = job.output()
+        decision = re.search(r"out-of-memory prevention: the servers' tables are predicted to hold ([0-9.]+) MiB within "
+                             r"60 s at [0-9,]+ records/s, over 1 x 1\.2 MiB \(--ps-memory\): 1 -> (\d) parameter servers",
+                             out)
+        assert decision and int(decision.group(2)) >= 2, out[-3000:]
+        assert "is out of memory" not in out
+        done = subprocess.run([TIDAL, "audit", str(job.ledger), "--stream", url], capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0 and done.stdout.startswith("PASSED"), done.stdout + done.stderr

@@ -201,6 +201,10 @@ def run(
     no_ps_oom_prevention: bool = typer.Option(
         False, "--no-ps-oom-prevention",
         help="With --ps-memory: do not add servers before the tables outgrow them (they do by default)."),
+    ps_oom_horizon: float = typer.Option(
+        3600.0, "--ps-oom-horizon", metavar="SECONDS",
+        help="With --ps-memory and --stream: how far ahead the out-of-memory prediction looks (a stream "
+             "has no end): the records committed within it at the recent rate."),
     no_ps_hot_balance: bool = typer.Option(
         False, "--no-ps-hot-balance",
         help="With --ps N>1: do not move virtual shards off a server much busier than its peers (DLRover 4.2's "
@@ -310,6 +314,7 @@ def run(
     ps_memory = parse_size(ps_memory_text, "--ps-memory") if ps_memory_text is not None else 0
     if ps_memory and not ps:
         raise fail("--ps-memory needs --ps")
+    check_range("--ps-oom-horizon", ps_oom_horizon, (1.0, 1e7))
     if ps:
         check_range("--ps MAX", ps_max, (1, MAX_PS))
         check_range("--ps-shards", ps_shards, (ps_max, 4096))
@@ -360,6 +365,7 @@ def run(
         time_scale=time_scale, lag_slo_s=1200.0 if lag_slo is None else lag_slo,
         traffic_history=seed[0], traffic_history_interval_s=seed[1], ps=ps, ps_max=ps_max, ps_shards=ps_shards,
         ps_memory=ps_memory, ps_oom_prevention=not no_ps_oom_prevention, ps_hot_balance=not no_ps_hot_balance,
+        ps_oom_horizon_s=ps_oom_horizon,
     )
     _point_current(directory)
     typer.echo(f"tidal: job {job_id} on http://127.0.0.1:{spec.port} (job dir {directory}); "

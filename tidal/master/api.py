@@ -132,6 +132,7 @@ class JobSpec:
     ps_memory: int = 0
     ps_oom_prevention: bool = True
     ps_hot_balance: bool = True  # move virtual shards off a hot server (tidal.brain.hotps)
+    ps_oom_horizon_s: float = 3600.0  # a stream job's out-of-memory prediction looks this far ahead
 
     @property
     def ps_range(self) -> tuple[int, int]:

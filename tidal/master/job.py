@@ -164,6 +164,7 @@ class JobMaster:
         self._next_memory_check = 0.0
         self._next_hot_check = 0.0
         self._memory_history: list[tuple[float, float]] = []  # (samples consumed, bytes the servers hold)
+        self._memory_times: list[float] = []  # when each of those was taken (a stream's rate)
         self._oom_warned = False
         self._init_runtime()
 
@@ -444,27 +445,37 @@ class JobMaster:
             self._persist()
             self._try_close_round()
 
-    def _prevent_ps_oom(self) -> None:
+    def _prevent_ps_oom(self, now: float) -> None:
         """DLRover-RM 5.3, live: from the bytes the servers hold against the samples consumed,
-        predict whether they pass ``--ps-memory`` each before the job ends, and if so add servers
-        now (the shards then spread over more of them: tidal.brain.oom.servers_for_memory)."""
+        predict whether they pass ``--ps-memory`` each before the job ends (a stream job: within
+        ``--ps-oom-horizon`` at the rate records are committed), and if so add servers now (the
+        shards then spread over more of them: tidal.brain.oom.servers_for_memory)."""
         servers, cfg = self.servers, self.shards.config
         held = servers.bytes_held()
-        if held is None or cfg is None or cfg.epochs is None:
-            return  # a stream job has no end to predict at (a horizon is not built yet)
-        progress = self.shards.samples_done
+        if held is None or (self.streams is None and (cfg is None or cfg.epochs is None)):
+            return
+        progress = self.committed_samples()
         history = self._memory_history
         if progress > (history[-1][0] if history else 0) and held > 0:
             history.append((float(progress), float(held)))
-            del history[:-MEMORY_SAMPLES]
+            self._memory_times.append(now)
+            del history[:-MEMORY_SAMPLES], self._memory_times[:-MEMORY_SAMPLES]
         busy = servers.move is not None or servers.target != len(servers.in_map())
         if len(history) < 3 or busy or not self.spec.ps_oom_prevention:
             return
+        if self.streams is None:
+            assert cfg is not None and cfg.epochs is not None
+            total, when = float(cfg.size * cfg.epochs), "at the end of the job"
+        else:  # a stream never ends: the records committed within the horizon at the recent rate
+            span = self._memory_times[-1] - self._memory_times[0]
+            rate = (history[-1][0] - history[0][0]) / span if span > 0 else 0.0
+            horizon = self.spec.ps_oom_horizon_s
+            total, when = history[-1][0] + rate * horizon, f"within {horizon:g} s at {rate:,.0f} records/s"
         high = self.spec.ps_range[1]
-        plan = servers_for_memory(history, cfg.size * cfg.epochs, self.spec.ps_memory, servers.target, high)
+        plan = servers_for_memory(history, total, self.spec.ps_memory, servers.target, high)
         mib = 2.0**20
-        predicted = (f"the servers' tables are predicted to hold {plan.forecast.predicted_gb / mib:.1f} MiB at the "
-                     f"end of the job, over {servers.target} x {self.spec.ps_memory / mib:.1f} MiB (--ps-memory)")
+        predicted = (f"the servers' tables are predicted to hold {plan.forecast.predicted_gb / mib:.1f} MiB {when}, "
+                     f"over {servers.target} x {self.spec.ps_memory / mib:.1f} MiB (--ps-memory)")
         if plan.servers > servers.target:
             self.log.add("ps", f"out-of-memory prevention: {predicted}: {servers.target} -> {plan.servers} "
                                "parameter servers" + ("" if plan.enough else " (the most --ps allows; not enough)"))
@@ -788,7 +799,7 @@ class JobMaster:
                 self._launch_servers()
                 if self.spec.ps_memory and now >= self._next_memory_check:
                     self._next_memory_check = now + MEMORY_CHECK_S
-                    self._prevent_ps_oom()
+                    self._prevent_ps_oom(now)
                 if self.spec.ps_hot_balance and now >= self._next_hot_check:
                     self._next_hot_check = now + HOT_CHECK_S
                     self._balance_hot_servers(now)
