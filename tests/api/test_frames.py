@@ -414,3 +414,17 @@ def test_importing_tidal_api_does_not_import_torch() -> None:
     """The codec needs torch; the wire types the master and the CLI import must not."""
     code = "import sys, tidal.api; assert 'torch' not in sys.modules and 'tidal.api.frames' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_the_rpc_callers_default_bound_is_the_codecs() -> None:
+    """tidal.api.rpc keeps its own copy of the bound so that importing it needs no torch."""
+    from tidal.api import rpc
+
+    assert rpc.MAX_MESSAGE_BYTES == F.MAX_MESSAGE_BYTES
+
+
+def test_the_master_does_not_import_torch() -> None:
+    """`tidal run` checks its options and the master starts without torch (2 s and 100 MB)."""
+    code = "import sys, tidal.master.job, tidal.master.server, tidal.cli.job; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stdout + out.stderr

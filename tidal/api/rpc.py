@@ -4,18 +4,25 @@ The parameter servers answer requests whose ``meta`` holds ``op``, the job's ``t
 request id ``req``; a reply's ``meta`` holds ``ok`` and, when not ok, ``error``. Workers talk to
 them through ``tidal.ps.client``; the master, which moves virtual shards between them
 (``tidal.master.servers``), uses this: one DEALER socket per server, one request at a time.
+The codec (and torch with it) is imported on the first call, not with this module: the master
+imports it, and needs torch only once it moves shards.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import zmq
 
-from tidal.api import frames
 from tidal.api.errors import PermanentError, RetryableError
+
+if TYPE_CHECKING:
+    import torch
+
+    from tidal.api import frames
+
+MAX_MESSAGE_BYTES = 1 << 30  # tidal.api.frames.MAX_MESSAGE_BYTES (checked in tests/api)
 
 
 class RemoteRefusedError(PermanentError):
@@ -30,7 +37,7 @@ class Caller:
     """Requests to one ZeroMQ ROUTER at ``address`` (``tcp://HOST:PORT``)."""
 
     def __init__(self, address: str, token: str, *, timeout_s: float = 30.0,
-                 max_bytes: int = frames.MAX_MESSAGE_BYTES) -> None:
+                 max_bytes: int = MAX_MESSAGE_BYTES) -> None:
         self.address = address
         self.token = token
         self.timeout_s = timeout_s
@@ -50,6 +57,8 @@ class Caller:
             RemoteTimeoutError: no answer within ``timeout_s``.
             tidal.api.errors.FrameError: an answer that breaks the codec's rules.
         """
+        from tidal.api import frames
+
         req = next(self._req)
         self._sock.send_multipart(frames.encode(tensors or {}, meta={**meta, "token": self.token, "req": req}),
                                   copy=False)

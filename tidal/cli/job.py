@@ -273,10 +273,6 @@ def run(
     trained exactly once. Change the worker count while it runs with `tidal scale N`; watch it
     with `tidal status`. Exit status: 0 when the job succeeded, 1 when it failed, 2 on bad input.
     """
-    from tidal.master.api import JobSpec
-    from tidal.master.job import new_token
-    from tidal.master.server import bind_socket, run_master
-
     if resume_dir is not None:
         _resume_job(resume_dir, quiet, [str(script.resolve()), *ctx.args])
     low, high = parse_workers(workers)
@@ -349,6 +345,11 @@ def run(
             raise fail(f"--comm-backend nccl needs a GPU per worker: --workers MAX is {high}, "
                        f"this machine shows {len(gpus)} GPU(s)")
         env["TIDAL_COMM_BACKEND"] = comm_backend
+    # the master's modules (and their planners' numpy and scipy) once the options are known good
+    from tidal.master.api import JobSpec
+    from tidal.master.job import new_token
+    from tidal.master.server import bind_socket, run_master
+
     sock = bind_socket("127.0.0.1", port)
     job_id = uuid.uuid4().hex[:8]
     directory = (job_dir or tidal_home() / job_id).resolve()
