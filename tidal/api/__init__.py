@@ -389,6 +389,7 @@ class ServerReport(_Wire):
     applied_step: int = Field(default=-1, ge=-1, le=_I64)
     requests_per_s: float = Field(default=0.0, ge=0, le=1e9)
     busy: float = Field(default=0.0, ge=0, le=1)  # share of the last interval spent serving
+    latency_ms: float = Field(default=0.0, ge=0, le=1e9)  # mean time serving one request, last interval
     shard_hits: list[int] = Field(default_factory=list, max_length=1 << 16)  # rows pulled per virtual shard, so far
 
 
@@ -405,6 +406,7 @@ class ServerInfo(_Wire):
     applied_step: int = -1
     requests_per_s: float = 0.0
     busy: float = 0.0
+    latency_ms: float = 0.0
     exit_code: int | None = None
 
 

@@ -42,7 +42,8 @@ A stream job adds (``tidal.master.planning.StreamLag``; trace time, as ``tidal s
 A job with parameter servers (``--ps``; tidal.master.servers) adds, per server, from its last
 report: ``tidal_ps_rows{server}`` (embedding rows held), ``tidal_ps_bytes{server}`` (those rows
 and their optimizer state), ``tidal_ps_busy_ratio{server}`` (the share of the last second spent
-serving requests) and ``tidal_ps_shards{server}`` (virtual shards the shard map gives it);
+serving requests), ``tidal_ps_request_ms{server}`` (its mean time per request) and
+``tidal_ps_shards{server}`` (virtual shards the shard map gives it);
 ``tidal_ps_hot_moves_total`` counts the hot-PS planner's moves.
 """
 
@@ -156,6 +157,8 @@ def _servers(master: JobMaster) -> Iterator[Metric]:
                            labels=["server"]), "bytes"),
         (GaugeMetricFamily("tidal_ps_busy_ratio", "Share of the last second a parameter server spent serving.",
                            labels=["server"]), "busy"),
+        (GaugeMetricFamily("tidal_ps_request_ms", "A parameter server's mean time serving one request, last second.",
+                           labels=["server"]), "latency_ms"),
     ]
     held = GaugeMetricFamily("tidal_ps_shards", "Virtual shards the shard map gives a parameter server.",
                              labels=["server"])

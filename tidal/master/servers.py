@@ -24,6 +24,10 @@ A row's update depends on the step's contributions alone, never on the server ho
 move changes no number of the model. Every request of a move is idempotent in that order, so a
 move that breaks off (a master failover, a refused request) is done again, or the old map kept.
 
+**A hot server** (DLRover 4.2): the servers report their busy share and rows pulled per virtual
+shard; every few seconds the master asks ``tidal.brain.hotps`` whether one is much busier than
+its peers, and moves the shards the planner names (``planned_map``) the same way, at a re-form.
+
 **A server lost** (it exits on its own while the job runs). Its rows are gone, and the other
 servers hold rows of steps it can no longer give back, so the job goes back to its newest flash
 checkpoint (the tables are in it: rank 0 exports them at each checkpoint step). ``replace``
@@ -58,8 +62,9 @@ from tidal.master.fleet import last_log_line
 log = logging.getLogger(__name__)
 
 LAUNCHING, RUNNING, RETIRING, EXITED = "launching", "running", "retiring", "exited"
-LOAD = {"rows", "bytes", "applied_step", "requests_per_s", "busy"}  # what ServerInfo shows of a report
+LOAD = {"rows", "bytes", "applied_step", "requests_per_s", "busy", "latency_ms"}  # what ServerInfo shows of a report
 MOVE_TIMEOUT_S = 120.0  # per request of a move (a page of rows)
+WINDOW_REPORTS = 64  # a server's reports kept for the hot-PS planner (one a second; it reads the last 5 s)
 
 
 @dataclass
@@ -395,8 +400,10 @@ class Servers:
         first = rec.state != RUNNING or rec.address != req.address
         rec.state, rec.pid, rec.address = RUNNING, req.pid, req.address
         rec.report = req
-        if req.shard_hits:
-            self._window.setdefault(req.server_id, []).append((now, req.busy, req.shard_hits))
+        if req.shard_hits and self.spec.ps_hot_balance:
+            window = self._window.setdefault(req.server_id, [])
+            window.append((now, req.busy, req.shard_hits))
+            del window[:-WINDOW_REPORTS]
         return rec if first else None
 
     def exited(self, server_id: int, code: int | None) -> ServerRecord | None:

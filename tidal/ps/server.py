@@ -423,8 +423,10 @@ def _reporter(server: ParameterServer, url: str, token: str, address: str) -> No
         now = time.monotonic()
         requests, busy = server.requests, server.busy_s
         stats = server.stats()
+        served = requests - last_requests
         body = {"server_id": server.server_id, "address": address, "pid": os.getpid(),
                 "rows": stats["rows"], "bytes": stats["bytes"], "applied_step": server.applied_step,
+                "latency_ms": round(1e3 * (busy - last_busy) / served, 3) if served else 0.0,
                 "requests_per_s": round((requests - last_requests) / max(now - last_t, 1e-9), 1),
                 "busy": round(min(1.0, (busy - last_busy) / max(now - last_t, 1e-9)), 3),
                 "shard_hits": server.shard_hits.tolist()}
