@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tidal.brain.hotps import plan_hot_shards, replacement_cpus
+from tidal.brain.hotps import plan_hot_shards
 
 TWO = [v % 2 for v in range(64)]  # 32 shards each
 
@@ -57,9 +57,3 @@ def test_missing_reports_or_one_server_plan_nothing() -> None:
     assert plan_hot_shards({0: 0.9}, even_hits(), TWO) is None
     assert plan_hot_shards({0: 0.9, 1: 0.1}, {0: even_hits()[0]}, TWO) is None
     assert plan_hot_shards({0: 0.9}, {0: [1.0] * 64}, [0] * 64) is None
-
-
-def test_dlrovers_replacement_cores() -> None:
-    # s = min(s_hot / s_total * s_hat * N_w, C_max)
-    assert replacement_cpus(6.0, 12.0, 2.0, 8, 24.0) == pytest.approx(8.0)
-    assert replacement_cpus(6.0, 12.0, 2.0, 40, 24.0) == pytest.approx(24.0)

@@ -6,9 +6,10 @@ DLRover finds such a server from the CPU its pods use and replaces it with one o
     s = min(s_hot / s_total * s_hat * N_w, C_max)                     (DLRover 4.2, "Hot PS")
 
 cores (``s_hot``: the hot server's CPU, ``s_total``: every server's, ``s_hat``: every server's
-CPU per worker, ``N_w``: workers): ``replacement_cpus``. Where a server cannot be given more CPU
-(a process of the local backend has no quota to raise), the other remedy is the one tidal's
-virtual shards allow: move the hot server's hottest shards to cooler servers. ``plan_hot_shards``
+CPU per worker, ``N_w``: workers): ``tidal.brain.dlrover.hot_ps_cores``, which the cluster
+simulator's DLRover policy uses. Where a server cannot be given more CPU (a process of the local
+backend has no quota to raise), the other remedy is the one tidal's virtual shards allow: move
+the hot server's hottest shards to cooler servers. ``plan_hot_shards``
 does that from what the servers report: the share of each second spent serving (``busy``) and
 the rows pulled per virtual shard. A server's time per row is its busy time over its rows, so
 moving shard ``v`` from ``a`` to ``b`` is predicted to take ``hits_v * cost_a`` off ``a`` and
@@ -26,7 +27,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["HotShardPlan", "plan_hot_shards", "replacement_cpus"]
+__all__ = ["HotShardPlan", "plan_hot_shards"]
 
 HOT_FACTOR = 1.5  # a server is hot when busier than this times its peers' median
 MIN_BUSY = 0.2  # ... and busy at least this share of the time (an idle job has no hot spot)
@@ -57,13 +58,6 @@ class HotShardPlan:
         return (f"hot parameter server {self.hot} (busy {self.busy_before:.2f}, peers' median "
                 f"{self.peers_median:.2f}): moving virtual shards {self.moved} away, busiest predicted "
                 f"{self.busy_after:.2f}")
-
-
-def replacement_cpus(s_hot: float, s_total: float, s_hat: float, workers: int, c_max: float) -> float:
-    """DLRover 4.2's cores for a server replacing the hot one (see the module's docstring)."""
-    if s_total <= 0:
-        return min(s_hot, c_max)
-    return min(s_hot / s_total * s_hat * workers, c_max)
 
 
 def plan_hot_shards(busy: Mapping[int, float], hits: Mapping[int, Sequence[float]], shard_map: Sequence[int],
