@@ -210,6 +210,24 @@ def test_a_new_round_settles_what_was_held(master: FakeMaster, worker: Worker) -
     assert steps_of(worker.reporter.held_records()) == [(2, ME), (2, OTHER)]
 
 
+def test_a_rollback_round_claims_no_voided_step_before_its_state_is_in_place(master: FakeMaster,
+                                                                            worker: Worker) -> None:
+    """A round that resumes from a checkpoint of step 1 while this worker's state still holds
+    step 3: until the state is restored (``joined``), its reports say step 1, or the master
+    would finalize steps 2 and 3 of the new lineage before their records come (a lost server's
+    restore found it: those samples then counted as never trained)."""
+    for step in range(4):
+        worker.apply(step)
+    worker.reporter.new_round(2, 1, rollback=True)
+    worker.reporter.flush()
+    assert (master.last().round, master.last().applied_step, master.last().records) == (2, 1, [])
+    worker.applied_step = 1  # the checkpoint's state is loaded, then the round forms
+    worker.reporter.joined(WaitingComm(0.0))
+    worker.apply(2)
+    worker.reporter.flush()
+    assert master.last().applied_step == 2 and steps_of(master.last().records) == [(2, ME)]
+
+
 def test_a_stale_round_drops_the_records_it_carried(master: FakeMaster, worker: Worker) -> None:
     worker.apply(0)
     master.error = StaleRoundError("round 0 is closed")

@@ -127,6 +127,9 @@ class Reporter:
         self._unsent: list[StepRecord] = []
         self._pauses: list[PauseReport] = []
         self._acked = -1
+        # after a rollback, until the round's state is in place (``joined``), the most this worker
+        # may claim to have applied: the checkpoint's step (its state still holds the voided steps)
+        self._applied_cap: int | None = None
         self._incarnation = ""
         # this worker's throughput (exponential averages over its applied steps) and pause
         self._samples_per_s = 0.0
@@ -227,6 +230,7 @@ class Reporter:
         with self._lock:
             self._round = round_
             self._acked = acked_step if rollback else max(self._acked, acked_step)
+            self._applied_cap = acked_step if rollback else None  # otherwise no member is ahead of the source
             self._unsent = []
             self._records.clear()
 
@@ -236,6 +240,7 @@ class Reporter:
         with self._lock:
             self._reform_notice = False
             self._comm = comm
+            self._applied_cap = None
 
     def left(self, *, pause: bool = False) -> None:
         """The worker left its round; ``pause``: to re-form, so the time until its next applied
@@ -269,6 +274,10 @@ class Reporter:
             unsent, self._unsent = self._unsent, []
             pauses, self._pauses = self._pauses[:MAX_PAUSES_PER_REPORT], self._pauses[MAX_PAUSES_PER_REPORT:]
             applied = self._applied_step()
+            if self._applied_cap is not None:
+                # a report of the new round before its state is in place must not finalize
+                # steps a rollback voided (their records of the new lineage would come "late")
+                applied = min(applied, self._applied_cap)
             # records belong to the round they were made in, even after the worker left it
             round_ = self._round
             if len(unsent) > MAX_RECORDS_PER_REQUEST:
