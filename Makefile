@@ -35,8 +35,14 @@ lint: setup
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
 
+# Component tests (each starts at most a few processes of its own) run two at a time; the
+# job tests (tests/test_*.py: whole jobs with timeouts and SIGKILLs) one at a time, so that
+# no job shares the 2 cores with another test.
+COMPONENT_TESTS := $(sort $(dir $(wildcard tests/*/test_*.py)))
+
 unit: setup
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n 2 $(COMPONENT_TESTS)
+	$(VENV)/bin/pytest -q $(wildcard tests/test_*.py)
 
 test: lint unit
 
