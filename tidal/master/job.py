@@ -163,8 +163,8 @@ class JobMaster:
         self._next_timeline = 0.0
         self._next_memory_check = 0.0
         self._next_hot_check = 0.0
-        self._memory_history: list[tuple[float, float]] = []  # (samples consumed, bytes the servers hold)
-        self._memory_times: list[float] = []  # when each of those was taken (a stream's rate)
+        # (when, samples consumed, bytes the servers hold): the out-of-memory prediction's points
+        self._memory_samples: list[tuple[float, float, float]] = []
         self._oom_warned = False
         self._init_runtime()
 
@@ -455,19 +455,19 @@ class JobMaster:
         if held is None or (self.streams is None and (cfg is None or cfg.epochs is None)):
             return
         progress = self.committed_samples()
-        history = self._memory_history
-        if progress > (history[-1][0] if history else 0) and held > 0:
-            history.append((float(progress), float(held)))
-            self._memory_times.append(now)
-            del history[:-MEMORY_SAMPLES], self._memory_times[:-MEMORY_SAMPLES]
+        samples = self._memory_samples
+        if progress > (samples[-1][1] if samples else 0) and held > 0:
+            samples.append((now, float(progress), float(held)))
+            del samples[:-MEMORY_SAMPLES]
         busy = servers.move is not None or servers.target != len(servers.in_map())
-        if len(history) < 3 or busy or not self.spec.ps_oom_prevention:
+        if len(samples) < 3 or busy or not self.spec.ps_oom_prevention:
             return
+        history = [(p, h) for _, p, h in samples]
         if self.streams is None:
             assert cfg is not None and cfg.epochs is not None
             total, when = float(cfg.size * cfg.epochs), "at the end of the job"
         else:  # a stream never ends: the records committed within the horizon at the recent rate
-            span = self._memory_times[-1] - self._memory_times[0]
+            span = samples[-1][0] - samples[0][0]
             rate = (history[-1][0] - history[0][0]) / span if span > 0 else 0.0
             horizon = self.spec.ps_oom_horizon_s
             total, when = history[-1][0] + rate * horizon, f"within {horizon:g} s at {rate:,.0f} records/s"

@@ -281,15 +281,17 @@ class Servers:
         """Start servers until ``target`` are up or starting; returns the ids started."""
         up = [i for i, r in self.records.items() if r.state in (LAUNCHING, RUNNING)]
         count = self.target - len(up)
-        if count <= 0:
-            return []
+        return self._start(count, journal_first, "launch") if count > 0 else []
+
+    def _start(self, count: int, journal_first: Any, tag: str) -> list[int]:
+        """Records for ``count`` new servers (new ids), journaled before their processes start."""
         first = max(self.records, default=-1) + 1
         new = list(range(first, first + count))
         for i in new:
             self.records[i] = ServerRecord(i)
         journal_first()
         self._seq += 1
-        self.backend.launch([self.node_spec(i) for i in new], f"{self.spec.job_id}-ps-launch-{self._seq}")
+        self.backend.launch([self.node_spec(i) for i in new], f"{self.spec.job_id}-ps-{tag}-{self._seq}")
         return new
 
     def wanted(self) -> list[int]:
@@ -372,14 +374,10 @@ class Servers:
         move in flight is void (the restore loads every server of the map anyway)."""
         self.lost = why
         new = max(self.records) + 1
-        self.records[new] = ServerRecord(new)
         self.shard_map = [new if i == lost else i for i in self.shard_map]
         if self.move is not None:
             self.move.void = f"parameter server {lost} was lost during the move"
-        journal_first()
-        self._seq += 1
-        self.backend.launch([self.node_spec(new)], f"{self.spec.job_id}-ps-replace-{self._seq}")
-        return new
+        return self._start(1, journal_first, "replace")[0]
 
     def node_spec(self, server_id: int) -> NodeSpec:
         spec = self.spec
