@@ -283,12 +283,16 @@ class Persister:
                 return
 
     def persist(self, index: int) -> bool:
-        """Write slot ``index`` to disk if it holds a READY snapshot; whether it did (or failed)."""
+        """Write slot ``index`` to disk if it holds a READY snapshot; whether it did (or failed).
+
+        The slot's lock is released before the outcome is announced, so that a saver told
+        "persisted" finds the slot free for its next snapshot."""
         path = slot_path(self.shm_dir, self.name, index)
         try:
             fd = os.open(path, os.O_RDWR)
         except OSError:
             return False
+        written: Path | None = None
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)  # waits while the saver fills it
             size = os.fstat(fd).st_size
@@ -305,28 +309,29 @@ class Persister:
                     time.sleep(self.delay)
                 start = time.perf_counter()
                 try:
-                    final, crc = write_checkpoint(buf, head, self.directory)
+                    written, crc = write_checkpoint(buf, head, self.directory)
                 except OSError as exc:
                     with memoryview(buf)[HEADER_BYTES:HEADER_BYTES + head.payload_len] as payload:
                         crc = zlib.crc32(payload)
                     _CRC.pack_into(buf, CRC_AT, crc, 1)
                     set_state(buf, FAILED)
-                    self.emit(event="problem", step=head.step, slot=index,
-                              error=f"cannot persist step {head.step} to {self.directory}: {exc}")
-                    return True
-                _CRC.pack_into(buf, CRC_AT, crc, 1)
-                set_state(buf, PERSISTED)
-                self.emit(event="persisted", step=head.step, slot=index, path=str(final),
-                          seconds=round(time.perf_counter() - start, 6), bytes=head.payload_len)
-                if self.keep:
-                    pruned = prune(self.directory, self.keep, final)
-                    if pruned:
-                        self.emit(event="pruned", steps=pruned)
-                return True
+                    outcome = dict(event="problem", step=head.step, slot=index,
+                                   error=f"cannot persist step {head.step} to {self.directory}: {exc}")
+                else:
+                    _CRC.pack_into(buf, CRC_AT, crc, 1)
+                    set_state(buf, PERSISTED)
+                    outcome = dict(event="persisted", step=head.step, slot=index, path=str(written),
+                                   seconds=round(time.perf_counter() - start, 6), bytes=head.payload_len)
             finally:
                 buf.close()
         finally:
             os.close(fd)  # releases the lock
+        self.emit(**outcome)
+        if written is not None and self.keep:
+            pruned = prune(self.directory, self.keep, written)
+            if pruned:
+                self.emit(event="pruned", steps=pruned)
+        return True
 
     def remove_slots(self) -> None:
         for index, step, path in remove_slots(self.shm_dir, self.name, self.slots):
