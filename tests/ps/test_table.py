@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tidal.ps.api import PSError, TableSpec, initial_rows, mix64, virtual_shard
+from tidal.ps.api import PSError, TableSpec, initial_rows, virtual_shard
 from tidal.ps.table import DynamicTable
 
 STEPS = 5
@@ -308,23 +308,20 @@ def test_export_by_shard_and_drop_shards_partition_the_rows() -> None:
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
-def sharing_a_start_cell(count: int, capacity: int, seed: int = 0) -> list[int]:
-    """``count`` ids whose probes start at one cell of an index of ``capacity`` cells: the
-    longest chains and the most ids meeting at one free cell that a batch can make."""
+def crowded(count: int, seed: int = 0) -> list[int]:
+    """``count`` distinct ids packed around one random point, with gaps of 1 and 2: neighbours
+    that a binary search must tell apart, and absent ids between held ones."""
     g = np.random.default_rng(seed)
-    ids = g.integers(INT64_MIN, INT64_MAX, 4 * capacity * count, dtype=np.int64, endpoint=True)
-    cells = (mix64(ids.view(np.uint64)) & np.uint64(capacity - 1)).astype(np.int64)
-    crowd = ids[cells == np.bincount(cells).argmax()][:count].tolist()
-    assert len(crowd) == count
-    return crowd
+    base = int(g.integers(-(2**40), 2**40))
+    return sorted({base + 3 * k + int(g.integers(0, 2)) for k in range(count)})
 
 
 def awkward_ids(seed: int) -> list[int]:
     """Distinct ids at the edges of int64, negative ids, ids that differ only in high bits, and
-    ids that share the first cell of a small index."""
+    ids packed together."""
     edges = [INT64_MIN, INT64_MIN + 1, -1, 0, 1, INT64_MAX - 1, INT64_MAX]
     high_bits = [k << 40 for k in range(-64, 64) if k] + [(k << 56) | 5 for k in range(-128, 128)]
-    return [*edges, *high_bits, *sharing_a_start_cell(24, 64, seed)]
+    return [*edges, *high_bits, *crowded(24, seed)]
 
 
 def check_slots(table: DynamicTable, ref: dict[int, int], probe: list[int]) -> None:
@@ -361,37 +358,38 @@ def test_the_index_agrees_with_a_dict_over_many_random_batches() -> None:
 
 def test_ids_meeting_at_one_cell_in_one_batch_each_get_their_own_slot() -> None:
     spec = TableSpec("x", 3, optimizer="adagrad", lr=0.1)
-    crowd = sharing_a_start_cell(30, 64)
+    crowd = crowded(30)
     table = DynamicTable(spec)
     table.apply(torch.tensor(crowd[:20], dtype=torch.int64), torch.ones(20, 3))
     table.apply(torch.tensor(crowd[10:], dtype=torch.int64), torch.ones(20, 3))
     ref = {i: n for n, i in enumerate(crowd)}
-    check_slots(table, ref, [*crowd, *sharing_a_start_cell(10, 64, seed=1)])
+    check_slots(table, ref, [*crowd, *[i + 1 for i in crowd], *crowded(10, seed=1)])
     steps = {i: 2 if 10 <= n < 20 else 1 for n, i in enumerate(crowd)}
     out = table.export()
     want_sum = torch.tensor([float(steps[i]) for i in out["ids"].tolist()])[:, None].expand(-1, 3)
     assert torch.equal(out["sum"], want_sum)
 
 
-def test_the_index_grows_past_several_doublings() -> None:
+def test_the_index_stays_right_across_merges_of_its_two_levels() -> None:
+    """Batches small and large: new ids go to the recent level, which merges into the main one
+    past its bound; every lookup matches a dict's before and after each merge."""
     spec = TableSpec("x", 1, optimizer="sgd")
     table = DynamicTable(spec, capacity=1)
     g = np.random.default_rng(3)
     ids = np.unique(g.integers(INT64_MIN, INT64_MAX, 40_000, dtype=np.int64, endpoint=True))
     g.shuffle(ids)
     ref: dict[int, int] = {}
-    start, sizes = 0, [1, 1, 5, 30, 31, 64, 200, 1000, 7, 5000, 20_000]
-    capacities = []
+    start, sizes = 0, [1, 1, 5, 30, 31, 64, 200, 1000, 7, 1500, 5000, 20_000, 3]
+    merged = []
     for size in sizes:
         batch = ids[start:start + size].tolist()
         start += size
         ref.update({i: len(ref) + n for n, i in enumerate(batch)})
         table.apply(torch.tensor(batch, dtype=torch.int64), torch.zeros(len(batch), 1))
-        capacities.append(table._index.capacity)
-        assert table._index.size == len(ref) and table._index.capacity >= 2 * len(ref)
+        merged.append(len(table._index._main[0]))
+        assert table._index.size == len(ref)
         check_slots(table, ref, ids[:start + 500].tolist())  # with 500 ids not stored yet
-    assert capacities[0] == 64 and capacities[-1] >= 64 * 2**9
-    assert all(c & (c - 1) == 0 for c in capacities)
+    assert merged[0] == 0 and 0 < merged[-1] < len(ref) and len(set(merged)) >= 3  # merged more than once
 
 
 def test_reads_of_unknown_ids_give_initial_rows_and_store_nothing_in_a_full_index() -> None:
@@ -400,8 +398,9 @@ def test_reads_of_unknown_ids_give_initial_rows_and_store_nothing_in_a_full_inde
     stored = torch.tensor(awkward_ids(2), dtype=torch.int64)
     table.apply(stored, torch.ones(stored.numel(), 4))
     before = table.export()
-    index = (table._index.size, table._index.capacity)
-    unknown = torch.tensor([*sharing_a_start_cell(40, index[1], seed=5), 12345, -12345], dtype=torch.int64)
+    held = table._index.size
+    unknown = torch.tensor([*[i + 1 for i in crowded(24, seed=2)], *crowded(40, seed=5), 12345, -12345],
+                           dtype=torch.int64)
     assert not set(unknown.tolist()) & set(stored.tolist())
     assert (table.slots(unknown) == -1).all()
     assert torch.equal(table.read(unknown), initial_rows(spec, unknown))
@@ -410,7 +409,7 @@ def test_reads_of_unknown_ids_give_initial_rows_and_store_nothing_in_a_full_inde
     assert torch.equal(rows[:unknown.numel()], initial_rows(spec, unknown))
     assert torch.equal(rows[unknown.numel():], table.read(stored))
     assert not torch.equal(table.read(stored), initial_rows(spec, stored))  # trained
-    assert table.rows == stored.numel() and (table._index.size, table._index.capacity) == index
+    assert table.rows == stored.numel() and table._index.size == held
     for name, value in table.export().items():
         assert torch.equal(value, before[name]), name
     assert table.slots(torch.tensor([], dtype=torch.int64)).shape == (0,)

@@ -5,10 +5,9 @@ value (``tidal.ps.api.initial_rows``) without storing it, so memory grows with t
 has trained, as in production tables (DLRover-RM 2.2), and a step that is rolled back leaves no
 row behind. Rows and state live in float32 tensors grown by doubling, a row at its slot.
 
-The id -> slot index (``IdIndex``) is an open-addressing hash table in numpy arrays, looked up
-and filled a whole batch at a time: a server's request holds thousands of ids, and a dict looked
-up one Python int at a time took most of the request's time (2-3 ms for 4,000 ids on 2 cores,
-against 0.4 ms).
+The id -> slot index (``IdIndex``) is two sorted numpy arrays searched a whole batch at a time:
+a server's request holds thousands of ids, and a dict looked up one Python int at a time took
+most of the request's time (2-3 ms for 4,000 ids on 2 cores, against 0.4 ms).
 
 The optimizers update only the rows of a step's gradient and are elementwise, so a row's value
 depends on its own history alone: the same on any server and in any shard map. Adagrad follows
@@ -18,12 +17,13 @@ depends on its own history alone: the same on any server and in any shard map. A
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 import torch
 
-from tidal.ps.api import PSError, TableSpec, initial_rows, mix64, virtual_shard
+from tidal.ps.api import PSError, TableSpec, initial_rows, virtual_shard
 
 _STATE = {"sgd": (), "adagrad": ("sum",), "adam": ("exp_avg", "exp_avg_sq")}
 
@@ -165,7 +165,7 @@ class DynamicTable:
                 self.steps[:n] = self.steps.index_select(0, keep)
                 self.steps[n:self.rows] = 0
             self.rows = n
-            self._index = IdIndex(self._ids[:n], self._index.capacity)
+            self._index = IdIndex(self._ids[:n])
         return dropped
 
     def _in_shards(self, shards: list[int], num_shards: int) -> np.ndarray:
@@ -211,82 +211,53 @@ class DynamicTable:
 
 
 class IdIndex:
-    """id -> slot for int64 ids (any value): an open-addressing hash table in numpy arrays.
+    """id -> slot for int64 ids (any value): sorted numpy arrays, looked up with ``searchsorted``.
 
-    Cell ``c`` maps ``keys[c]`` to ``slots[c]``; ``slots[c] == -1`` marks an empty cell (so no id
-    value is reserved). The capacity is a power of two, at least twice the ids held (load <= 1/2;
-    doubled and rehashed past it). An id's probe sequence starts at the cell of its splitmix64
-    hash and steps 1, 2, 3... cells on (triangular numbers: it visits every cell); it ends at the
-    id's cell or at the first empty one. Probes run for a whole batch at once, one numpy pass per
-    step over the ids still probing (about 15 passes for thousands of ids at load 1/2, most of
-    them over a few ids). Ids are only ever added: the table rebuilds the index to forget some.
+    Two levels, as a log-structured index: a large sorted ``main`` and a small sorted ``recent``
+    that new ids go into; ``recent`` is merged into ``main`` once it holds more than
+    ``max(2048, 16 * sqrt(len(main)))`` ids, so adding costs O(len(recent)) a batch plus an
+    amortised O(sqrt(n)) copies an id, and a lookup is two binary searches of a whole batch
+    (two numpy calls, not one pass per probe step: an open-addressing hash table probed a batch
+    at a time took 7 passes at load 1/2, 2-3x longer). Ids are only ever added: the table
+    rebuilds the index to forget some.
     """
 
-    def __init__(self, ids: np.ndarray | None = None, capacity: int = 64) -> None:
-        """An index of ``ids`` (distinct) at slots ``0..len(ids)-1``, of ``capacity`` cells at least."""
-        n = 0 if ids is None else len(ids)
-        self._allocate(max(capacity, _cells_for(n)))
-        if ids is not None:
-            self.add(ids, np.arange(n, dtype=np.int64))
+    def __init__(self, ids: np.ndarray | None = None) -> None:
+        """An index of ``ids`` (distinct) at slots ``0..len(ids)-1``."""
+        empty = np.empty(0, dtype=np.int64)
+        self._main = (empty, empty)
+        self._recent = (empty, empty)
+        if ids is not None and len(ids):
+            self._main = _sorted(np.asarray(ids, dtype=np.int64), np.arange(len(ids), dtype=np.int64))
 
     @property
-    def capacity(self) -> int:
-        return len(self._keys)
+    def size(self) -> int:
+        return len(self._main[0]) + len(self._recent[0])
 
     def find(self, ids: np.ndarray) -> np.ndarray:
         """The slot of each id (a new int64 array), -1 where it is not held."""
-        return self._slots.take(self._probe(ids))
+        out = np.full(len(ids), -1, dtype=np.int64)
+        for keys, slots in (self._main, self._recent):
+            if len(keys):
+                at = np.searchsorted(keys, ids)
+                np.minimum(at, len(keys) - 1, out=at)
+                hit = np.flatnonzero(keys.take(at) == ids)
+                out[hit] = slots.take(at.take(hit))
+        return out
 
     def add(self, ids: np.ndarray, slots: np.ndarray) -> None:
         """Map ``ids`` (none held yet) to ``slots``; an id repeated in ``ids`` gets one of its slots."""
-        if _cells_for(self.size + len(ids)) > self.capacity:
-            held = np.flatnonzero(self._slots >= 0)
-            old_ids, old_slots = self._keys[held], self._slots[held]
-            self._allocate(_cells_for(self.size + len(ids)))
-            self._place(old_ids, old_slots)
-        self._place(ids, slots)
-
-    def _allocate(self, capacity: int) -> None:
-        self._keys = np.zeros(capacity, dtype=np.int64)
-        self._slots = np.full(capacity, -1, dtype=np.int64)
-        self.size = 0
-
-    def _probe(self, ids: np.ndarray) -> np.ndarray:
-        """The cell where each id's probe sequence ends: its own, or the first empty one."""
-        mask = self.capacity - 1
-        cell = (mix64(ids.view(np.uint64)) & np.uint64(mask)).view(np.int64)
-        end = cell.copy()
-        pending = np.arange(len(ids))  # positions in ``ids`` still probing
-        step = 0
-        while pending.size:
-            more = np.flatnonzero((self._slots.take(cell) >= 0) & (self._keys.take(cell) != ids))
-            pending, ids, cell = pending.take(more), ids.take(more), cell.take(more)
-            step += 1
-            cell = (cell + step) & mask
-            end[pending] = cell
-        return end
-
-    def _place(self, ids: np.ndarray, slots: np.ndarray) -> None:
-        claim = np.arange(len(ids))
-        while ids.size:
-            cell = self._probe(ids)
-            # a probe ending at a held cell is an id repeated in ``ids``, placed by an earlier pass
-            vacant = np.flatnonzero(self._slots.take(cell) < 0)
-            ids, slots, cell, claim = ids.take(vacant), slots.take(vacant), cell.take(vacant), claim.take(vacant)
-            # ids whose probes end at one empty cell each write their number there; the one read
-            # back takes the cell, the others probe again (past it)
-            self._slots[cell] = claim
-            won = self._slots.take(cell) == claim
-            self._keys[cell[won]] = ids[won]
-            self._slots[cell[won]] = slots[won]
-            self.size += int(won.sum())
-            lost = ~won
-            ids, slots, claim = ids[lost], slots[lost], claim[lost]
+        keys, values = _sorted(np.concatenate([self._recent[0], ids]), np.concatenate([self._recent[1], slots]))
+        if len(keys) > max(2048, 16 * math.isqrt(len(self._main[0]))):
+            keys, values = _sorted(np.concatenate([self._main[0], keys]), np.concatenate([self._main[1], values]))
+            self._main, keys, values = (keys, values), keys[:0], values[:0]
+        self._recent = (keys, values)
 
 
-def _cells_for(ids: int) -> int:
-    """The capacity (a power of two, 64 at least) for ``ids`` at load 1/2 at most."""
-    return max(64, 1 << (2 * ids - 1).bit_length())
+def _sorted(keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``keys`` sorted (one of each: the first of a repeated key) and their ``values``."""
+    keys, first = np.unique(keys, return_index=True)
+    return keys, values.take(first)
 
 
 def _grown(t: torch.Tensor, rows: int) -> torch.Tensor:
