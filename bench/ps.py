@@ -17,13 +17,15 @@ Both sides are ``tidal run`` jobs of examples/ctr/train.py (unchanged, no stampi
   tables (one per sparse field) of 2^24 ids x 16 float32 each on 2 parameter-server processes,
   rows created when first trained, Adam on the servers; the dense MLPs all-reduced between the
   workers;
-* replicated: ``tidal run ... examples/ctr/train.py`` without ``--ps``: every worker holds the
-  8 ``nn.Embedding`` tables and their Adam state, and all-reduces their (dense) gradient with the
-  MLPs'. The example has no hash-size option for this path and is not changed for the bench, so
-  the tables have the example's default 1,000 rows: at 2^24 rows they would not fit (8 x 2^24 x 16
-  float32 = 8 GiB of weights, 24 GiB with Adam's two moments, 32 GiB with the dense gradient, in
-  every worker: the bench prints the arithmetic next to the machine's RAM). The replicated
-  figure is therefore the best case of replication (tiny tables), not a peer at equal size;
+* replicated: ``tidal run ... examples/ctr/train.py --table-rows N`` without ``--ps``: every
+  worker holds the 8 ``nn.Embedding`` tables of N rows and their Adam state, and all-reduces
+  their (dense) gradient with the MLPs'. The headline is at the example's default N = 1,000: the
+  data's 10,000 raw categories per field then share rows ~10 to one (a smaller model than the
+  servers', whose 2^24 ids keep every category apart). At 2^24 rows replication does not fit (8 x
+  2^24 x 16 float32 = 8 GiB of weights, 24 GiB with Adam's two moments, 32 GiB with the dense
+  gradient, in every worker: the bench prints the arithmetic next to the machine's RAM), so
+  ``--replicated-rows`` also runs it at 2^14 (categories nearly apart), 2^17 and 2^20 rows, once
+  each, on fewer samples past 2^14 (``sweep_samples``): where replication stops being cheaper;
 * torchrec: not measured when ``import torchrec`` fails (it is not installed here: it does not
   install with torch 2.13 CPU); the bench installs nothing.
 
@@ -148,6 +150,7 @@ FIELDS = 8  # the example's sparse fields: one table each
 EMB_DIM = int(MODEL_SIZES["small"]["emb_dim"])  # type: ignore[call-overload]
 REPLICATED_ROWS = 1000  # DLRM's and ClickDataset's default hash_size: the example's non-ps tables
 PS_HASH_SIZE = 2**24
+CATEGORIES = 10_000  # ClickDataset's default cardinality: raw categories per sparse field
 SAMPLE_EVERY = 0.2  # seconds between RSS samples
 STATUS_EVERY = 1.0  # seconds between status polls (the servers report their rows every second)
 MIB = 1 << 20
@@ -242,14 +245,20 @@ def _summary_metric(log: str, name: str) -> float:
     return float(found[-1])
 
 
-def run_job(work: Path, ps: bool, args: argparse.Namespace) -> dict[str, Any]:
-    """One ``tidal run`` of the example to its end: its samples/s and peak RSS per role."""
-    train = [SCRIPT, "--samples", str(args.samples), "--epochs", "1", "--batch-size", str(args.batch_size),
+def run_job(work: Path, ps: bool, args: argparse.Namespace, table_rows: int = REPLICATED_ROWS,
+            samples: int | None = None) -> dict[str, Any]:
+    """One ``tidal run`` of the example to its end: its samples/s and peak RSS per role.
+    ``table_rows``: rows of each replicated table (without ``ps``); ``samples``: the epoch's
+    (default ``--samples``)."""
+    samples = samples or args.samples
+    train = [SCRIPT, "--samples", str(samples), "--epochs", "1", "--batch-size", str(args.batch_size),
              "--log-every", "0"]
     opts = [*RUN_OPTS, "--workers", str(args.workers)]
     if ps:
         opts += ["--ps", str(args.servers)]
         train += ["--ps", "--ps-hash-size", str(args.ps_hash_size)]
+    else:
+        train += ["--table-rows", str(table_rows)]
     argv = [TIDAL, "run", "-q", "--job-dir", str(work / "job"), *opts, *train]
     log = work / "tidal.log"
     t0 = time.monotonic()
@@ -274,11 +283,19 @@ def run_job(work: Path, ps: bool, args: argparse.Namespace) -> dict[str, Any]:
         raise RuntimeError(f"expected {args.workers} workers and {args.servers if ps else 0} servers under the job, "
                            f"saw {monitor.count('worker')} and {monitor.count('server')}")
     train_s = _summary_metric(text, "train_seconds")
-    return {"samples_per_s": args.samples / train_s, "train_s": train_s, "steps": int(_summary_metric(text, "steps")),
+    return {"samples_per_s": samples / train_s, "samples": samples, "train_s": train_s, "steps": int(_summary_metric(text, "steps")),
             "auc": _summary_metric(text, "auc"), "wall_s": wall,
             "worker_mb": monitor.peak_mb("worker"), "server_mb": monitor.peak_mb("server"),
-            "rows": monitor.rows if ps else FIELDS * REPLICATED_ROWS, "server_bytes": monitor.bytes,
+            "rows": monitor.rows if ps else FIELDS * table_rows, "server_bytes": monitor.bytes,
             "cpu_s": {role: round(monitor.cpu(role), 2) for role in ("worker", "server", "master")}}
+
+
+def sweep_samples(args: argparse.Namespace, rows: int) -> int:
+    """The epoch of the replicated peer at ``rows`` rows a table: ``--samples`` up to 2^14 rows,
+    fewer past it (a step's all-reduce and Adam grow with the tables: at 2^20 rows a step takes
+    ~2 s here), at least 10 steps of every worker."""
+    shrink = max(1, rows // 2**14)
+    return max(10 * args.batch_size * args.workers, args.samples // shrink)
 
 
 def torchrec_status() -> str | None:
@@ -557,6 +574,18 @@ def measure_throughput(args: argparse.Namespace, base: Path) -> tuple[dict[str, 
     def med(kind: str, key: str) -> float:
         return median([r[key] for r in results[kind] if r[key] is not None])
 
+    sweep = []  # the replicated peer at larger tables: where the servers overtake it
+    for rows in args.replicated_rows:
+        if rows == REPLICATED_ROWS:
+            continue
+        samples = sweep_samples(args, rows)
+        loads.append(load_average())
+        r = run_job(base / f"replicated-{rows}", False, args, table_rows=rows, samples=samples)
+        sweep.append({"rows": rows, "samples": samples, "samples_per_s": round(r["samples_per_s"], 1),
+                      "worker_mb": round(r["worker_mb"], 1), "load": round(loads[-1], 2)})
+        print(f"replicated at {rows:,} rows: {r['samples_per_s']:,.0f} samples/s ({samples:,} samples), worker "
+              f"peak {r['worker_mb']:.0f} MB (load {loads[-1]:.2f})", file=sys.stderr, flush=True)
+
     ps_rate, rep_rate = med("tidal_ps", "samples_per_s"), med("replicated", "samples_per_s")
     ram_mb = psutil.virtual_memory().total / MIB
     weights_mb = FIELDS * args.ps_hash_size * EMB_DIM * 4 / MIB  # the tables at the servers' size, float32
@@ -572,7 +601,9 @@ def measure_throughput(args: argparse.Namespace, base: Path) -> tuple[dict[str, 
     }
     ps_rows = int(med("tidal_ps", "rows"))
     out = {
-        "throughput": {"tidal_ps": round(ps_rate, 1), "replicated": round(rep_rate, 1), "torchrec": None},
+        "throughput": {"tidal_ps": round(ps_rate, 1), "replicated": round(rep_rate, 1), "torchrec": None,
+                       "replicated_by_rows": [{"rows": REPLICATED_ROWS, "samples_per_s": round(rep_rate, 1)},
+                                              *sweep]},
         "memory_mb": memory,
         "config": {"samples": args.samples, "servers": args.servers, "replicated_hash_size": REPLICATED_ROWS,
                    "tables": FIELDS, "emb_dim": EMB_DIM, "ps_rows_held": ps_rows,
@@ -585,14 +616,18 @@ def measure_throughput(args: argparse.Namespace, base: Path) -> tuple[dict[str, 
                                 f"with Adam, RAM {ram_mb / 1024:.1f} GiB)"},
     }
     cap = FIELDS * args.ps_hash_size
-    rows = [["config", "samples/s", "ratio vs replicated", "worker peak RSS MB", "server peak RSS MB",
+    rows = [["config", "samples/s", "tidal_ps vs this", "worker peak RSS MB", "server peak RSS MB",
              "table rows held"],
             [f"tidal_ps ({args.servers} servers, {FIELDS} x 2^{args.ps_hash_size.bit_length() - 1} ids)",
-             f"{ps_rate:,.0f}", f"{ps_rate / rep_rate:.2f}x", f"{memory['tidal_ps_worker_peak']:.0f}",
+             f"{ps_rate:,.0f}", "-", f"{memory['tidal_ps_worker_peak']:.0f}",
              f"{memory['tidal_ps_server_peak']:.0f}", f"{ps_rows:,} on the servers (of {cap:,})"],
-            [f"replicated ({FIELDS} x {REPLICATED_ROWS} rows per worker)", f"{rep_rate:,.0f}", "1.00x",
+            [f"replicated ({FIELDS} x {REPLICATED_ROWS:,} rows per worker)", f"{rep_rate:,.0f}",
+             f"{ps_rate / rep_rate:.2f}x",
              f"{memory['replicated_worker_peak']:.0f}", "-",
              f"{FIELDS * REPLICATED_ROWS:,} in each of {args.workers} workers"],
+            *[[f"replicated ({FIELDS} x {w['rows']:,} rows per worker)", f"{w['samples_per_s']:,.0f}",
+               f"{ps_rate / w['samples_per_s']:.2f}x", f"{w['worker_mb']:.0f}", "-",
+               f"{FIELDS * w['rows']:,} in each of {args.workers} workers ({w['samples']:,} samples)"] for w in sweep],
             ["torchrec", "-", "-", "-", "-", f"{torchrec_why}" if torchrec_why else "(importable, not measured yet)"]]
     lines = [table(rows), ""]
     ps_runs = ", ".join(f"{r['samples_per_s']:,.0f}" for r in results["tidal_ps"])
@@ -611,6 +646,11 @@ def measure_throughput(args: argparse.Namespace, base: Path) -> tuple[dict[str, 
                  f"machine: does not fit")
     if torchrec_why:
         lines.append(f"torchrec: {torchrec_why}")
+    ahead = [w["rows"] for w in sweep if ps_rate > w["samples_per_s"]]
+    lines.append(f"the example's data has {CATEGORIES:,} raw categories per field: replicated tables of "
+                 f"{REPLICATED_ROWS:,} rows merge them ~10 to a row (a smaller model), the servers' 2^"
+                 f"{args.ps_hash_size.bit_length() - 1} ids keep every one apart; tidal_ps is ahead of the "
+                 + (f"replicated peer from {min(ahead):,} rows per table on" if ahead else "replicated peer at no size measured"))
     lines.append(f"throughput: {args.workers} workers, batch {args.batch_size}, {args.samples:,} samples, 1 epoch, "
                  f"{args.rounds} rounds (medians), no emulated device time")
     return out, lines
@@ -821,6 +861,16 @@ def measure_hot(args: argparse.Namespace, base: Path) -> tuple[dict[str, Any], l
     return out, lines
 
 
+def _rows_list(text: str) -> list[int]:
+    try:
+        rows = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated row counts, got {text!r}") from None
+    if not rows or min(rows) < 1:
+        raise argparse.ArgumentTypeError(f"expected row counts >= 1, got {text!r}")
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 epilog="See the module's docstring for what is measured and how.")
@@ -837,6 +887,10 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--servers", type=int, default=2, help="parameter servers of the tidal_ps throughput side")
     p.add_argument("--ps-hash-size", type=int, default=PS_HASH_SIZE, help="ids per table on the servers")
+    p.add_argument("--replicated-rows", type=_rows_list, default=[REPLICATED_ROWS, 2**14, 2**17, 2**20],
+                   metavar="N,N,...", help="throughput: rows per table of the replicated peer, one run each past "
+                                           f"the first (default {REPLICATED_ROWS},16384,131072,1048576); the "
+                                           f"ratio headline is at {REPLICATED_ROWS}")
     p.add_argument("--pause-samples", type=int, default=1_000_000,
                    help="pause: the job's samples (it is stopped once its changes are measured)")
     p.add_argument("--step-sleep", type=float, default=0.1,

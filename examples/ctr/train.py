@@ -97,6 +97,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ps-hash-size", type=int, default=2**24, metavar="N",
                    help="with --ps: ids per table (raw categories hash into N buckets; default 2^24, too large "
                         "to replicate in every worker)")
+    p.add_argument("--table-rows", type=int, default=1000, metavar="N",
+                   help="without --ps: rows of each replicated embedding table (raw categories hash into N "
+                        "buckets; every worker holds every table and all-reduces its dense gradient)")
     p.add_argument("--ps-optimizer", choices=["adam", "adagrad", "sgd"], default="adam",
                    help="with --ps: the tables' optimizer, run on the servers (lr: --lr)")
     p.add_argument("--ps-async", action="store_true",
@@ -104,6 +107,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "arrival, without waiting for the others (at least once under failures; see "
                         "tidal.ps.embedding); default: sync, exactly once and the same model on any layout")
     args = p.parse_args(argv)
+    for name in ("table_rows", "ps_hash_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
     args.device_ms_per_step += args.step_sleep * 1e3  # the alias; args.step_sleep stays for its readers
     return args
 
@@ -160,10 +166,10 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     job = tidal.worker.init(logical_workers=args.logical_workers, checkpoint_dir=args.checkpoint_dir)
     torch.manual_seed(args.seed)
-    hashing = {"hash_size": args.ps_hash_size} if args.ps else {}
+    hashing = {"hash_size": args.ps_hash_size if args.ps else args.table_rows}
     train = ClickDataset(args.samples, seed=args.seed, **hashing)
     device = pick_device(args.device)
-    model = DLRM(**MODEL_SIZES[args.model_size], tables=not args.ps).to(device)  # type: ignore[arg-type]
+    model = DLRM(**MODEL_SIZES[args.model_size], hash_size=args.table_rows, tables=not args.ps).to(device)  # type: ignore[arg-type]
     tables = server_tables(args, job)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     state = job.state(model, optimizer)
@@ -178,7 +184,8 @@ def main(argv: list[str] | None = None) -> None:
 
     stream = args.stream or os.environ.get("TIDAL_STREAM_URL")
     if stream:  # online training: records of `tidal produce`, the same samples as the dataset's
-        loader = job.loader(stream=stream, batch_size=args.batch_size, decode=ClickRecords(args.seed).decode)
+        records = ClickRecords(args.seed, hash_size=args.table_rows)
+        loader = job.loader(stream=stream, batch_size=args.batch_size, decode=records.decode)
     else:
         loader = job.loader(train, batch_size=args.batch_size, epochs=args.epochs, seed=args.seed)
     t0, seen, logged = time.monotonic(), 0, -1

@@ -390,6 +390,8 @@ class ServerReport(_Wire):
     requests_per_s: float = Field(default=0.0, ge=0, le=1e9)
     busy: float = Field(default=0.0, ge=0, le=1)  # share of the last interval spent serving
     latency_ms: float = Field(default=0.0, ge=0, le=1e9)  # mean time serving one request, last interval
+    cpu: float = Field(default=0.0, ge=0, le=1e4)  # cores the process used over the last interval
+    rss_bytes: int = Field(default=0, ge=0, le=_I64)  # the process's resident memory
     shard_hits: list[int] = Field(default_factory=list, max_length=1 << 16)  # rows pulled per virtual shard, so far
 
 
@@ -407,6 +409,8 @@ class ServerInfo(_Wire):
     requests_per_s: float = 0.0
     busy: float = 0.0
     latency_ms: float = 0.0
+    cpu: float = 0.0
+    rss_bytes: int = 0
     exit_code: int | None = None
 
 

@@ -808,7 +808,8 @@ def _render_status(st: StatusResponse) -> None:
     for v in st.servers:
         console.print(f"parameter server {v.id}: pid {v.pid}, {v.state}, {v.address or 'not registered'}, "
                       f"{v.shards} shards, {v.rows} rows, {v.bytes / 2**20:.1f} MiB, step {v.applied_step}, "
-                      f"{v.requests_per_s:.0f} requests/s ({v.latency_ms:.1f} ms each), busy {v.busy:.0%}"
+                      f"{v.requests_per_s:.0f} requests/s ({v.latency_ms:.1f} ms each), busy {v.busy:.0%}, "
+                      f"{v.cpu:.2f} cores, RSS {v.rss_bytes / 2**20:.0f} MiB"
                       + ("" if v.exit_code is None else f", exit {v.exit_code}"), markup=False, highlight=False)
     table = Table("worker", "pid", "state", "rank", "step", "samples/s", "straggler", "exit")
     for w in st.workers:

@@ -159,6 +159,10 @@ def _servers(master: JobMaster) -> Iterator[Metric]:
                            labels=["server"]), "busy"),
         (GaugeMetricFamily("tidal_ps_request_ms", "A parameter server's mean time serving one request, last second.",
                            labels=["server"]), "latency_ms"),
+        (GaugeMetricFamily("tidal_ps_cpu_cores", "Cores a parameter server's process used, last second.",
+                           labels=["server"]), "cpu"),
+        (GaugeMetricFamily("tidal_ps_rss_bytes", "A parameter server process's resident memory.",
+                           labels=["server"]), "rss_bytes"),
     ]
     held = GaugeMetricFamily("tidal_ps_shards", "Virtual shards the shard map gives a parameter server.",
                              labels=["server"])

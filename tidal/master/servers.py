@@ -62,7 +62,7 @@ from tidal.master.fleet import last_log_line
 log = logging.getLogger(__name__)
 
 LAUNCHING, RUNNING, RETIRING, EXITED = "launching", "running", "retiring", "exited"
-LOAD = {"rows", "bytes", "applied_step", "requests_per_s", "busy", "latency_ms"}  # what ServerInfo shows of a report
+LOAD = {"rows", "bytes", "applied_step", "requests_per_s", "busy", "latency_ms", "cpu", "rss_bytes"}  # what ServerInfo shows of a report
 MOVE_TIMEOUT_S = 120.0  # per request of a move (a page of rows)
 WINDOW_REPORTS = 64  # a server's reports kept for the hot-PS planner (one a second; it reads the last 5 s)
 

@@ -423,14 +423,23 @@ def _req_of(body: list[Any]) -> Any:
     return req if isinstance(req, int) else None
 
 
+def _rss_bytes() -> int:
+    """This process's resident memory (0 where /proc is not there)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def _reporter(server: ParameterServer, url: str, token: str, address: str) -> None:
     """Tell the master where this server listens, then its load, every REPORT_S (a thread)."""
     import httpx
 
     http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=10.0)
-    last_requests, last_busy, last_t = 0, 0.0, time.monotonic()
+    last_requests, last_busy, last_t, last_cpu = 0, 0.0, time.monotonic(), time.process_time()
     while True:
-        now = time.monotonic()
+        now, cpu = time.monotonic(), time.process_time()
         requests, busy = server.requests, server.busy_s
         stats = server.stats()
         served = requests - last_requests
@@ -439,8 +448,9 @@ def _reporter(server: ParameterServer, url: str, token: str, address: str) -> No
                 "latency_ms": round(1e3 * (busy - last_busy) / served, 3) if served else 0.0,
                 "requests_per_s": round((requests - last_requests) / max(now - last_t, 1e-9), 1),
                 "busy": round(min(1.0, (busy - last_busy) / max(now - last_t, 1e-9)), 3),
+                "cpu": round((cpu - last_cpu) / max(now - last_t, 1e-9), 3), "rss_bytes": _rss_bytes(),
                 "shard_hits": server.shard_hits.tolist()}
-        last_requests, last_busy, last_t = requests, busy, now
+        last_requests, last_busy, last_t, last_cpu = requests, busy, now, cpu
         try:
             resp = http.post("/v1/ps/report", json=body)
             if resp.status_code == 410:  # the job is over
