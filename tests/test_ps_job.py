@@ -175,10 +175,11 @@ def test_status_json_lists_the_servers(tmp_path: Path, jobs: list[Job]) -> None:
     servers = json.loads(out.stdout)["servers"]
     assert [s["id"] for s in servers] == [0, 1]
     for s in servers:
-        assert {"id", "pid", "rows", "bytes", "busy", "latency_ms"} <= set(s) and s["pid"] > 0
+        assert {"id", "pid", "rows", "bytes", "busy", "latency_ms", "cpu", "rss_bytes"} <= set(s) and s["pid"] > 0
     text = subprocess.run([TIDAL, "status", "--job-dir", str(job.dir)], capture_output=True, text=True, timeout=60)
     assert "parameter server 0" in text.stdout, text.stdout
-    job.wait_status(lambda s: all(v["rows"] > 0 for v in s["servers"]), 30, "server rows")
+    st = job.wait_status(lambda s: all(v["rows"] > 0 and v["rss_bytes"] > 0 for v in s["servers"]), 30, "server rows")
+    assert all(v["rss_bytes"] > 50 << 20 and v["cpu"] >= 0 for v in st["servers"]), st["servers"]  # torch is loaded
     info = job.info()
     metrics = httpx.get(info["url"] + "/metrics", timeout=5, headers={"Authorization": f"Bearer {info['token']}"}).text
     for server in ("0", "1"):
@@ -186,6 +187,7 @@ def test_status_json_lists_the_servers(tmp_path: Path, jobs: list[Job]) -> None:
         assert rows and float(rows.group(1)) > 0, metrics
         assert re.search(rf'^tidal_ps_shards{{server="{server}"}} 32.0$', metrics, re.M), metrics
         assert re.search(rf'^tidal_ps_request_ms{{server="{server}"}} \S+$', metrics, re.M), metrics
+        assert re.search(rf'^tidal_ps_cpu_cores{{server="{server}"}} \S+$', metrics, re.M), metrics
     if chromium.available():  # the dashboard lists the servers with their rows and shards
         with chromium.Browser(timeout=20) as browser:
             browser.navigate(f"{info['url']}/dashboard?token={info['token']}")

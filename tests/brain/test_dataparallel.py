@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tidal.api import JobObservation, ThroughputPoint, WorkerObservation
+from tidal.api import JobObservation, PSObservation, ThroughputPoint, WorkerObservation
 from tidal.brain import planners
 from tidal.brain.api import FitError, ThroughputConfig, ThroughputSample
 from tidal.brain.dataparallel import DLRoverRMWorkers, DLRoverWorkers, throughput_gain
@@ -78,6 +78,30 @@ def test_dlrover_feeds_the_cpus_from_one_workers_use() -> None:
                              workers=[WorkerObservation(worker_id=0, cpu_percent=40.0)], batch_size=BATCH)
     plan = planner.plan(sampled)
     assert plan.workers == 5 and "0.40 cores" in plan.reason  # floor(2 / 0.4)
+
+
+def test_dlrover_adds_workers_once_where_its_servers_idle() -> None:
+    """DLRover 4.2, idle PS CPU: past the adjust stage, servers using 0.6 of their 2 cores for 2
+    workers (0.3 a worker) have room for floor(2 / 0.3) = 6 workers; asked once, then held."""
+    planner = DLRoverWorkers(cpus=2.0)
+    planner.stage = "adjust"  # sample and optimize as in the test above
+    points = [ThroughputPoint(workers=w, samples_per_s=thp(w), seconds=5) for w in (1, 2)]
+
+    def obs(used: list[float]) -> JobObservation:
+        return JobObservation(job_id="j", min_workers=1, max_workers=8, current_workers=2, target_workers=2,
+                              throughput=points, batch_size=BATCH, ps=PSObservation(ps=2, ps_cpu=1, ps_cpu_used=used))
+
+    busy = planner.plan(obs([0.8, 0.7]))  # 1.5 of 2 cores: not idle
+    assert busy.workers == 2 and busy.reason == "adjusted"
+    plan = planner.plan(obs([0.35, 0.25]))
+    assert plan.workers == 6 and "idle PS CPU" in plan.reason and "0.60 of their 2 cores" in plan.reason
+    assert planner.plan(obs([0.35, 0.25])).workers == 2  # once: later decisions hold the count they see
+    capped = DLRoverWorkers(cpus=2.0)
+    capped.stage = "adjust"
+    assert capped.plan(obs([0.05, 0.05]).model_copy(update={"max_workers": 4})).workers == 4
+    no_ps = DLRoverWorkers(cpus=2.0)
+    no_ps.stage = "adjust"
+    assert no_ps.plan(obs([0.05]).model_copy(update={"ps": None})).reason == "adjusted"
 
 
 def test_a_decision_carries_the_model_it_rested_on() -> None:

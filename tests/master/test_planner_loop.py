@@ -182,3 +182,33 @@ def test_a_slow_planner_does_not_hold_up_the_master(tmp_path: Path) -> None:
         master.tick()
         clock.now += 1.0
     assert master.target == 3 and planner.calls == 1  # applied at a later tick, asked once meanwhile
+
+
+def test_a_job_with_servers_shows_the_planner_their_cores(tmp_path: Path) -> None:
+    """The observation of a ``--ps`` job carries the servers' reports (DLRover's idle-PS-CPU
+    and hot-PS rules read them): cores used, in shard-map order, and the largest RSS."""
+    from tidal.api import ServerReport
+
+    master, clock, _ = make_master(tmp_path, "1:4", ps=2)
+    planner = master.planning.planner = ScriptedPlanner()
+    master.target_override = None
+    master.tick()  # launches the servers
+    for sid, (cpu, rss) in enumerate([(0.25, 300 << 20), (0.5, 700 << 20)]):
+        master.server_report(ServerReport(server_id=sid, address=f"tcp://127.0.0.1:{4000 + sid}", pid=100 + sid,
+                                          cpu=cpu, rss_bytes=rss))
+    planner.workers = 3  # a change: a decision kept with its inputs
+    clock.now += 1.0
+    master.tick()
+    seen = planner.seen
+    assert seen is not None and seen.ps is not None
+    assert (seen.ps.ps, seen.ps.ps_cpu, seen.ps.ps_cpu_used) == (2, 1, [0.25, 0.5])
+    assert seen.ps.ps_mem_used_gb == (700 << 20) / 2**30
+    assert master.planning.decisions[-1].inputs["ps_cpu_used"] == [0.25, 0.5]
+
+
+def test_a_job_without_servers_shows_none(tmp_path: Path) -> None:
+    master, _, _ = make_master(tmp_path, "1:4")
+    planner = master.planning.planner = ScriptedPlanner()
+    master.target_override = None
+    master.tick()
+    assert planner.seen is not None and planner.seen.ps is None

@@ -498,7 +498,7 @@ class PlannerDecision(_Wire):
     from_workers: int
     to_workers: int
     reason: str
-    inputs: dict[str, float | int | str | list[list[float]]] = Field(default_factory=dict)
+    inputs: dict[str, float | int | str | list[float] | list[list[float]]] = Field(default_factory=dict)
     params: dict[str, float] = Field(default_factory=dict)
     model: str = ""
     error_pct: float | None = None

@@ -26,7 +26,10 @@ first decision after a change waits for a measurement of the change: the stabili
   worker, measure its CPU use ``w_hat`` (cores) and throughput. Optimize: the count the job's
   CPUs feed, ``N_w = C_total / w_hat`` (DLRover's Eq. for workers given the cores left),
   within MIN:MAX. Adjust: once measured there, fit the model on the two points and move to the
-  fewest workers whose value is within ``slack`` of the best; then hold.
+  fewest workers whose value is within ``slack`` of the best; then hold, except once for a job
+  with parameter servers (``obs.ps``) whose servers use less than ``idle_ps_util`` of their
+  cores: DLRover 4.2's idle-PS-CPU rule adds workers, ``s_hat = s_used / N_w`` and
+  ``N_w' = min(s_total / s_hat, MAX)`` (``tidal.brain.dlrover.adjust_idle_ps``).
 * ``dlrover-rm``: DLRover-RM's three stages (sections 4.2-4.3) on workers. Stage 1, warm start
   (Algorithm 1, Eq. 10): the exponentially smoothed worker count of the most similar finished
   jobs (``tidal.brain.dlrover_rm.warm_start``) and the most similar job's fitted model as the
@@ -49,6 +52,7 @@ from collections.abc import Mapping
 
 from tidal.api import JobObservation, ResourcePlan
 from tidal.brain.api import FitError, ThroughputConfig, ThroughputSample
+from tidal.brain.dlrover import adjust_idle_ps
 from tidal.brain.dlrover_rm import warm_start
 from tidal.brain.es import scaling_efficiency
 from tidal.brain.history import Feature, HistoryStore, top_k
@@ -71,6 +75,8 @@ __all__ = [
 SETTLE_S = 3.0
 #: a count within this share of the best throughput is as good as the best (the bench's oracle rule)
 SLACK = 0.10
+#: servers using less than this share of their cores are idle (DLRover 4.2; tidal.brain.dlrover's default)
+IDLE_PS_UTIL = 0.7
 #: history parameters ``samples_per_s@W``: the throughput a finished job measured at W workers
 POINT_KEY = "samples_per_s@"
 
@@ -271,9 +277,11 @@ class DLRoverWorkers:
 
     name = "dlrover"
 
-    def __init__(self, cpus: float = 0.0, settle_s: float = SETTLE_S, slack: float = SLACK) -> None:
-        self.cpus, self.settle_s, self.slack = cpus, settle_s, slack
+    def __init__(self, cpus: float = 0.0, settle_s: float = SETTLE_S, slack: float = SLACK,
+                 idle_ps_util: float = IDLE_PS_UTIL) -> None:
+        self.cpus, self.settle_s, self.slack, self.idle_ps_util = cpus, settle_s, slack, idle_ps_util
         self.stage = "sample"
+        self.adjusted_idle_ps = False
 
     def plan(self, obs: JobObservation) -> ResourcePlan:
         curve = Curve(obs)
@@ -297,7 +305,25 @@ class DLRoverWorkers:
             if best is None:
                 return curve.plan(now, "adjust stage: no model")
             return curve.plan(best, f"adjust stage: {best} workers are within {self.slack:.0%} of the best")
+        idle = self._idle_ps(obs, now)
+        if idle is not None:
+            return curve.plan(*idle)
         return curve.plan(now, "adjusted")
+
+    def _idle_ps(self, obs: JobObservation, now: int) -> tuple[int, str] | None:
+        """DLRover 4.2's idle PS CPU, once: more workers where the servers have cores to spare."""
+        ps = obs.ps
+        if self.adjusted_idle_ps or ps is None or not ps.ps_cpu_used or ps.ps <= 0:
+            return None
+        used, total = sum(ps.ps_cpu_used), ps.ps * ps.ps_cpu
+        if used <= 0 or used >= self.idle_ps_util * total:
+            return None
+        self.adjusted_idle_ps = True
+        n_w = adjust_idle_ps(now, used, total, obs.max_workers)
+        if n_w <= now:
+            return None
+        return n_w, (f"idle PS CPU: the servers use {used:.2f} of their {total:g} cores ({used / now:.2f} a worker): "
+                     f"{n_w} workers")
 
 
 class DLRoverRMWorkers:

@@ -1015,6 +1015,7 @@ class JobMaster:
             batch_size=0 if cfg is None else cfg.batch_size, committed=self.committed_samples(),
             total=0 if cfg is None or cfg.epochs is None else cfg.size * cfg.epochs, pauses=self.log.pauses(),
             stream=stream, time_scale=self.spec.time_scale,
+            ps=self.servers.observation([r.cpu_percent / 100 for r in active], self.planning.cpus),
         )
 
     def committed_samples(self) -> int:

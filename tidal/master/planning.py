@@ -30,6 +30,7 @@ from tidal.api import (
     PauseObservation,
     PlannerDecision,
     PlannerStatus,
+    PSObservation,
     ResourcePlan,
     StreamLagStatus,
     StreamObservation,
@@ -197,7 +198,7 @@ class Planning:
         self, *, job_id: str, now: float, min_workers: int, max_workers: int, target: int,
         active: Sequence[WorkerRecord], ready: bool, applied_step: int, batch_size: int,
         committed: int, total: int, pauses: Iterable[Event], stream: StreamObservation | None = None,
-        time_scale: float = 1.0,
+        time_scale: float = 1.0, ps: PSObservation | None = None,
     ) -> JobObservation:
         new_pauses = [p for p in pauses if p.seconds is not None and p.time > self._pauses_seen]
         if new_pauses:
@@ -213,7 +214,7 @@ class Planning:
             workers=[worker_observation(r) for r in active],
             pauses=[PauseObservation(at_s=p.time - self.started_at, seconds=p.seconds or 0.0, cause=p.cause or "")
                     for p in new_pauses],
-            cpus_available=self.cpus, stream=stream,
+            cpus_available=self.cpus, stream=stream, ps=ps,
         )
 
     def decided(self, obs: JobObservation, plan: ResourcePlan, target: int, reason: str) -> PlannerDecision:
@@ -223,7 +224,8 @@ class Planning:
             reason=reason, model=plan.model, params=plan.params, error_pct=plan.error_pct,
             inputs={"workers": obs.current_workers, "samples_per_s": round(obs.samples_per_s, 1),
                     "committed_samples": obs.committed_samples,
-                    "throughput": [[p.workers, round(p.samples_per_s, 1), p.seconds] for p in obs.throughput]},
+                    "throughput": [[p.workers, round(p.samples_per_s, 1), p.seconds] for p in obs.throughput],
+                    **({"ps_cpu_used": [round(c, 3) for c in obs.ps.ps_cpu_used]} if obs.ps is not None else {})},
         )
         self.decisions.append(decision)
         self.total += 1

@@ -47,11 +47,12 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tidal.api import ServerInfo, ServerReport
+from tidal.api import PSObservation, ServerInfo, ServerReport
 from tidal.api.errors import TidalError
 from tidal.api.rpc import Caller
 from tidal.backends.api import Backend, NodeHandle, NodeSpec, Resources, node_id
@@ -246,6 +247,22 @@ class Servers:
 
     def alive(self) -> list[int]:
         return [i for i, r in self.records.items() if r.state != EXITED]
+
+    def observation(self, workers: Sequence[float], cores: float) -> PSObservation | None:
+        """The parameter-server side of the planner's observation (None: the job has none):
+        the servers in the shard map, the cores each used over its last report (one core each:
+        a server computes on one thread), ``workers``' mean cores (their ``cpu_percent / 100``)
+        and the job's ``cores`` as its quota."""
+        held = self.in_map()
+        if not self.spec.ps or not held:
+            return None
+        reports = [r.report for r in (self.records.get(i) for i in held) if r is not None]
+        used = [r.cpu for r in reports if r is not None]
+        rss = [r.rss_bytes for r in reports if r is not None]
+        return PSObservation(ps=len(held), ps_cpu=1, worker_cpu=1, cpu_quota=max(1, int(cores)),
+                             worker_cpu_used=sum(workers) / len(workers) if workers else 0.0,
+                             ps_cpu_used=used if len(used) == len(held) else [],
+                             ps_mem_used_gb=max(rss, default=0) / 2**30)
 
     def info(self) -> list[ServerInfo]:
         held = Counter(self.shard_map)
