@@ -206,7 +206,7 @@ class Job:
     planner: Planner | None = None
     init_cfg: PSConfig | None = None
     want: PSConfig | None = None  # the configuration the job is submitted with
-    cores_used: float = 0.0  # cores in use now (set by ``Sim.advance``)
+    cores_used: float = 0.0  # cores in use now (set by ``Sim.refresh``)
     core_s_used: float = 0.0  # core-seconds used and allocated while running (DLRover Fig. 2)
     core_s_allocated: float = 0.0
     warm: bool = False
@@ -439,18 +439,22 @@ class Sim:
             j.pending.append((self.t + START_S, 1))
 
     def advance(self, dt: float) -> None:
-        """Progress every running job by ``dt`` seconds at its current throughput."""
+        """Progress every running job by ``dt`` seconds at its current throughput and cores."""
+        for j in self.running:
+            j.steps += j.last_thp * dt
+            j.exposure += (j.cfg.workers + j.cfg.ps) * POD_FAIL_PER_S * dt
+            j.core_s_used += j.cores_used * dt
+            j.core_s_allocated += j.cfg.cpus() * dt
+        self.util_area += self.cur_used * dt
+
+    def refresh(self) -> None:
+        """The cores each running job uses now (after the events of this instant: the cores
+        only change at events, so ``advance`` integrates the values set here)."""
         used = 0.0
         for j in self.running:
-            if dt > 0:
-                j.steps += j.last_thp * dt
-                j.exposure += (j.cfg.workers + j.cfg.ps) * POD_FAIL_PER_S * dt
-                j.core_s_used += j.cores_used * dt
-                j.core_s_allocated += j.cfg.cpus() * dt
             w, ps = self.cpu_used(j) if j.last_thp > 0 else (0.0, [])
             j.cores_used = w * self.active_workers(j) + sum(ps)
             used += j.cores_used
-        self.util_area += self.cur_used * dt
         self.cur_used = used
 
     def internal_events(self, j: Job) -> float:
@@ -558,7 +562,7 @@ class Sim:
                 self.decide()
             for j in self.running:
                 j.last_thp = self.throughput(j)
-            self.advance(0.0)
+            self.refresh()
             if self.t >= next_sample:
                 self.timeline.append((self.t, 0.0, self.cur_used / self.cores))
                 next_sample = self.t + samples_every
