@@ -11,6 +11,7 @@ from tidal.brain.dlrover_rm import (
     PAPER_PARAMS,
     Candidate,
     DLRoverRMPlanner,
+    config_from_mapping,
     nsga_candidates,
     throughput_gain,
     warm_start,
@@ -42,6 +43,21 @@ def test_warm_start_top_k_and_smoothing():
     assert warm_start(h, {"model": "dcn", "user": "u9"}, k=3) is None
     with pytest.raises(ValueError):
         warm_start(h, {"model": "wd"}, mu=1.0)
+
+
+def test_a_warm_start_over_the_quota_keeps_its_shape() -> None:
+    """A smoothed configuration of 27 workers x 1 core and 10 PSes x 6 cores (87 cores) on a
+    64-core quota: both counts shrink together (19 x 1 + 7 x 6 = 61), not the workers alone
+    (1 x 1 + 10 x 6, a configuration no similar job ran)."""
+    smoothed = {"workers": 27.0, "ps": 10.0, "worker_cpu": 1.0, "ps_cpu": 6.0, "worker_mem_gb": 8.0, "ps_mem_gb": 4.0}
+    c = config_from_mapping(smoothed, 64)
+    assert (c.workers, c.ps, c.worker_cpu, c.ps_cpu) == (19, 7, 1, 6) and c.cpus() <= 64
+    assert config_from_mapping({**smoothed, "workers": 5.0, "ps": 2.0}, 64).workers == 5  # within: as smoothed
+    for quota in (2, 3, 17, 64, 200):  # always within the quota, at least one pod each
+        for conf in ({"workers": 300.0, "ps": 1.0, "worker_cpu": 32.0, "ps_cpu": 32.0},
+                     {"workers": 1.0, "ps": 90.0, "worker_cpu": 2.0, "ps_cpu": 16.0}):
+            got = config_from_mapping(conf, quota)
+            assert got.cpus() <= max(quota, 2) and got.workers >= 1 and got.ps >= 1, (quota, conf, got)
 
 
 def test_weighted_greedy_order_depends_on_rho():

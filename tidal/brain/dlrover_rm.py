@@ -108,15 +108,32 @@ def warm_start(store: HistoryStore, features: Mapping[str, Feature], k: int = 5,
 
 
 def config_from_mapping(conf: Mapping[str, float], cpu_quota: int) -> PSConfig:
-    """Round a (smoothed) configuration to whole pods and cores within the quota."""
+    """Round a (smoothed) configuration to whole pods and cores within the quota.
+
+    Over the quota, the worker and PS counts shrink together, by the same factor (then one pod
+    at a time off the side holding more cores): the shape of the configuration, how many worker
+    cores feed one PS core, is what the similar jobs teach. Dropping workers alone (as this did)
+    turned a 27-worker, 10-PS configuration of a larger quota into 1 worker and 10 PSes, which
+    the job then had to scale out of, paying pod start-ups and queueing in the meantime.
+    """
     w = max(1, round(conf.get("workers", 1)))
     p = max(1, round(conf.get("ps", 1)))
     wc = max(1, min(C_MAX, round(conf.get("worker_cpu", 1))))
     pc = max(1, min(C_MAX, round(conf.get("ps_cpu", 1))))
-    while w > 1 and w * wc + p * pc > cpu_quota:
-        w -= 1
-    while p > 1 and w * wc + p * pc > cpu_quota:
-        p -= 1
+    cores = w * wc + p * pc
+    if cores > cpu_quota:
+        f = cpu_quota / cores
+        w, p = max(1, math.floor(w * f)), max(1, math.floor(p * f))
+    while w * wc + p * pc > cpu_quota and (w > 1 or p > 1):
+        if w > 1 and (w * wc >= p * pc or p == 1):
+            w -= 1
+        else:
+            p -= 1
+    while w * wc + p * pc > cpu_quota and (wc > 1 or pc > 1):  # one pod each, still too wide
+        if wc >= pc:
+            wc -= 1
+        else:
+            pc -= 1
     return PSConfig(w, p, wc, pc, float(conf.get("worker_mem_gb", 4.0)), float(conf.get("ps_mem_gb", 8.0)))
 
 

@@ -154,12 +154,14 @@ def step_time(k: Kind, w: float, p: float, wc: float, pc: float, hot_eff: float,
     return (a_g / min(wc * worker_cpu_scale, k.w_cap) + hot_eff * (a_u * w / (p * pc) + a_s * w / p + a_e / p) + beta)
 
 
-_IDEAL: dict[tuple[str, int], tuple[float, PSConfig]] = {}
+# what ``ideal`` depends on -> its answer. Not the kind's name: every seed has a kind "u0-m0",
+# with other coefficients (keyed by name, a second seed in one process read the first's).
+_IDEAL: dict[tuple[object, ...], tuple[float, PSConfig]] = {}
 
 
 def ideal(k: Kind, quota: int) -> tuple[float, PSConfig]:
     """Best throughput (steps/s) within the quota and its configuration (balanced PSes)."""
-    key = (k.name, quota)
+    key = (k.coef, k.w_cap, k.worker_mem, k.ps_mem0, quota)
     if key not in _IDEAL:
         grid = np.meshgrid(np.arange(1, 65), np.arange(1, 17), np.arange(1, C_MAX + 1), indexing="ij")
         w, p, wc = (g.ravel().astype(float) for g in grid)
