@@ -213,6 +213,7 @@ class Job:
     core_s_allocated: float = 0.0
     warm: bool = False
     last_thp: float = 0.0
+    inputs: tuple[object, ...] = ()  # what last_thp and cores_used were computed from (``Sim.refresh``)
 
 
 class Sim:
@@ -450,12 +451,18 @@ class Sim:
         self.util_area += self.cur_used * dt
 
     def refresh(self) -> None:
-        """The cores each running job uses now (after the events of this instant: the cores
-        only change at events, so ``advance`` integrates the values set here)."""
+        """Each running job's throughput and the cores it uses now, after the events of this
+        instant. Both change only at events, so ``advance`` integrates the values set here; they
+        are recomputed only for a job whose inputs changed (most events concern one job of
+        hundreds: this was most of a run's time)."""
         used = 0.0
         for j in self.running:
-            w, ps = self.cpu_used(j) if j.last_thp > 0 else (0.0, [])
-            j.cores_used = w * self.active_workers(j) + sum(ps)
+            inputs = (j.cfg, self.active_workers(j), self.t < j.paused_until, j.straggling, j.hot_fixed)
+            if inputs != j.inputs:
+                j.inputs = inputs
+                j.last_thp = self.throughput(j)
+                w, ps = self.cpu_used(j) if j.last_thp > 0 else (0.0, [])
+                j.cores_used = w * self.active_workers(j) + sum(ps)
             used += j.cores_used
         self.cur_used = used
 
@@ -562,8 +569,6 @@ class Sim:
                 self.running.append(queue.pop(0))
             if self.policy != "manual":
                 self.decide()
-            for j in self.running:
-                j.last_thp = self.throughput(j)
             self.refresh()
             if self.t >= next_sample:
                 self.timeline.append((self.t, 0.0, self.cur_used / self.cores))
