@@ -53,6 +53,7 @@ def test_a_warm_start_over_the_quota_keeps_its_shape() -> None:
     c = config_from_mapping(smoothed, 64)
     assert (c.workers, c.ps, c.worker_cpu, c.ps_cpu) == (19, 7, 1, 6) and c.cpus() <= 64
     assert config_from_mapping({**smoothed, "workers": 5.0, "ps": 2.0}, 64).workers == 5  # within: as smoothed
+    assert config_from_mapping({**smoothed, "ps_mem_total_gb": 70.0}, 64).ps_mem_gb == pytest.approx(10.0)  # 70 / 7
     for quota in (2, 3, 17, 64, 200):  # always within the quota, at least one pod each
         for conf in ({"workers": 300.0, "ps": 1.0, "worker_cpu": 32.0, "ps_cpu": 32.0},
                      {"workers": 1.0, "ps": 90.0, "worker_cpu": 2.0, "ps_cpu": 16.0}):
@@ -104,6 +105,9 @@ def test_planner_warm_start_refit_and_oom():
     pl.observe(o)
     assert pl.predict(c) == pytest.approx(5.0)  # prior rescaled to the measurement
     assert pl.candidates(o) and all(x.gain > 0 and x.current == c for x in pl.candidates(o))
+    # the PSes partition the tables: a candidate with more or fewer PSes holds the same memory in all
+    assert {x.config.ps for x in pl.candidates(o)} != {c.ps}
+    assert all(x.config.ps * x.config.ps_mem_gb == pytest.approx(c.ps * c.ps_mem_gb) for x in pl.candidates(o))
     assert PSConfig.from_plan(pl.plan(o), c) == c  # nothing to fix yet: the plan is the configuration now
     o2 = ps_obs(c, 5.0, steps_done=3000, total_steps=10_000, ps_mem_used_gb=7.0)
     pl.observe(o2)

@@ -115,6 +115,9 @@ def config_from_mapping(conf: Mapping[str, float], cpu_quota: int) -> PSConfig:
     cores feed one PS core, is what the similar jobs teach. Dropping workers alone (as this did)
     turned a 27-worker, 10-PS configuration of a larger quota into 1 worker and 10 PSes, which
     the job then had to scale out of, paying pod start-ups and queueing in the meantime.
+
+    ``ps_mem_total_gb`` (when the history has it): the memory of all PSes, divided among the
+    ``p`` PSes here; ``ps_mem_gb`` (per PS) otherwise.
     """
     w = max(1, round(conf.get("workers", 1)))
     p = max(1, round(conf.get("ps", 1)))
@@ -134,7 +137,10 @@ def config_from_mapping(conf: Mapping[str, float], cpu_quota: int) -> PSConfig:
             wc -= 1
         else:
             pc -= 1
-    return PSConfig(w, p, wc, pc, float(conf.get("worker_mem_gb", 4.0)), float(conf.get("ps_mem_gb", 8.0)))
+    # the PSes partition the tables: what similar jobs teach is the memory of all of them
+    total = conf.get("ps_mem_total_gb")
+    ps_mem = float(total) / p if total is not None else float(conf.get("ps_mem_gb", 8.0))
+    return PSConfig(w, p, wc, pc, float(conf.get("worker_mem_gb", 4.0)), ps_mem)
 
 
 # --------------------------------------------------------------------------------------------
@@ -446,7 +452,11 @@ class DLRoverRMPlanner:
         horizon = remaining / max(obs.samples_per_s, _EPS)
         out = []
         for cand in self._cache[1]:
-            conf = replace(cand.config, hot_ps_cpu=now.hot_ps_cpu if cand.config.ps == now.ps else 0)
+            # the PSes partition the tables: their memory in all is the same on any number of them
+            # (per-PS memory kept as now made 2 PSes of 100 GB into 11 of 100 GB, holding memory
+            # the queue's jobs needed)
+            conf = replace(cand.config, hot_ps_cpu=now.hot_ps_cpu if cand.config.ps == now.ps else 0,
+                           ps_mem_gb=now.ps_mem_gb * now.ps / cand.config.ps)
             psi = self.predict(conf)
             new_pods = conf.workers > now.workers or conf.ps > now.ps or \
                 conf.worker_cpu != now.worker_cpu or conf.ps_cpu != now.ps_cpu

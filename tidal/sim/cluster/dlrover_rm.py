@@ -230,6 +230,7 @@ class Sim:
         self.running: list[Job] = []
         self.cost = CostModel(ps_pause_s=PS_PAUSE_S.get(policy, PS_PAUSE_DEFAULT_S))
         self.greedy = WeightedGreedy()
+        self.reserve = (0.0, 0.0)  # (cores, GB) the queue's head needs to start: growth may not take them
 
     # -- ground truth ----------------------------------------------------------------------------
 
@@ -294,9 +295,16 @@ class Sim:
         self.used_mem -= c.memory_gb()
 
     def fit_to_free(self, c: PSConfig, old: PSConfig | None = None) -> PSConfig | None:
-        """Fewer workers until the configuration fits (elastic policies start or grow partially)."""
-        free_cpu = self.cores - self.used_cpu + (old.cpus() if old else 0)
-        free_mem = self.mem - self.used_mem + (old.memory_gb() if old else 0.0)
+        """Fewer workers until the configuration fits (elastic policies start or grow partially).
+
+        A running job's growth (``old`` given) may not take what the first queued job needs to
+        start (``reserve``): without that, elastic jobs grew into every core a finished job
+        freed while the queue's head waited, and with FIFO admission everyone behind it waited
+        too (14 h of queueing at load 0.8 on seed 5, where the users' static jobs queued none).
+        """
+        reserve_cpu, reserve_mem = self.reserve if old is not None else (0.0, 0.0)
+        free_cpu = self.cores - self.used_cpu + (old.cpus() if old else 0) - reserve_cpu
+        free_mem = self.mem - self.used_mem + (old.memory_gb() if old else 0.0) - reserve_mem
         while c.cpus() > free_cpu or c.memory_gb() > free_mem:
             if c.workers <= 1:
                 return None
@@ -413,6 +421,15 @@ class Sim:
         j.next_decision = self.t + START_S + TICK_S
         return True
 
+    def start_need(self, j: Job) -> tuple[float, float]:
+        """(cores, GB) job ``j`` needs to start: its first configuration, with one worker for an
+        elastic policy (it starts as small as the cluster lets it, ``start``)."""
+        c = j.want or self.first_config(j)
+        j.want = c
+        if self.policy != "manual":
+            c = replace(c, workers=1)
+        return float(c.cpus()), c.memory_gb()
+
     def finish(self, j: Job, state: str) -> None:
         j.state, j.end = state, self.t
         self.release(j.cfg)
@@ -420,7 +437,8 @@ class Sim:
             c = j.cfg
             self.history.add(JobRecord(j.jid, self.t, j.kind.features(), {
                 "workers": c.workers, "ps": c.ps, "worker_cpu": c.worker_cpu, "ps_cpu": c.ps_cpu,
-                "worker_mem_gb": c.worker_mem_gb, "ps_mem_gb": c.ps_mem_gb}, j.planner.params))
+                "worker_mem_gb": c.worker_mem_gb, "ps_mem_gb": c.ps_mem_gb, "ps_mem_total_gb": c.ps * c.ps_mem_gb},
+                j.planner.params))
 
     def lose_pod(self, j: Job, is_ps: bool, oom: bool = False) -> None:
         """A pod died (node failure, preemption or OOM)."""
@@ -536,7 +554,9 @@ class Sim:
                 j.stable += 1
             j.next_decision = self.t + (TICK_S if j.stable < 2 else SLOW_TICK_S)
         if cands:
-            chosen = self.greedy.allocate(cands, [FreeCapacity(self.cores - self.used_cpu, self.mem - self.used_mem)])
+            free = FreeCapacity(max(0.0, self.cores - self.used_cpu - self.reserve[0]),
+                                max(0.0, self.mem - self.used_mem - self.reserve[1]))  # the queue's head first
+            chosen = self.greedy.allocate(cands, [free])
             by_id = {j.jid: j for j in due}
             for cand in chosen:
                 j = by_id[cand.job_id]
@@ -567,6 +587,7 @@ class Sim:
             self.running = [j for j in self.running if j.state == "running"]
             while queue and self.start(queue[0]):  # FIFO, no backfilling
                 self.running.append(queue.pop(0))
+            self.reserve = self.start_need(queue[0]) if queue else (0.0, 0.0)
             if self.policy != "manual":
                 self.decide()
             self.refresh()
