@@ -230,7 +230,6 @@ class Sim:
         self.running: list[Job] = []
         self.cost = CostModel(ps_pause_s=PS_PAUSE_S.get(policy, PS_PAUSE_DEFAULT_S))
         self.greedy = WeightedGreedy()
-        self.reserve = (0.0, 0.0)  # (cores, GB) the queue's head needs to start: growth may not take them
 
     # -- ground truth ----------------------------------------------------------------------------
 
@@ -295,16 +294,9 @@ class Sim:
         self.used_mem -= c.memory_gb()
 
     def fit_to_free(self, c: PSConfig, old: PSConfig | None = None) -> PSConfig | None:
-        """Fewer workers until the configuration fits (elastic policies start or grow partially).
-
-        A running job's growth (``old`` given) may not take what the first queued job needs to
-        start (``reserve``): without that, elastic jobs grew into every core a finished job
-        freed while the queue's head waited, and with FIFO admission everyone behind it waited
-        too (14 h of queueing at load 0.8 on seed 5, where the users' static jobs queued none).
-        """
-        reserve_cpu, reserve_mem = self.reserve if old is not None else (0.0, 0.0)
-        free_cpu = self.cores - self.used_cpu + (old.cpus() if old else 0) - reserve_cpu
-        free_mem = self.mem - self.used_mem + (old.memory_gb() if old else 0.0) - reserve_mem
+        """Fewer workers until the configuration fits (elastic policies start or grow partially)."""
+        free_cpu = self.cores - self.used_cpu + (old.cpus() if old else 0)
+        free_mem = self.mem - self.used_mem + (old.memory_gb() if old else 0.0)
         while c.cpus() > free_cpu or c.memory_gb() > free_mem:
             if c.workers <= 1:
                 return None
@@ -420,15 +412,6 @@ class Sim:
         j.ckpt_t = self.t
         j.next_decision = self.t + START_S + TICK_S
         return True
-
-    def start_need(self, j: Job) -> tuple[float, float]:
-        """(cores, GB) job ``j`` needs to start: its first configuration, with one worker for an
-        elastic policy (it starts as small as the cluster lets it, ``start``)."""
-        c = j.want or self.first_config(j)
-        j.want = c
-        if self.policy != "manual":
-            c = replace(c, workers=1)
-        return float(c.cpus()), c.memory_gb()
 
     def finish(self, j: Job, state: str) -> None:
         j.state, j.end = state, self.t
@@ -554,9 +537,7 @@ class Sim:
                 j.stable += 1
             j.next_decision = self.t + (TICK_S if j.stable < 2 else SLOW_TICK_S)
         if cands:
-            free = FreeCapacity(max(0.0, self.cores - self.used_cpu - self.reserve[0]),
-                                max(0.0, self.mem - self.used_mem - self.reserve[1]))  # the queue's head first
-            chosen = self.greedy.allocate(cands, [free])
+            chosen = self.greedy.allocate(cands, [FreeCapacity(self.cores - self.used_cpu, self.mem - self.used_mem)])
             by_id = {j.jid: j for j in due}
             for cand in chosen:
                 j = by_id[cand.job_id]
@@ -587,7 +568,6 @@ class Sim:
             self.running = [j for j in self.running if j.state == "running"]
             while queue and self.start(queue[0]):  # FIFO, no backfilling
                 self.running.append(queue.pop(0))
-            self.reserve = self.start_need(queue[0]) if queue else (0.0, 0.0)
             if self.policy != "manual":
                 self.decide()
             self.refresh()
