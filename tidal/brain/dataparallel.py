@@ -52,7 +52,7 @@ from collections.abc import Mapping
 
 from tidal.api import JobObservation, ResourcePlan
 from tidal.brain.api import FitError, ThroughputConfig, ThroughputSample
-from tidal.brain.dlrover import adjust_idle_ps
+from tidal.brain.dlrover import IDLE_PS_UTIL, adjust_idle_ps
 from tidal.brain.dlrover_rm import warm_start
 from tidal.brain.es import scaling_efficiency
 from tidal.brain.history import Feature, HistoryStore, top_k
@@ -75,8 +75,6 @@ __all__ = [
 SETTLE_S = 3.0
 #: a count within this share of the best throughput is as good as the best (the bench's oracle rule)
 SLACK = 0.10
-#: servers using less than this share of their cores are idle (DLRover 4.2; tidal.brain.dlrover's default)
-IDLE_PS_UTIL = 0.7
 #: history parameters ``samples_per_s@W``: the throughput a finished job measured at W workers
 POINT_KEY = "samples_per_s@"
 

@@ -60,6 +60,8 @@ __all__ = [
 C_MAX = 32
 #: cores of one PS chosen by DLRover's optimize stage (section 4.1)
 PS_CORES = 16
+#: PSes using less than this share of their cores are idle: the adjust stage adds workers (4.2)
+IDLE_PS_UTIL = 0.7
 
 
 def require_ps(obs: JobObservation, planner: str) -> PSObservation:
@@ -205,7 +207,7 @@ class DLRoverPlanner:
 
     def __init__(self, cpu_quota: int, worker_mem_gb: float = 8.0, ps_mem_gb: float = 8.0,
                  sample_ps: int = 2, sample_ps_cpu: int = 8, ps_hot_ratio: float = 1.5,
-                 idle_ps_util: float = 0.7) -> None:
+                 idle_ps_util: float = IDLE_PS_UTIL) -> None:
         self.cpu_quota = cpu_quota
         self.stage = "sample"
         self.sample_ps, self.sample_ps_cpu = sample_ps, sample_ps_cpu

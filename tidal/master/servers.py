@@ -63,6 +63,7 @@ from tidal.master.fleet import last_log_line
 log = logging.getLogger(__name__)
 
 LAUNCHING, RUNNING, RETIRING, EXITED = "launching", "running", "retiring", "exited"
+SERVER_CORES = 1  # a server's cores: it computes on one torch thread (TIDAL_PS_THREADS)
 LOAD = {"rows", "bytes", "applied_step", "requests_per_s", "busy", "latency_ms", "cpu", "rss_bytes"}  # what ServerInfo shows of a report
 MOVE_TIMEOUT_S = 120.0  # per request of a move (a page of rows)
 WINDOW_REPORTS = 64  # a server's reports kept for the hot-PS planner (one a second; it reads the last 5 s)
@@ -250,16 +251,16 @@ class Servers:
 
     def observation(self, workers: Sequence[float], cores: float) -> PSObservation | None:
         """The parameter-server side of the planner's observation (None: the job has none):
-        the servers in the shard map, the cores each used over its last report (one core each:
-        a server computes on one thread), ``workers``' mean cores (their ``cpu_percent / 100``)
-        and the job's ``cores`` as its quota."""
+        the servers in the shard map, the cores each used over its last report (of the
+        ``SERVER_CORES`` each is launched with), ``workers``' mean cores (their
+        ``cpu_percent / 100``) and the job's ``cores`` as its quota."""
         held = self.in_map()
         if not self.spec.ps or not held:
             return None
-        reports = [r.report for r in (self.records.get(i) for i in held) if r is not None]
-        used = [r.cpu for r in reports if r is not None]
-        rss = [r.rss_bytes for r in reports if r is not None]
-        return PSObservation(ps=len(held), ps_cpu=1, worker_cpu=1, cpu_quota=max(1, int(cores)),
+        reports = [rec.report for rec in (self.records.get(i) for i in held) if rec is not None and rec.report]
+        used = [r.cpu for r in reports]
+        rss = [r.rss_bytes for r in reports]
+        return PSObservation(ps=len(held), ps_cpu=SERVER_CORES, worker_cpu=1, cpu_quota=max(1, int(cores)),
                              worker_cpu_used=sum(workers) / len(workers) if workers else 0.0,
                              ps_cpu_used=used if len(used) == len(held) else [],
                              ps_mem_used_gb=max(rss, default=0) / 2**30)
@@ -405,7 +406,7 @@ class Servers:
             env["TIDAL_PS_MEMORY_BYTES"] = str(spec.ps_memory)
         log_path = str(Path(spec.job_dir) / "logs" / f"ps-{server_id}.log")
         return NodeSpec(node_id("ps", server_id), "ps", [sys.executable, "-m", "tidal.ps.server"], env,
-                        Resources(cpus=1.0), spec.cwd, log_path)
+                        Resources(cpus=float(SERVER_CORES)), spec.cwd, log_path)
 
     def report(self, req: ServerReport, now: float) -> ServerRecord | None:
         """A server's report; returns its record when this one registered it (its first)."""

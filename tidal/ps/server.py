@@ -46,7 +46,7 @@ import zmq
 from tidal.api import PS_OUT_OF_MEMORY_EXIT, frames
 from tidal.api.errors import FrameError
 from tidal.ps.api import MAX_TABLES, PSError, TableSpec, virtual_shard
-from tidal.ps.table import DynamicTable
+from tidal.ps.table import DynamicTable, sorted_positions
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +214,7 @@ class ParameterServer:
             if not bool(torch.isfinite(grad).all()):
                 raise PSError(f"table {name}: the gradient holds NaN or infinity")
             seen = pulled.get(name)
-            if seen is None or not _all_in(ids.numpy(), seen.numpy()):
+            if seen is None or not (sorted_positions(seen.numpy(), ids.numpy()) >= 0).all():  # pulled: sorted
                 raise PSError(f"table {name}: a push for rows not pulled at step {s} (round {r}, key {k})")
             contribution.tables[name] = (ids, grad)
         if meta.get("async"):
@@ -401,16 +401,6 @@ def emulated_row_cost(value: str, server_id: int) -> float:
     except ValueError:
         print(f"tidal-ps: TIDAL_PS_EMULATE_SLOW={value!r}: expected ID:MICROSECONDS", file=sys.stderr)
         raise SystemExit(2) from None
-
-
-def _all_in(ids: np.ndarray, sorted_ids: np.ndarray) -> bool:
-    """Whether every one of ``ids`` is in ``sorted_ids`` (sorted: a pull's ids are checked so)."""
-    if not len(ids):
-        return True
-    if not len(sorted_ids):
-        return False
-    at = np.minimum(np.searchsorted(sorted_ids, ids), len(sorted_ids) - 1)
-    return bool((sorted_ids.take(at) == ids).all())
 
 
 def _req_of(body: list[Any]) -> Any:

@@ -238,11 +238,9 @@ class IdIndex:
         """The slot of each id (a new int64 array), -1 where it is not held."""
         out = np.full(len(ids), -1, dtype=np.int64)
         for keys, slots in (self._main, self._recent):
-            if len(keys):
-                at = np.searchsorted(keys, ids)
-                np.minimum(at, len(keys) - 1, out=at)
-                hit = np.flatnonzero(keys.take(at) == ids)
-                out[hit] = slots.take(at.take(hit))
+            at = sorted_positions(keys, ids)
+            hit = np.flatnonzero(at >= 0)
+            out[hit] = slots.take(at.take(hit))
         return out
 
     def add(self, ids: np.ndarray, slots: np.ndarray) -> None:
@@ -252,6 +250,14 @@ class IdIndex:
             keys, values = _sorted(np.concatenate([self._main[0], keys]), np.concatenate([self._main[1], values]))
             self._main, keys, values = (keys, values), keys[:0], values[:0]
         self._recent = (keys, values)
+
+
+def sorted_positions(keys: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """The position of each of ``ids`` in ``keys`` (sorted, distinct), -1 where it is not there."""
+    if not len(keys):
+        return np.full(len(ids), -1, dtype=np.int64)
+    at = np.minimum(np.searchsorted(keys, ids), len(keys) - 1)
+    return np.where(keys.take(at) == ids, at, -1)
 
 
 def _sorted(keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -458,12 +458,13 @@ class Sim:
         hundreds: this was most of a run's time)."""
         used = 0.0
         for j in self.running:
-            inputs = (j.cfg, self.active_workers(j), self.t < j.paused_until, j.straggling, j.hot_fixed)
+            active = self.active_workers(j)
+            inputs = (j.cfg, active, self.t < j.paused_until, j.straggling, j.hot_fixed)
             if inputs != j.inputs:
                 j.inputs = inputs
                 j.last_thp = self.throughput(j)
                 w, ps = self.cpu_used(j) if j.last_thp > 0 else (0.0, [])
-                j.cores_used = w * self.active_workers(j) + sum(ps)
+                j.cores_used = w * active + sum(ps)
             used += j.cores_used
         self.cur_used = used
 
