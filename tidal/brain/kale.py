@@ -303,6 +303,7 @@ class KalePlanner:
         self._forecaster: Forecaster | None = None
         self._fitted_at_bin = -1
         self._measured: dict[int, list[float]] = {}
+        self._believed: dict[int, float] = {}  # throughput(w) until the next measurement
         self._measured_since_fit = 0
         self._target: int | None = None
         self._planned: int | None = None
@@ -367,6 +368,8 @@ class KalePlanner:
     # -- throughput model -----------------------------------------------------------------
 
     def _add_measured(self, measured: Sequence[tuple[float, float]]) -> None:
+        if measured:
+            self._believed.clear()
         for w, thp in measured:
             if w >= 1 and thp > 0 and math.isfinite(thp):
                 self._measured.setdefault(round(w), []).append(float(thp))
@@ -387,6 +390,12 @@ class KalePlanner:
 
     def throughput(self, w: int) -> float:
         """The planner's belief of F(w) in samples/s (0 before any measurement)."""
+        believed = self._believed.get(w)
+        if believed is None:
+            believed = self._believed[w] = self._believe(w)
+        return believed
+
+    def _believe(self, w: int) -> float:
         if self._model is not None:
             lo, hi = min(self._measured, default=w), max(self._measured, default=w)
             if self._fixed_model is not None or lo <= w <= hi:

@@ -341,6 +341,7 @@ def simulate(
                 stragglers=0,
                 now_s=t1,
                 ready=job.action_new is None,  # not ready while a scaling action is under way
+                throughput=[], workers=[], pauses=[],  # given: pydantic's default factories are slow
                 stream=StreamObservation.model_construct(
                     interval_s=dt,
                     arrivals=[float(arrivals[k])],
