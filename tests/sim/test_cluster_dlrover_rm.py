@@ -94,3 +94,29 @@ def test_a_seed_is_simulated_the_same_after_another_in_one_process() -> None:
     scen._IDEAL.clear()
     manual(1)
     assert manual(2) == alone
+
+
+def test_jobs_out_tells_where_each_jobs_time_went(tmp_path: Path) -> None:
+    """``tidal sim cluster --jobs-out``: one line per job and policy, consistent with the metrics."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from tidal.cli import _register_commands, app
+
+    _register_commands()
+    out = tmp_path / "jobs.jsonl"
+    res = CliRunner().invoke(app, ["sim", "cluster", "--scenario", "dlrover-rm", "--trace", str(TRACE), "--jobs", "30",
+                                   "--seed", "3", "--policies", "manual,dlrover-rm", "--jobs-out", str(out)])
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted({r["policy"] for r in rows}) == ["dlrover-rm", "manual"]
+    assert len(rows) == 2 * 30
+    for r in rows:
+        assert r["core_s_used"] <= r["core_s_allocated"] * (1 + 1e-9)
+        if r["state"] == "done":
+            assert r["jct_s"] >= r["queue_s"] >= 0 and r["jct_s"] >= r["ideal_s"] * (1 - 1e-6)
+        assert len(r["decisions"]) == r["actions"]
+        if r["policy"] == "manual":
+            assert r["actions"] == 0 and r["final"] == r["submitted_with"]
+    assert any(r["decisions"] for r in rows if r["policy"] == "dlrover-rm")

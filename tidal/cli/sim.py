@@ -150,6 +150,10 @@ def cluster(
              "requested cores are LOAD of it (default 0.8)"),
     json_out: Path | None = typer.Option(None, "--json", help="write the metrics as JSON here"),
     plot: Path | None = typer.Option(None, "--plot", help="write a PNG: utilization over time, JCT distribution"),
+    jobs_out: Path | None = typer.Option(
+        None, "--jobs-out",
+        help="write one JSON line per job and policy (dlrover-rm): queue time, JCT, cores allocated and "
+             "used, configurations, every scaling decision"),
 ) -> None:
     """Simulate a cluster of jobs from the Philly trace under each policy of a scenario."""
     import time
@@ -181,6 +185,13 @@ def cluster(
     if json_out:
         json_out.write_text(json.dumps({"scenario": scenario, "jobs": jobs, "seed": seed, "load": load,
                                         "policies": {k: v.to_json() for k, v in result.policies.items()}}, indent=2))
+    if jobs_out:
+        with open(jobs_out, "w") as f:
+            for name, m in result.policies.items():
+                for row in m.jobs:
+                    f.write(json.dumps({"policy": name, **row}) + "\n")
+        if not any(m.jobs for m in result.policies.values()):
+            typer.echo(f"note: the {scenario} scenario records no per-job lines; {jobs_out} is empty")
     if plot:
         _plot_cluster(result, plot)
 

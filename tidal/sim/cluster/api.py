@@ -29,11 +29,13 @@ class PolicyMetrics:
     # for --plot: (time_s, gpu_util, cpu_util) samples and per-job JCTs
     timeline: list[tuple[float, float, float]] = field(default_factory=list, repr=False)
     jcts: list[float] = field(default_factory=list, repr=False)
+    # for --jobs-out: one dict per job (scenarios that record them), to see where the time goes
+    jobs: list[dict[str, object]] = field(default_factory=list, repr=False)
 
     def to_json(self) -> dict[str, object]:
         out = asdict(self)
-        out.pop("timeline")
-        out.pop("jcts")
+        for bulky in ("timeline", "jcts", "jobs"):
+            out.pop(bulky)
         return out
 
 

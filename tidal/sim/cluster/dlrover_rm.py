@@ -214,6 +214,23 @@ class Job:
     warm: bool = False
     last_thp: float = 0.0
     inputs: tuple[object, ...] = ()  # what last_thp and cores_used were computed from (``Sim.refresh``)
+    decisions: list[tuple[float, str]] = field(default_factory=list)  # (time, "old -> new") applied
+
+    def diagnostics(self) -> dict[str, object]:
+        """One line of ``tidal sim cluster --jobs-out``: where this job's time and cores went."""
+        def conf(c: PSConfig | None) -> str | None:
+            return None if c is None else f"{c.workers}w x {c.worker_cpu}c + {c.ps}ps x {c.ps_cpu}c"
+
+        return {
+            "job": self.jid, "kind": self.kind.name, "state": self.state, "submit_s": self.submit,
+            "queue_s": self.start - self.submit if not math.isnan(self.start) else None,
+            "jct_s": self.end - self.submit if self.state == "done" else None,
+            "ideal_s": self.duration, "quota_cores": self.quota,
+            "core_s_allocated": self.core_s_allocated, "core_s_used": self.core_s_used,
+            "submitted_with": conf(self.want), "final": conf(self.cfg), "actions": self.actions,
+            "ooms": self.ooms, "pod_failures": self.failures, "straggled": self.straggling,
+            "decisions": [[round(t), d] for t, d in self.decisions],
+        }
 
 
 class Sim:
@@ -374,6 +391,8 @@ class Sim:
             return
         j.actions += 1
         j.stable = 0
+        j.decisions.append((self.t, f"{old.workers}w x {old.worker_cpu}c + {old.ps}ps x {old.ps_cpu}c -> "
+                                    f"{new.workers}w x {new.worker_cpu}c + {new.ps}ps x {new.ps_cpu}c"))
         if not new.same_ps(old) or new.worker_cpu != old.worker_cpu:
             # PSes (or every worker's shape) change: pause; new pods start meanwhile
             j.paused_until = max(j.paused_until, self.t + (START_S if new.worker_cpu != old.worker_cpu else 0.0)
@@ -618,6 +637,7 @@ class Sim:
             extra=extra,
             timeline=self.timeline,
             jcts=jcts,
+            jobs=[j.diagnostics() for j in self.jobs],
         )
 
 
