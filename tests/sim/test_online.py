@@ -67,6 +67,10 @@ def test_oracle_solves_a_constant_stream_exactly():
     rate = f10 * 1420 / 1440
     expected = 24 * (9 + (rate - f9) / (f10 - f9))
     assert sim.oracle_worker_hours(np.full(1440, f10 * 60.0), cfg) == pytest.approx(expected, rel=1e-6)
+    # a trickle: no policy of the simulator goes below one worker, and the bound does not either
+    trickle = np.full(120, 0.01 * f10 * 60.0)
+    assert sim.oracle_worker_hours(trickle, cfg) == pytest.approx(2.0)
+    assert sim.oracle_worker_hours(trickle, cfg, min_workers=0) < 0.5
     # arrivals no count can keep within 20 minutes: no policy can keep the SLO
     assert sim.oracle_worker_hours(np.full(60, 2 * sim.true_throughput(cfg, 12) * 60.0), cfg) == float("inf")
 
