@@ -120,3 +120,19 @@ def test_jobs_out_tells_where_each_jobs_time_went(tmp_path: Path) -> None:
         if r["policy"] == "manual":
             assert r["actions"] == 0 and r["final"] == r["submitted_with"]
     assert any(r["decisions"] for r in rows if r["policy"] == "dlrover-rm")
+
+
+def test_users_fit_the_quota_keeping_their_configurations_shape() -> None:
+    """Over the quota, the users' (manual's, es's) request shrinks workers and PSes together:
+    dropping workers first made 1-worker, 18-PS jobs that es (which keeps the PSes) ran for
+    474 simulated days."""
+    jobs, nodes = scen.make_jobs(TRACE, 500, 3)
+    sim = scen.Sim("manual", jobs, nodes * scen.NODE_CORES, nodes * scen.NODE_MEM_GB, 3)
+    for j in jobs:
+        _, best = scen.ideal(j.kind, j.quota)
+        asked = (max(1, round(best.workers * j.kind.user_count[0])), max(1, round(best.ps * j.kind.user_count[1])))
+        got = sim.user_config(j, best)
+        assert got.cpus() <= j.quota
+        # the worker share of the pods moves by no more than the last pod taken off either side
+        share, asked_share = got.workers / (got.workers + got.ps), asked[0] / sum(asked)
+        assert abs(share - asked_share) <= 1 / (got.workers + got.ps) + 0.05, (j.jid, asked, got)

@@ -107,22 +107,15 @@ def warm_start(store: HistoryStore, features: Mapping[str, Feature], k: int = 5,
     return smoothed
 
 
-def config_from_mapping(conf: Mapping[str, float], cpu_quota: int) -> PSConfig:
-    """Round a (smoothed) configuration to whole pods and cores within the quota.
+def fit_to_quota(w: int, p: int, wc: int, pc: int, cpu_quota: int) -> tuple[int, int, int, int]:
+    """Workers, PSes and their cores shrunk into ``cpu_quota`` cores keeping the shape.
 
-    Over the quota, the worker and PS counts shrink together, by the same factor (then one pod
-    at a time off the side holding more cores): the shape of the configuration, how many worker
-    cores feed one PS core, is what the similar jobs teach. Dropping workers alone (as this did)
-    turned a 27-worker, 10-PS configuration of a larger quota into 1 worker and 10 PSes, which
-    the job then had to scale out of, paying pod start-ups and queueing in the meantime.
-
-    ``ps_mem_total_gb`` (when the history has it): the memory of all PSes, divided among the
-    ``p`` PSes here; ``ps_mem_gb`` (per PS) otherwise.
+    The worker and PS counts shrink together, by the same factor (then one pod at a time off
+    the side holding more cores); if one pod of each is still too wide, cores come off the
+    wider pod. Dropping workers alone turned a 27-worker, 10-PS configuration into 1 worker
+    and 10 PSes, which then had to scale out of it (or, for a baseline that keeps its PSes,
+    never did: a 1-worker, 18-PS job ran for 474 simulated days).
     """
-    w = max(1, round(conf.get("workers", 1)))
-    p = max(1, round(conf.get("ps", 1)))
-    wc = max(1, min(C_MAX, round(conf.get("worker_cpu", 1))))
-    pc = max(1, min(C_MAX, round(conf.get("ps_cpu", 1))))
     cores = w * wc + p * pc
     if cores > cpu_quota:
         f = cpu_quota / cores
@@ -137,6 +130,22 @@ def config_from_mapping(conf: Mapping[str, float], cpu_quota: int) -> PSConfig:
             wc -= 1
         else:
             pc -= 1
+    return w, p, wc, pc
+
+
+def config_from_mapping(conf: Mapping[str, float], cpu_quota: int) -> PSConfig:
+    """Round a (smoothed) configuration to whole pods and cores within the quota.
+
+    Over the quota it shrinks keeping the shape (``fit_to_quota``): how many worker cores feed
+    one PS core is what the similar jobs teach.
+
+    ``ps_mem_total_gb`` (when the history has it): the memory of all PSes, divided among the
+    ``p`` PSes here; ``ps_mem_gb`` (per PS) otherwise.
+    """
+    w, p, wc, pc = fit_to_quota(
+        max(1, round(conf.get("workers", 1))), max(1, round(conf.get("ps", 1))),
+        max(1, min(C_MAX, round(conf.get("worker_cpu", 1)))), max(1, min(C_MAX, round(conf.get("ps_cpu", 1)))),
+        cpu_quota)
     # the PSes partition the tables: what similar jobs teach is the memory of all of them
     total = conf.get("ps_mem_total_gb")
     ps_mem = float(total) / p if total is not None else float(conf.get("ps_mem_gb", 8.0))

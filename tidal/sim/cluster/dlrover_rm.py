@@ -84,6 +84,7 @@ from tidal.brain.dlrover_rm import (
     DLRoverRMPlanner,
     FreeCapacity,
     WeightedGreedy,
+    fit_to_quota,
 )
 from tidal.brain.es import ESPlanner
 from tidal.brain.history import JobRecord
@@ -355,10 +356,9 @@ class Sim:
         p = max(1, round(best.ps * k.user_count[1]))
         wc = min(C_MAX, math.ceil(best.worker_cpu * k.user_cpu))
         pc = min(C_MAX, math.ceil(best.ps_cpu * k.user_cpu))
-        while w > 1 and w * wc + p * pc > j.quota:
-            w -= 1
-        while p > 1 and w * wc + p * pc > j.quota:
-            p -= 1
+        # a user told the request is over the quota shrinks it keeping its shape (dropping
+        # workers first left 10-19% of the jobs with 1 worker and up to 18 PSes)
+        w, p, wc, pc = fit_to_quota(w, p, wc, pc, j.quota)
         return PSConfig(w, p, wc, pc, k.worker_mem, 2 * k.ps_mem0 / p)
 
     def observe(self, j: Job) -> JobObservation:
