@@ -215,7 +215,7 @@ class Job:
     warm: bool = False
     last_thp: float = 0.0
     inputs: tuple[object, ...] = ()  # what last_thp and cores_used were computed from (``Sim.refresh``)
-    decisions: list[tuple[float, str]] = field(default_factory=list)  # (time, "old -> new") applied
+    decisions: list[tuple[float, PSConfig, PSConfig]] = field(default_factory=list)  # (time, old, new) applied
 
     def diagnostics(self) -> dict[str, object]:
         """One line of ``tidal sim cluster --jobs-out``: where this job's time and cores went."""
@@ -230,7 +230,7 @@ class Job:
             "core_s_allocated": self.core_s_allocated, "core_s_used": self.core_s_used,
             "submitted_with": conf(self.want), "final": conf(self.cfg), "actions": self.actions,
             "ooms": self.ooms, "pod_failures": self.failures, "straggled": self.straggling,
-            "decisions": [[round(t), d] for t, d in self.decisions],
+            "decisions": [[round(t), f"{conf(old)} -> {conf(new)}"] for t, old, new in self.decisions],
         }
 
 
@@ -391,8 +391,7 @@ class Sim:
             return
         j.actions += 1
         j.stable = 0
-        j.decisions.append((self.t, f"{old.workers}w x {old.worker_cpu}c + {old.ps}ps x {old.ps_cpu}c -> "
-                                    f"{new.workers}w x {new.worker_cpu}c + {new.ps}ps x {new.ps_cpu}c"))
+        j.decisions.append((self.t, old, new))
         if not new.same_ps(old) or new.worker_cpu != old.worker_cpu:
             # PSes (or every worker's shape) change: pause; new pods start meanwhile
             j.paused_until = max(j.paused_until, self.t + (START_S if new.worker_cpu != old.worker_cpu else 0.0)
