@@ -192,8 +192,9 @@ class ClickDataset:
         return self.size
 
     # -- generation -----------------------------------------------------------------------
-    def _generate(self, gidx: np.ndarray, batch: bool) -> tuple[dict[str, np.ndarray], np.ndarray]:
-        """Samples (if ``batch``) and true probabilities for global indices, block by block."""
+    def _generate(self, gidx: np.ndarray, batch: bool, raw_out: bool = False) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """Samples (if ``batch``) and true probabilities for global indices, block by block;
+        ``raw_out``: the raw categories instead of their buckets (``category``, not ``sparse``)."""
         n, nf, nd = gidx.size, self.num_sparse, self.num_dense
         c = self.cardinality
         prob = np.empty(n, dtype=np.float64)
@@ -201,7 +202,7 @@ class ClickDataset:
         if batch:
             out = {
                 "dense": np.empty((n, nd), dtype=np.float32),
-                "sparse": np.empty((n, nf), dtype=np.int64),
+                "category" if raw_out else "sparse": np.empty((n, nf), dtype=np.int64),
                 "label": np.empty(n, dtype=np.float32),
             }
         field_base = (np.arange(nf, dtype=np.int64) * c)[:, None]
@@ -244,7 +245,10 @@ class ClickDataset:
             prob[s : s + m] = p
             if batch:
                 out["dense"][s : s + m] = dense.T
-                out["sparse"][s : s + m] = flat_b[flat].T
+                if raw_out:
+                    out["category"][s : s + m] = raw.T
+                else:
+                    out["sparse"][s : s + m] = flat_b[flat].T
                 out["label"][s : s + m] = ((hl >> _S11).astype(np.float64) * _INV53) < p
         return out, prob
 
@@ -267,6 +271,12 @@ class ClickDataset:
         """Samples ``[start, end)``: ``dense`` float32 ``[n, num_dense]``, ``sparse`` int64
         ``[n, num_sparse]`` (hashed bucket ids in ``[0, hash_size)``), ``label`` float32 ``[n]``."""
         return self._to_torch(self._generate(self._global_range(start, end), batch=True)[0])
+
+    def get_raw_range(self, start: int, end: int) -> dict[str, torch.Tensor]:
+        """Samples ``[start, end)`` before feature engineering (``examples.ctr.features``):
+        ``dense`` float32 as in :meth:`get_range`, ``category`` int64 ``[n, num_sparse]`` raw
+        categories in ``[0, cardinality)``, ``label``."""
+        return self._to_torch(self._generate(self._global_range(start, end), batch=True, raw_out=True)[0])
 
     def get_indices(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
         """Like :meth:`get_range` for an arbitrary 1-d array of indices into this dataset."""

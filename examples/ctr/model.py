@@ -42,9 +42,14 @@ class DLRM(nn.Module):
         bottom: Sequence[int] = (32,),
         top: Sequence[int] = (64, 32),
         tables: bool = True,
+        crosses: bool = False,
     ) -> None:
         super().__init__()
         self.num_sparse = num_sparse
+        # crosses: one more vector, the sum of a multi-hot input's rows (examples.ctr.features)
+        self.crosses = nn.EmbeddingBag(hash_size, emb_dim, mode="sum") if crosses else None
+        if self.crosses is not None:
+            nn.init.uniform_(self.crosses.weight, -(hash_size**-0.5), hash_size**-0.5)
         # tables False: the embeddings are held elsewhere (parameter servers): see ``interact``
         embeddings = [nn.Embedding(hash_size, emb_dim) for _ in range(num_sparse if tables else 0)]
         for emb in embeddings:
@@ -52,15 +57,21 @@ class DLRM(nn.Module):
             nn.init.uniform_(emb.weight, -(hash_size**-0.5), hash_size**-0.5)
         self.embeddings = nn.ModuleList(embeddings)
         self.bottom = _mlp([num_dense, *bottom, emb_dim], last_relu=True)
-        n_vec = num_sparse + 1
+        n_vec = num_sparse + 1 + (1 if crosses else 0)
         rows, cols = torch.tril_indices(n_vec, n_vec, offset=-1)
         self.register_buffer("_rows", rows, persistent=False)
         self.register_buffer("_cols", cols, persistent=False)
         self.top = _mlp([emb_dim + n_vec * (n_vec - 1) // 2, *top, 1], last_relu=False)
 
-    def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
-        """``dense`` float ``[n, num_dense]``, ``sparse`` int64 ``[n, num_sparse]`` -> logits ``[n]``."""
-        return self.interact(dense, [emb(sparse[:, f]) for f, emb in enumerate(self.embeddings)])
+    def forward(self, dense: torch.Tensor, sparse: torch.Tensor, crosses: torch.Tensor | None = None) -> torch.Tensor:
+        """``dense`` float ``[n, num_dense]``, ``sparse`` int64 ``[n, num_sparse]`` (and, for a
+        model built with ``crosses``, ``crosses`` int64 ``[n, k]``) -> logits ``[n]``."""
+        vectors = [emb(sparse[:, f]) for f, emb in enumerate(self.embeddings)]
+        if self.crosses is not None:
+            if crosses is None:
+                raise ValueError("this model was built with crosses: pass them")
+            vectors.append(self.crosses(crosses))
+        return self.interact(dense, vectors)
 
     def interact(self, dense: torch.Tensor, vectors: list[torch.Tensor]) -> torch.Tensor:
         """The model from the field embeddings on: ``vectors`` holds one ``[n, emb_dim]`` tensor

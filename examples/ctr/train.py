@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import tidal.worker
 from examples.ctr.data import ClickDataset, roc_auc
+from examples.ctr.features import FeatureTransform, RawClicks
 from examples.ctr.model import DLRM
 from examples.ctr.stream import ClickRecords
 from tidal.ps.api import TableSpec
@@ -102,6 +103,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "buckets; every worker holds every table and all-reduces its dense gradient)")
     p.add_argument("--ps-optimizer", choices=["adam", "adagrad", "sgd"], default="adam",
                    help="with --ps: the tables' optimizer, run on the servers (lr: --lr)")
+    p.add_argument("--raw-features", action="store_true",
+                   help="train on raw samples (examples.ctr.features): the batches need real CPU work first "
+                        "(string hashing, crosses, bucketizing), done by the job's data workers (tidal run "
+                        "--data-workers N) or, without them, by the worker itself")
+    p.add_argument("--crosses", type=int, default=28, metavar="K",
+                   help="with --raw-features: crossed fields (pairs, then triples of the 8 raw fields; 0-84)")
     p.add_argument("--ps-async", action="store_true",
                    help="with --ps: async mode (Kale Eq. 8): each worker's sparse gradients are applied on "
                         "arrival, without waiting for the others (at least once under failures; see "
@@ -110,6 +117,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("table_rows", "ps_hash_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.raw_features and (args.ps or args.stream):
+        p.error("--raw-features trains on the dataset with the model's own tables (not with --ps or --stream)")
+    if not 0 <= args.crosses <= 84:
+        p.error("--crosses must be in [0, 84]")
     args.device_ms_per_step += args.step_sleep * 1e3  # the alias; args.step_sleep stays for its readers
     return args
 
@@ -144,19 +155,22 @@ def server_tables(args: argparse.Namespace, job: tidal.worker.Job) -> ServerEmbe
                             synchronous=not args.ps_async)
 
 
-def predict(model: DLRM, tables: ServerEmbeddings | None, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+def predict(model: DLRM, tables: ServerEmbeddings | None, dense: torch.Tensor, sparse: torch.Tensor,
+            crosses: torch.Tensor | None = None) -> torch.Tensor:
     """The logits: the model's own tables, or the rows pulled from the parameter servers."""
     if tables is None:
-        return model(dense, sparse)
+        return model(dense, sparse, crosses)
     vectors = tables({f"field{f}": sparse[:, f] for f in range(model.num_sparse)})
     return model.interact(dense, [vectors[f"field{f}"] for f in range(model.num_sparse)])
 
 
-def evaluate(model: DLRM, tables: ServerEmbeddings | None, data: ClickDataset, device: torch.device) -> float:
+def evaluate(model: DLRM, tables: ServerEmbeddings | None, data: ClickDataset, device: torch.device,
+             transform: FeatureTransform | None = None) -> float:
     model.eval()
     with torch.no_grad():
-        batch = data.get_range(0, len(data))
-        scores = predict(model, tables, batch["dense"].to(device), batch["sparse"].to(device)).cpu().numpy()
+        batch = data.get_range(0, len(data)) if transform is None else transform(RawClicks(data).get_range(0, len(data)))
+        crosses = batch["crosses"].to(device) if "crosses" in batch else None
+        scores = predict(model, tables, batch["dense"].to(device), batch["sparse"].to(device), crosses).cpu().numpy()
     model.train()
     return roc_auc(batch["label"].numpy(), scores)
 
@@ -169,7 +183,10 @@ def main(argv: list[str] | None = None) -> None:
     hashing = {"hash_size": args.ps_hash_size if args.ps else args.table_rows}
     train = ClickDataset(args.samples, seed=args.seed, **hashing)
     device = pick_device(args.device)
-    model = DLRM(**MODEL_SIZES[args.model_size], hash_size=args.table_rows, tables=not args.ps).to(device)  # type: ignore[arg-type]
+    transform = FeatureTransform(hash_size=args.table_rows, crosses=args.crosses) if args.raw_features else None
+    fields = {"num_sparse": transform.fields, "crosses": args.crosses > 0} if transform is not None else {}
+    model = DLRM(**MODEL_SIZES[args.model_size], hash_size=args.table_rows, tables=not args.ps,  # type: ignore[arg-type]
+                 **fields).to(device)
     tables = server_tables(args, job)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     state = job.state(model, optimizer)
@@ -187,13 +204,14 @@ def main(argv: list[str] | None = None) -> None:
         records = ClickRecords(args.seed, hash_size=args.table_rows)
         loader = job.loader(stream=stream, batch_size=args.batch_size, decode=records.decode)
     else:
-        loader = job.loader(train, batch_size=args.batch_size, epochs=args.epochs, seed=args.seed)
+        loader = job.loader(train if transform is None else RawClicks(train), batch_size=args.batch_size,
+                            epochs=args.epochs, seed=args.seed, preprocess=transform)
     t0, seen, logged = time.monotonic(), 0, -1
     for batch in loader:
         started = time.monotonic()
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(predict(model, tables, batch["dense"], batch["sparse"]), batch["label"])
+        loss = loss_fn(predict(model, tables, batch["dense"], batch["sparse"], batch.get("crosses")), batch["label"])
         loss.backward()
         # one sleep: the straggler's extra compute, then the (emulated) device time of the batch
         pause = (slow - 1.0) * (time.monotonic() - started) + slow * emulated_device_seconds(args, len(batch["label"]))
@@ -213,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     train_seconds = time.monotonic() - t0
     if job.rank == 0:
         held_out = ClickDataset(args.eval_samples, seed=args.seed, offset=args.samples, **hashing)
-        auc = evaluate(model, tables, held_out, device)
+        auc = evaluate(model, tables, held_out, device, transform)
         ceiling = held_out.oracle_auc()
         print(f"final AUC {auc:.4f} (ceiling of the known model {ceiling:.4f}) after step {job.applied_step}, "
               f"{train_seconds:.2f} s of training", flush=True)

@@ -23,6 +23,7 @@ from tidal.api.errors import (
 )
 
 __all__ = [
+    "DATA_ERROR_EXIT",
     "MAX_BODY_BYTES",
     "MAX_RECORDS_PER_REQUEST",
     "MAX_STORE_KEYS_PER_REQUEST",
@@ -31,7 +32,10 @@ __all__ = [
     "MAX_STORE_VALUE_CHARS",
     "MAX_STORE_WAIT_S",
     "ConfigError",
+    "DataQueueStatus",
+    "DataWorkerInfo",
     "DataWorkerObservation",
+    "DataWorkerReport",
     "DatasetRequest",
     "Event",
     "FinishRequest",
@@ -114,6 +118,7 @@ def parse_every(text: str) -> tuple[str, float]:
 MAX_BODY_BYTES = 16 << 20
 MAX_RECORDS_PER_REQUEST = 65536
 PS_OUT_OF_MEMORY_EXIT = 3  # a parameter server's exit status when its tables passed --ps-memory
+DATA_ERROR_EXIT = 4  # a training worker's exit status when a batch cannot be built (tidal.data.batches): the job fails
 PS_WATERMARK = "tidal.ps"  # the key of the parameter servers' watermark in a worker's ``state.extras``
 MAX_PAUSES_PER_REPORT = 64
 _I64 = 2**63 - 1
@@ -290,6 +295,16 @@ class ReportRequest(_Wire):
     stream_queued: int = Field(default=-1, ge=-1, le=_I64)
     stream_forwarded_out: int = Field(default=0, ge=0, le=_I64)
     stream_forwarded_in: int = Field(default=0, ge=0, le=_I64)
+    # with data workers (``--data-workers``; tidal.data.dispatch), counts so far: batches received
+    # from data workers, built by this worker itself, consumed, re-dispatched, dropped (duplicates);
+    # batches waiting in its queue now, and seconds it waited for one (-1 queued: no data workers)
+    data_received: int = Field(default=0, ge=0, le=_I64)
+    data_built_here: int = Field(default=0, ge=0, le=_I64)
+    data_taken: int = Field(default=0, ge=0, le=_I64)
+    data_redispatched: int = Field(default=0, ge=0, le=_I64)
+    data_dropped: int = Field(default=0, ge=0, le=_I64)
+    data_queued: int = Field(default=-1, ge=-1, le=_I64)
+    data_wait_s: float = Field(default=0.0, ge=0, le=1e12)
 
 
 class ReportResponse(_Wire):
@@ -301,6 +316,7 @@ class ReportResponse(_Wire):
     # ``--trim-after-commit``: the committed positions of the partitions this worker reads, up to
     # which it deletes records from the stream
     stream_committed: dict[int, int] = Field(default_factory=dict)
+    data_workers: list[str] = Field(default_factory=list)  # the job's data workers' addresses, now
 
 
 class LeaseRequest(_Wire):
@@ -351,11 +367,12 @@ class ScaleRequest(_Wire):
     workers: int | None = Field(default=None, ge=0, le=100_000)
     auto: bool = False
     ps: int | None = Field(default=None, ge=1, le=4096)  # parameter servers (within the job's --ps MIN:MAX)
+    data_workers: int | None = Field(default=None, ge=0, le=4096)  # within the job's --data-workers MIN:MAX
 
     @model_validator(mode="after")
     def _one_of(self) -> ScaleRequest:
-        if sum((self.workers is not None, self.auto, self.ps is not None)) != 1:
-            raise ValueError("give exactly one of workers, auto=true or ps")
+        if sum((self.workers is not None, self.auto, self.ps is not None, self.data_workers is not None)) != 1:
+            raise ValueError("give exactly one of workers, auto=true, ps or data_workers")
         return self
 
 
@@ -412,6 +429,47 @@ class ServerInfo(_Wire):
     cpu: float = 0.0
     rss_bytes: int = 0
     exit_code: int | None = None
+
+
+class DataWorkerReport(_Wire):
+    """A data worker's report (``POST /v1/data/report``, every second): where it listens (its
+    first report registers it) and what it built (tidal.data.worker)."""
+
+    data_worker_id: int = Field(ge=0, le=_I64)
+    address: str = Field(max_length=300, pattern=r"^tcp://[^\s]+:[0-9]{1,5}$")
+    pid: int = Field(ge=0, le=_I64)
+    batches: int = Field(default=0, ge=0, le=_I64)
+    samples: int = Field(default=0, ge=0, le=_I64)
+    batches_per_s: float = Field(default=0.0, ge=0, le=1e9)
+    busy: float = Field(default=0.0, ge=0, le=1)  # share of the last interval spent building batches
+    cpu: float = Field(default=0.0, ge=0, le=1e4)  # cores the process used over the last interval
+
+
+class DataWorkerInfo(_Wire):
+    """A data worker as ``tidal status`` shows it."""
+
+    id: int
+    pid: int
+    state: str  # launching, running, retiring (stopped by the master), exited
+    address: str = ""
+    batches: int = 0
+    batches_per_s: float = 0.0
+    busy: float = 0.0
+    cpu: float = 0.0
+    exit_code: int | None = None
+
+
+class DataQueueStatus(_Wire):
+    """The trainers' data queues together (GoldMiner 3.4's indicator): batches waiting, the rates
+    the data workers fill them (enqueue) and the trainers empty them (dequeue), per second, and
+    the share of the trainers' time spent waiting for a batch."""
+
+    queued: int = 0
+    enqueue_per_s: float = 0.0
+    dequeue_per_s: float = 0.0
+    built_by_trainers_per_s: float = 0.0
+    wait_share: float = 0.0
+    redispatched: int = 0
 
 
 class ShardCounts(_Wire):
@@ -483,6 +541,10 @@ class StatusResponse(_Wire):
     ps_shard_map: list[int] = Field(default_factory=list)  # the server (id) of each virtual shard
     ps_target: int = 0  # the number of servers asked for (``tidal scale --ps``); the map follows at a re-form
     ps_range: list[int] = Field(default_factory=list)  # --ps MIN:MAX
+    data_workers: list[DataWorkerInfo] = Field(default_factory=list)  # ``--data-workers``
+    data_target: int = 0  # the number of data workers asked for (``tidal scale --data-workers``, the tuner)
+    data_range: list[int] = Field(default_factory=list)  # --data-workers MIN:MAX
+    data_queue: DataQueueStatus | None = None  # with data workers: the trainers' queues
 
 
 class PlannerDecision(_Wire):

@@ -80,15 +80,15 @@ def parse_size(text: str, option: str) -> int:
     return int(size)
 
 
-def parse_range(text: str, option: str) -> tuple[int, int]:
-    """``MIN:MAX`` or ``N`` (``N:N``), both at least 1."""
+def parse_range(text: str, option: str, least: int = 1) -> tuple[int, int]:
+    """``MIN:MAX`` or ``N`` (``N:N``), both at least ``least``."""
     try:
         lo, _, hi = text.partition(":")
         low, high = int(lo), int(hi or lo)
     except ValueError:
         raise ConfigError(f"{option} must be MIN:MAX or N, got {text!r}") from None
-    if low < 1:
-        raise ConfigError(f"{option} MIN must be at least 1, got {low}")
+    if low < least:
+        raise ConfigError(f"{option} MIN must be at least {least}, got {low}")
     if low > high:
         raise ConfigError(f"{option} MIN ({low}) is greater than MAX ({high})")
     return low, high
@@ -125,6 +125,7 @@ def check_ledger(path: Path | None) -> None:
 
 
 MAX_PS = 64  # parameter servers of one job on the local backend
+MAX_DATA_WORKERS = 256  # data workers of one job on the local backend
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
                                "allow_interspersed_args": False})
@@ -190,6 +191,18 @@ def run(
              f"virtual shards move at the next step boundary. At most {MAX_PS}. A server that dies is "
              "replaced and every server restored from the newest flash checkpoint (--checkpoint-every), the "
              "steps after it trained again; without checkpoints its loss fails the job."),
+    data_workers_text: str | None = typer.Option(
+        None, "--data-workers", metavar="N|MIN:MAX",
+        help="Start N (or MIN) data workers (tidal.data): processes that run the script's "
+             "`job.loader(dataset, ..., preprocess=fn)` part, building whole batches (fn applied) for the index "
+             "ranges each trainer sends them, so that pre-processing scales apart from training (GoldMiner). "
+             "Any number of them feed every trainer; a trainer consumes batches in order and drops duplicates, "
+             "so a data worker's loss re-dispatches its batches and loses or repeats nothing. 0 is allowed (the "
+             "trainers build their batches, as without the option). `tidal scale --data-workers N` changes "
+             f"their number within MIN:MAX. At most {MAX_DATA_WORKERS}."),
+    data_prefetch: int = typer.Option(
+        0, "--data-prefetch", metavar="N",
+        help="With --data-workers: batches each trainer keeps in flight (0: two per data worker)."),
     ps_shards: int = typer.Option(
         64, "--ps-shards", metavar="V", help="Virtual shards the rows hash to (at least --ps, at most 4096)."),
     ps_memory_text: str | None = typer.Option(
@@ -315,6 +328,18 @@ def run(
         check_range("--ps MAX", ps_max, (1, MAX_PS))
         check_range("--ps-shards", ps_shards, (ps_max, 4096))
     env = logical_env(logical_workers, high, checkpoint_dir, determinism)
+    data_low, data_high = (parse_range(data_workers_text, "--data-workers", least=0)
+                           if data_workers_text is not None else (-1, 0))
+    if data_workers_text is not None:
+        check_range("--data-workers MAX", data_high, (0, MAX_DATA_WORKERS))
+        check_range("--data-prefetch", data_prefetch, (0, 4096))
+        if stream is not None:
+            raise fail("--data-workers build batches of a dataset; a --stream job reads its records itself")
+        env["TIDAL_DATA_WORKERS"] = "1"
+        if data_prefetch:
+            env["TIDAL_DATA_PREFETCH"] = str(data_prefetch)
+    elif data_prefetch:
+        raise fail("--data-prefetch needs --data-workers")
     if stream is not None:
         check_stream(stream, logical_workers)
         env["TIDAL_STREAM_URL"] = stream
@@ -366,7 +391,7 @@ def run(
         time_scale=time_scale, lag_slo_s=1200.0 if lag_slo is None else lag_slo,
         traffic_history=seed[0], traffic_history_interval_s=seed[1], ps=ps, ps_max=ps_max, ps_shards=ps_shards,
         ps_memory=ps_memory, ps_oom_prevention=not no_ps_oom_prevention, ps_hot_balance=not no_ps_hot_balance,
-        ps_oom_horizon_s=ps_oom_horizon,
+        ps_oom_horizon_s=ps_oom_horizon, data_workers=data_low, data_workers_max=data_high,
     )
     _point_current(directory)
     typer.echo(f"tidal: job {job_id} on http://127.0.0.1:{spec.port} (job dir {directory}); "
@@ -603,12 +628,20 @@ def scale(
         None, "--ps", metavar="N",
         help="The new number of parameter servers (within the job's --ps MIN:MAX): new ones start while "
              "training runs, then the virtual shards move at the next step boundary (a short pause)."),
+    data_workers: int | None = typer.Option(
+        None, "--data-workers", metavar="N",
+        help="The new number of data workers (within the job's --data-workers MIN:MAX): new ones start at once; "
+             "removed ones get no new batches and stop once theirs are delivered."),
     job_dir: Path | None = typer.Option(None, "--job-dir", help="The job's directory (default: the latest job)."),
 ) -> None:
-    """Change a running job's number of workers (the planner stops deciding until --auto), or of
-    parameter servers (--ps)."""
-    if sum((workers is not None, auto, ps is not None)) != 1:
-        raise fail("give either a number of workers, --auto, or --ps N")
+    """Change a running job's number of workers (the planner stops deciding until --auto), of
+    parameter servers (--ps), or of data workers (--data-workers)."""
+    if sum((workers is not None, auto, ps is not None, data_workers is not None)) != 1:
+        raise fail("give either a number of workers, --auto, --ps N or --data-workers N")
+    if data_workers is not None:
+        data = _request(job_dir, "POST", "/v1/scale", {"data_workers": data_workers})
+        typer.echo(f"target: {data['target_data_workers']} data workers")
+        return
     if ps is not None:
         data = _request(job_dir, "POST", "/v1/scale", {"ps": ps})
         typer.echo(f"target: {data['target_ps']} parameter servers")
@@ -811,6 +844,18 @@ def _render_status(st: StatusResponse) -> None:
                       f"{v.requests_per_s:.0f} requests/s ({v.latency_ms:.1f} ms each), busy {v.busy:.0%}, "
                       f"{v.cpu:.2f} cores, RSS {v.rss_bytes / 2**20:.0f} MiB"
                       + ("" if v.exit_code is None else f", exit {v.exit_code}"), markup=False, highlight=False)
+    if st.data_range:
+        q = st.data_queue
+        console.print(f"data workers: {sum(d.state == 'running' for d in st.data_workers)} running, target "
+                      f"{st.data_target} (range {':'.join(map(str, st.data_range))})"
+                      + (f"; queue {q.queued} batches, enqueue {q.enqueue_per_s:.1f}/s, dequeue {q.dequeue_per_s:.1f}/s, "
+                         f"built by trainers {q.built_by_trainers_per_s:.1f}/s, trainers waiting {q.wait_share:.0%}, "
+                         f"{q.redispatched} re-dispatched" if q is not None else ""), markup=False, highlight=False)
+    for d in st.data_workers:
+        if d.state != "exited":
+            console.print(f"data worker {d.id}: pid {d.pid}, {d.state}, {d.address or 'not registered'}, "
+                          f"{d.batches} batches ({d.batches_per_s:.1f}/s), busy {d.busy:.0%}, {d.cpu:.2f} cores",
+                          markup=False, highlight=False)
     table = Table("worker", "pid", "state", "rank", "step", "samples/s", "straggler", "exit")
     for w in st.workers:
         table.add_row(str(w.worker_id), str(w.pid), w.state.value, str(w.rank) if w.rank >= 0 else "-",

@@ -133,6 +133,16 @@ class JobSpec:
     ps_oom_prevention: bool = True
     ps_hot_balance: bool = True  # move virtual shards off a hot server (tidal.brain.hotps)
     ps_oom_horizon_s: float = 3600.0  # a stream job's out-of-memory prediction looks this far ahead
+    # data workers (``tidal run --data-workers N|MIN:MAX``, tidal.data): how many at the start (MIN)
+    # and the most ``tidal scale --data-workers`` or the tuner may ask for; -1: the job has none
+    data_workers: int = -1
+    data_workers_max: int = 0
+    data_tuner: bool = False  # GoldMiner 3.4.1's job-level tuner decides their number (MIN != MAX)
+
+    @property
+    def data_range(self) -> tuple[int, int]:
+        """``--data-workers MIN:MAX`` (MAX is MIN for ``--data-workers N``)."""
+        return max(self.data_workers, 0), max(self.data_workers, self.data_workers_max)
 
     @property
     def ps_range(self) -> tuple[int, int]:

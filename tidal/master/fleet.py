@@ -58,8 +58,9 @@ class Fleet:
         self._exits: deque[tuple[int, NodeExit]] = deque()
         self._errors: deque[tuple[int, NodeError]] = deque()
         self._awaiting_pid: set[int] = set()  # launched, pid not yet seen in Backend.poll()
-        # parameter servers' exits and launch errors: (server id, exit code or None, why)
+        # parameter servers' and data workers' exits and launch errors: (id, exit code or None, why)
         self.server_reports: deque[tuple[int, int | None, str]] = deque()
+        self.data_reports: deque[tuple[int, int | None, str]] = deque()
 
     # ------------------------------------------------------------------ journal
     def to_meta(self) -> dict[str, Any]:
@@ -110,12 +111,16 @@ class Fleet:
                 self._exits.append((index, ev))
             elif role == "ps":
                 self.server_reports.append((index, ev.exit_code, f"exited with code {ev.exit_code}"))
+            elif role == "data":
+                self.data_reports.append((index, ev.exit_code, f"exited with code {ev.exit_code}"))
         for err in state.errors:
             role, index = _node_of(err.node_id)
             if role == "worker":
                 self._errors.append((index, err))
             elif role == "ps":
                 self.server_reports.append((index, None, f"could not start: {err.message}"))
+            elif role == "data":
+                self.data_reports.append((index, None, f"could not start: {err.message}"))
 
     def pending_exits(self) -> deque[tuple[int, NodeExit]]:
         """Exits not handled yet: the caller pops each once handled."""

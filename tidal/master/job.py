@@ -38,13 +38,17 @@ import functools
 import itertools
 import logging
 import secrets
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from tidal.api import (
+    DATA_ERROR_EXIT,
     PS_OUT_OF_MEMORY_EXIT,
+    DataQueueStatus,
     DatasetRequest,
+    DataWorkerReport,
     Event,
     FinishRequest,
     JobObservation,
@@ -86,6 +90,7 @@ from tidal.master.api import (
 from tidal.master.audit import audit_ranges
 from tidal.master.checkpoints import Checkpoint, CheckpointBook, found_on_disk
 from tidal.master.commits import Commits
+from tidal.master.dataworkers import DataWorkers
 from tidal.master.events import EventLog
 from tidal.master.fleet import Fleet
 from tidal.master.journal import Journal
@@ -105,6 +110,7 @@ JOURNAL_PROBE_S = 0.5  # how often a paused master tries its journal again
 CHECK_S = 0.5  # how often progress and stragglers are judged
 LIVENESS_S = 0.1  # heartbeat leases are seconds long: a scan of every worker per 20 ms tick is waste
 TIMELINE_S = 1.0  # one timeline point a second
+DATA_WINDOW = 6  # points (one a second) the data queue's rates are measured over
 MEMORY_CHECK_S = 1.0  # how often the servers' memory is predicted (--ps-memory; they report every second)
 HOT_CHECK_S = 5.0  # the window of the hot-PS planner (tidal.brain.hotps)
 MEMORY_SAMPLES = 30  # (samples consumed, bytes held) points the prediction fits
@@ -188,8 +194,13 @@ class JobMaster:
         self.commits = Commits(self.journal, self.shards, self.log, spec.ledger_path, self.streams)
         self.fleet = Fleet(spec, self.backend)
         self.servers = Servers(spec, self.backend)  # parameter servers (--ps)
+        self.data = DataWorkers(spec, self.backend)  # data workers (--data-workers)
+        # the trainers' data-queue counters summed, one point a second: (t, received, built by the
+        # trainers, taken, seconds waited), for the rates of ``DataQueueStatus``
+        self._data_window: deque[tuple[float, float, float, float, float]] = deque(maxlen=DATA_WINDOW)
         self._next_plan_at = 0.0
         self._next_liveness_check = 0.0
+        self._next_data_point = 0.0
         self._next_check = 0.0
 
     # ------------------------------------------------------------------ views of the owners' state
@@ -295,6 +306,7 @@ class JobMaster:
             self.shards.restore(DatasetConfig(**dataset) if dataset else None, j.load_shards(), j.load_ledger())
         self.fleet.restore(meta, j.load_workers(), self.clock())
         self.servers.restore(meta, f"{self.spec.job_id}-ps-adopt-{self.clock():.6f}")
+        self.data.restore(meta, f"{self.spec.job_id}-data-adopt-{self.clock():.6f}")
         # Every member must report to this master before a step is final again. One found dead
         # holds finalization back, as in a running master, until the next round settles its steps:
         # its records of the last steps are only in the survivors' hands, and finalizing those
@@ -504,6 +516,59 @@ class JobMaster:
             self.log.add("launch", f"launched parameter servers {new} ({self.spec.ps_shards} virtual shards)")
             self._persist()
 
+    def _reconcile_data(self, now: float) -> None:
+        launched, retired = self.data.reconcile(now, self._persist)
+        if launched:
+            self.log.add("launch", f"launched data workers {launched}")
+        if retired:
+            self.log.add("data", f"retired data workers {retired}: off the trainers' lists, stopped in a moment")
+        if launched or retired:
+            self._persist()
+        if now >= self._next_data_point:
+            self._next_data_point = now + TIMELINE_S
+            counts = [r.data_counts for r in self.workers.values() if r.data_counts]
+            received, built, taken, waited = (float(sum(c[k] for c in counts))
+                                              for k in ("received", "built_here", "taken", "wait_s"))
+            self._data_window.append((now, received, built, taken, waited))
+
+    def data_queue(self) -> DataQueueStatus | None:
+        """The trainers' data queues over the last ``DATA_WINDOW`` seconds (None: no data workers)."""
+        if self.spec.data_workers < 0:
+            return None
+        active = [r.data_counts for r in self._active() if r.data_counts]
+        queued = int(sum(c["queued"] for c in active))
+        redispatched = int(sum(r.data_counts.get("redispatched", 0) for r in self.workers.values()))
+        w = self._data_window
+        if len(w) < 2 or w[-1][0] <= w[0][0]:
+            return DataQueueStatus(queued=queued, redispatched=redispatched)
+        span = w[-1][0] - w[0][0]
+        (_, r0, b0, t0, s0), (_, r1, b1, t1, s1) = w[0], w[-1]
+        trainers = max(1, len(active))
+        return DataQueueStatus(queued=queued, enqueue_per_s=round((r1 - r0) / span, 2),
+                               dequeue_per_s=round((t1 - t0) / span, 2),
+                               built_by_trainers_per_s=round((b1 - b0) / span, 2),
+                               wait_share=round(min(1.0, (s1 - s0) / span / trainers), 4), redispatched=redispatched)
+
+    def _handle_data_exits(self) -> None:
+        """A data worker that ends while the job runs is replaced (it holds nothing: the trainers
+        re-dispatch what it was building); one that was retired is just gone."""
+        reports = self.fleet.data_reports
+        while reports:
+            data_id, code, why = reports[0]
+            prior = self.data.records.get(data_id)
+            retiring = prior is not None and prior.state == "retiring"
+            rec = self.data.exited(data_id, code)
+            if rec is not None:
+                if retiring or self.state is not JobState.RUNNING:
+                    self.log.add("data", f"data worker {data_id} stopped")
+                else:
+                    self.data.replaced += 1
+                    tail = self.data.log_tail(data_id)
+                    self.log.add("failure", f"data worker {data_id} {why}{': ' + tail if tail and code else ''}; "
+                                            "the trainers re-dispatch its batches and a new one starts")
+                self._persist()
+            reports.popleft()
+
     def _handle_server_exits(self) -> None:
         """A parameter server that ends while the job runs is replaced, and the next round
         restores every server from the newest checkpoint (tidal.master.servers); one that ran
@@ -571,6 +636,10 @@ class JobMaster:
             rec.stream_oldest_ms, rec.stream_busy = req.stream_oldest_ms, req.stream_busy
             rec.stream_queued = req.stream_queued
             rec.stream_forwarded_out, rec.stream_forwarded_in = req.stream_forwarded_out, req.stream_forwarded_in
+        if req.data_queued >= 0:
+            rec.data_counts = {"received": req.data_received, "built_here": req.data_built_here,
+                               "taken": req.data_taken, "wait_s": req.data_wait_s, "queued": req.data_queued,
+                               "redispatched": req.data_redispatched}
         if req.stream_malformed > rec.stream_malformed:
             self.log.add("stream", f"worker {rec.worker_id} skipped {req.stream_malformed - rec.stream_malformed} "
                                    f"malformed records ({req.stream_malformed} in all)", worker=rec.worker_id)
@@ -596,7 +665,26 @@ class JobMaster:
             positions = self.streams.positions
             trim = {p: positions[p] for p in (assigned.stream if assigned is not None else ()) if p in positions}
         return ReportResponse(round=self.round, reform=self.reforming, finalized_step=self.finalized_step,
-                              incarnation=self.incarnation, stop=self.stream_stop is not None, stream_committed=trim)
+                              incarnation=self.incarnation, stop=self.stream_stop is not None, stream_committed=trim,
+                              data_workers=self.data.addresses(now) if self.spec.data_workers >= 0 else [])
+
+    @journaled
+    def data_report(self, req: DataWorkerReport) -> None:
+        """A data worker's report; its first registers its address (tidal.master.dataworkers).
+
+        Raises:
+            WorkerGoneError: the job is over, or the data worker is not one of the job's, or was
+                retired (it exits).
+        """
+        if self.state in (JobState.SUCCEEDED, JobState.FAILED):
+            raise WorkerGoneError(f"the job has {self.state.value}")
+        try:
+            registered = self.data.report(req, self.clock())
+        except KeyError:
+            raise WorkerGoneError(f"data worker {req.data_worker_id} is not one of this job's running ones") from None
+        if registered is not None:
+            self.log.add("data", f"data worker {req.data_worker_id} serves at {req.address} (pid {req.pid})")
+            self._persist()
 
     def _note_checkpoint(self, step: int, problem: str) -> None:
         """A worker's newest flash checkpoint (journaled with the next meta write) and the
@@ -736,6 +824,28 @@ class JobMaster:
         return servers
 
     @journaled
+    def scale_data(self, count: int) -> int:
+        """The user's number of data workers (``tidal scale --data-workers N``): new ones start
+        now; retired ones leave the trainers' lists at once and stop a moment later.
+
+        Raises:
+            BadRequestError: the job is not running, has no data workers, or ``count`` is outside
+                its ``--data-workers MIN:MAX``.
+        """
+        self._check_scalable()
+        if self.spec.data_workers < 0:
+            raise BadRequestError("this job has no data workers (start it with --data-workers)")
+        low, high = self.spec.data_range
+        if not low <= count <= high:
+            raise BadRequestError(f"{count} data workers is outside this job's range {low}:{high} "
+                                  "(--data-workers MIN:MAX)")
+        self.log.add("scale", f"data workers: target {count} (was {self.data.target})")
+        self.data.target = count
+        self._persist()
+        self.tick()
+        return count
+
+    @journaled
     def scale_auto(self) -> int:
         """Hand the target back to the planner (``tidal scale --auto``); it decides at once."""
         self._check_scalable()
@@ -772,6 +882,7 @@ class JobMaster:
         self.fleet.poll()
         self._handle_backend_reports()
         self._handle_server_exits()
+        self._handle_data_exits()
         if now >= self._next_liveness_check:
             self._next_liveness_check = now + LIVENESS_S
             self._execute(liveness.check_heartbeats(
@@ -803,6 +914,8 @@ class JobMaster:
                 if self.spec.ps_hot_balance and now >= self._next_hot_check:
                     self._next_hot_check = now + HOT_CHECK_S
                     self._balance_hot_servers(now)
+            if self.spec.data_workers >= 0:
+                self._reconcile_data(now)
             self._launch_missing(now)
             cause = rounds.reform_cause(self.rounds, self.workers, self.target)
             if cause is None and self.servers.change_ready() and self.servers.move is None and self.rounds.members:
@@ -816,6 +929,8 @@ class JobMaster:
             self.fleet.kill(self.fleet.alive_ids(), "job-failed")
         if self.state in (JobState.SUCCEEDED, JobState.FAILED) and self.servers.alive():
             self.servers.kill(self.state.value)  # the workers are done with them
+        if self.state is not JobState.RUNNING and self.data.alive():
+            self.data.kill(self.state.value)  # no trainer asks for batches any more
 
     def stop(self) -> str:
         """``tidal stop``: a stream job's workers finish at their next step boundary (what they
@@ -1156,6 +1271,13 @@ class JobMaster:
                 self.log.add("job", f"worker {rec.worker_id} finished its script")
             self._persist_worker(rec)
             return
+        if code == DATA_ERROR_EXIT and self.state in (JobState.RUNNING, JobState.FINISHING):
+            # a batch that cannot be built fails the same way on any worker: no restart helps
+            rec.move(W.FAILED, now)
+            rec.exit_code = code
+            self._persist_worker(rec)
+            self._fail_job(f"worker {rec.worker_id}: {self.fleet.log_tail(rec.worker_id) or 'a batch could not be built'}")
+            return
         self._worker_failed(rec, code, f"exited with code {code}" if code is not None else "process gone")
 
     def _worker_failed(self, rec: WorkerRecord, code: int | None, why: str, counts: bool = True) -> None:
@@ -1260,6 +1382,9 @@ class JobMaster:
             servers=self.servers.info(), ps_shard_map=self.servers.shard_map,
             ps_target=self.servers.target if self.spec.ps else 0,
             ps_range=list(self.spec.ps_range) if self.spec.ps else [],
+            data_workers=self.data.info(), data_target=self.data.target if self.spec.data_workers >= 0 else 0,
+            data_range=list(self.spec.data_range) if self.spec.data_workers >= 0 else [],
+            data_queue=self.data_queue(),
         )
 
     # ================================================================== helpers
@@ -1290,6 +1415,7 @@ class JobMaster:
             "stream_stop": self.stream_stop,
             **self.fleet.to_meta(),
             **self.servers.to_meta(),
+            **self.data.to_meta(),
             "dataset": None if cfg is None else {
                 "size": cfg.size, "batch_size": cfg.batch_size, "batches_per_shard": cfg.batches_per_shard,
                 "shuffle": cfg.shuffle, "seed": cfg.seed, "epochs": cfg.epochs,

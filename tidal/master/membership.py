@@ -62,6 +62,8 @@ class WorkerRecord:
     stream_queued: int = -1  # global shuffling: records in its local queue (-1: none)
     stream_forwarded_out: int = 0  # records it forwarded to others, and received from them
     stream_forwarded_in: int = 0
+    # with data workers: the dispatcher's counters of its last report (ReportRequest's data_*)
+    data_counts: dict[str, float] = field(default_factory=dict)
     # the latest transitions (a worker moves ACTIVE <-> WAITING every round: bounded)
     history: deque[tuple[float, str]] = field(default_factory=lambda: deque(maxlen=HISTORY))
 

@@ -34,6 +34,7 @@ from tidal.api import (
     MAX_STORE_VALUE_CHARS,
     MAX_STORE_WAIT_S,
     DatasetRequest,
+    DataWorkerReport,
     FinishRequest,
     JoinRequest,
     JoinResponse,
@@ -265,6 +266,7 @@ def create_app(master: JobMaster, token: str, notifier: ChangeNotifier) -> Any:
     app.include_router(_worker_router(master, notifier))
     app.include_router(_user_router(master))
     app.include_router(_ps_router(master))
+    app.include_router(_data_router(master))
 
     fast: dict[str, tuple[type[BaseModel], Callable[[Any], BaseModel]]] = {
         "/v1/report": (ReportRequest, master.report),
@@ -336,6 +338,19 @@ def _ps_router(master: JobMaster) -> APIRouter:
     return router
 
 
+def _data_router(master: JobMaster) -> APIRouter:
+    """What a job's data workers call."""
+    router = APIRouter(tags=["data workers"])
+
+    @router.post("/v1/data/report", responses={400: {}, 410: {}})
+    async def data_report(req: DataWorkerReport) -> dict[str, str]:
+        """A data worker's address (its first report registers it) and load, every second."""
+        master.data_report(req)
+        return {"state": master.state.value}
+
+    return router
+
+
 class PrometheusResponse(PlainTextResponse):
     """The Prometheus text format (its media type names the format's version)."""
 
@@ -358,6 +373,8 @@ def _user_router(master: JobMaster) -> APIRouter:
             return {"target_workers": master.scale_auto()}
         if req.ps is not None:
             return {"target_ps": master.scale_ps(req.ps)}
+        if req.data_workers is not None:
+            return {"target_data_workers": master.scale_data(req.data_workers)}
         assert req.workers is not None  # the model requires one of them
         return {"target_workers": master.scale(req.workers)}
 

@@ -111,6 +111,9 @@ class Job:
         # virtual shard map, as of this round (tidal.ps)
         self.ps_servers: list[str] = []
         self.ps_shard_map: list[int] = []
+        # launched as a data worker (``TIDAL_ROLE=data``, tidal.data.worker): ``loader()`` serves
+        # batches instead of training, and never returns
+        self.is_data_worker = False
 
     # ------------------------------------------------------------------ public API
     @property
@@ -175,6 +178,12 @@ class Job:
             stream = os.environ["TIDAL_STREAM_URL"]
         if (stream is None) == (dataset is None):
             raise UsageError("job.loader() takes a dataset or a stream (one of the two)")
+        if self.is_data_worker:
+            if stream is not None:
+                raise UsageError("data workers build batches of a dataset, not of a stream")
+            from tidal.data.worker import serve_loader
+
+            serve_loader(dataset, options.get("preprocess"), options.get("collate_fn"))
         if stream is not None:
             from tidal.worker.stream_loader import StreamLoader
 
@@ -182,6 +191,15 @@ class Job:
                 raise UsageError("job.loader(stream=...) needs decode=fn(records) -> (batch, malformed positions)")
             return StreamLoader(self, stream, batch_size=batch_size, decode=decode, **options)
         return ElasticDataLoader(self, dataset, batch_size=batch_size, epochs=epochs, **options)
+
+    def data_worker_addresses(self) -> list[str]:
+        """The job's data workers now (tidal.data.dispatch reads it before each batch)."""
+        return self._reporter.data_workers if self._reporter is not None else []
+
+    def note_data_feed(self, feed: Any) -> None:
+        """The loader's dispatcher: its counters go into the reports (queue, rates, waits)."""
+        if self._reporter is not None:
+            self._reporter.data_feed = feed
 
     def note_stream(self, lag: dict[int, int], oldest_ms: int, busy: float, malformed: int,
                     shuffle: tuple[int, int, int] = (-1, 0, 0)) -> None:
@@ -548,6 +566,11 @@ def init(backend: str | None = None, *, logical_workers: int | None = None,
     if level is not None:
         _pin_determinism(level)
     url = os.environ.get("TIDAL_MASTER_URL")
+    if os.environ.get("TIDAL_ROLE") == "data":  # a data worker: no rounds; its loader serves batches
+        job = Job(None, int(os.environ.get("TIDAL_DATA_WORKER_ID", "0")), os.environ.get("TIDAL_JOB_ID", "job"),
+                  backend, logical=logical)
+        job.is_data_worker = True
+        return job
     if not url:
         job = Job(None, 0, "local", backend, logical=logical)
     else:

@@ -10,13 +10,18 @@ uncommitted batch: the master puts its range back in the TODO queue.
 
 from __future__ import annotations
 
+import os
 import random
-from collections.abc import Callable, Iterator
+import sys
+from collections.abc import Callable, Hashable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
-from tidal.api import DatasetRequest, LeaseRequest, LeaseResponse, Shard, StaleRoundError
+from tidal.api import DATA_ERROR_EXIT, DatasetRequest, LeaseRequest, LeaseResponse, Shard, StaleRoundError
 from tidal.api.sharding import shard_starts
+from tidal.data.batches import BatchError, BatchShape, build_batch, flatten
+from tidal.data.dispatch import Dispatcher
+from tidal.data.worker import loader_key
 from tidal.worker.api import UsageError
 from tidal.worker.logical import BatchSchedule
 from tidal.worker.step import StepOutcome, StepRunner
@@ -64,6 +69,14 @@ class LoaderHost(Protocol):
         """Training is over: tell the master."""
         ...
 
+    def data_worker_addresses(self) -> list[str]:
+        """The job's data workers now (``tidal run --data-workers``; updated by the reports)."""
+        ...
+
+    def note_data_feed(self, feed: Dispatcher) -> None:
+        """The loader's dispatcher, whose counters the reports carry."""
+        ...
+
 
 class ElasticDataLoader:
     """Iterate batches of ``dataset`` for ``epochs`` epochs, elastically.
@@ -74,10 +87,17 @@ class ElasticDataLoader:
         batch_size: samples per worker per step (a straggler may get fewer).
         batches_per_shard: shard size in batches (DLRover-RM uses 64 to 256 at cluster scale).
         shuffle, seed: shuffle the order of shards in each epoch, reproducibly.
+        preprocess: the stateless part of building a batch, ``fn(raw batch) -> batch`` (a function
+            or an ``nn.Module`` without trainable parameters). With ``tidal run --data-workers``
+            the job's data workers run it (tidal.data.worker), else this process does; the
+            batches are the same either way.
+        prefetch: with data workers, batches in flight (default ``TIDAL_DATA_PREFETCH``, else two
+            per data worker).
     """
 
     def __init__(self, job: LoaderHost, dataset: Any, batch_size: int, epochs: int = 1, *, shuffle: bool = True,
-                 seed: int = 0, batches_per_shard: int = 16, collate_fn: Callable[[list[Any]], Any] | None = None) -> None:
+                 seed: int = 0, batches_per_shard: int = 16, collate_fn: Callable[[list[Any]], Any] | None = None,
+                 preprocess: Callable[[Any], Any] | None = None, prefetch: int | None = None) -> None:
         if batch_size < 1 or epochs < 0 or batches_per_shard < 1:
             raise UsageError("batch_size and batches_per_shard must be >= 1 and epochs >= 0")
         self.job = job
@@ -102,6 +122,19 @@ class ElasticDataLoader:
         self._prefetch_key = (-1, -1)
         self._prefetch_at = 1
         self._jitter = random.Random(job.worker_id * 7919 + seed)
+        if preprocess is not None and not callable(preprocess):
+            raise UsageError(f"preprocess must be a function or a module, got {type(preprocess).__name__}")
+        self.preprocess = preprocess
+        self._shape = BatchShape()
+        self.dispatcher: Dispatcher | None = None
+        if job.client is not None and os.environ.get("TIDAL_DATA_WORKERS"):
+            if prefetch is None:
+                prefetch = int(os.environ.get("TIDAL_DATA_PREFETCH", "0") or 0)
+            if prefetch < 0:
+                raise UsageError(f"prefetch must be >= 0, got {prefetch}")
+            self.dispatcher = Dispatcher(os.environ.get("TIDAL_TOKEN", ""), loader_key(self.size, preprocess),
+                                         self._build, job.data_worker_addresses, prefetch=prefetch)
+            job.note_data_feed(self.dispatcher)
 
     @property
     def epoch(self) -> int:
@@ -128,6 +161,8 @@ class ElasticDataLoader:
                 self._generation = job.generation
                 self._shard, self._empty_epoch, self._local_epoch = None, -1, -1
                 self._drop_prefetch()
+                if self.dispatcher is not None:
+                    self.dispatcher.reset()
             epoch = state.epoch
             if epoch >= self.epochs:
                 job.finish()
@@ -142,7 +177,7 @@ class ElasticDataLoader:
                 if steps.empty(epoch) is StepOutcome.EPOCH_END:
                     steps.end_epoch()  # nobody had data left: every worker moves on at this step
                 continue
-            batch = self._fetch(start, end)
+            batch = self._fetch(start, end, self._upcoming(epoch))
             # the step begins once its batch is here: the fetch counts as data wait, not compute
             pending = steps.begin(epoch, start, end)
             yield batch
@@ -160,6 +195,8 @@ class ElasticDataLoader:
             job.ensure_round()
             if self._generation != job.generation:
                 self._generation = job.generation
+                if self.dispatcher is not None:
+                    self.dispatcher.reset()
                 self._declare_dataset()
                 continue  # declaring may have found the round stale
             if state.epoch >= self.epochs:
@@ -172,12 +209,14 @@ class ElasticDataLoader:
                 order_epoch, order = state.epoch, schedule.order(state.epoch)
             batches = [schedule.batch(order, state.epoch_step, r) for r in range(logical)]
             lstep = steps.begin_logical(state.epoch, batches)
-            for r in steps.local_ests:
+            ests = list(steps.local_ests)
+            for i, r in enumerate(ests):
                 start, end = batches[r]
                 if end <= start:
                     continue
                 steps.enter_est(r)
-                yield self._fetch(start, end)
+                yield self._fetch(start, end, self._upcoming_logical(schedule, order, state.epoch,
+                                                                     state.epoch_step, ests, i))
                 if steps.logical_step is not lstep:
                     break  # the step was dropped by a re-form
                 if lstep.current is not None:
@@ -214,6 +253,8 @@ class ElasticDataLoader:
             self._shard, self._pos = shard, shard.start
             batches = -(-(shard.end - shard.start) // shard.batch_size)
             self._prefetch_at = self._jitter.randint(1, max(1, batches // 2))
+            if self.dispatcher is not None:  # lease early enough to dispatch the next shard's batches
+                self._prefetch_at = max(self._prefetch_at, self.dispatcher.window() + 1)
         assert self._shard is not None
         start = self._pos
         end = min(start + self._shard.batch_size, self._shard.end)
@@ -261,10 +302,67 @@ class ElasticDataLoader:
         resp = job.client.post("/v1/shards/lease", req, LeaseResponse)
         return resp.shard if resp.status == "ok" else None
 
-    def _fetch(self, start: int, end: int) -> Any:
-        if hasattr(self.dataset, "get_range"):
-            return self.dataset.get_range(start, end)
-        from torch.utils.data import default_collate
+    # ------------------------------------------------------------------ batches
+    def _fetch(self, start: int, end: int, upcoming: Iterator[tuple[Hashable, int, int]]) -> Any:
+        """The batch of ``[start, end)``: from the data workers when the job has them, else built
+        here. A batch that cannot be built ends the job with the range (``DATA_ERROR_EXIT``)."""
+        try:
+            if self.dispatcher is None:
+                return self._build(None, start, end)
+            key = (self.job.generation, self.epoch, start, end)
+            batch = self.dispatcher.take(key, start, end, upcoming)
+            self._check(batch, None, start, end)
+            return batch
+        except BatchError as exc:
+            if self.job.client is None:
+                raise
+            print(f"tidal: {exc} (epoch {self.epoch}, after training step {self.job.steps.state.applied_step})",
+                  file=sys.stderr, flush=True)
+            raise SystemExit(DATA_ERROR_EXIT) from exc
 
-        collate = self.collate_fn or default_collate
-        return collate([self.dataset[i] for i in range(start, end)])
+    def _build(self, step: int | None, start: int, end: int) -> Any:
+        batch = build_batch(self.dataset, start, end, self.preprocess, self.collate_fn, step=step)
+        if self.preprocess is not None:
+            self._check(batch, step, start, end)
+        return batch
+
+    def _check(self, batch: Any, step: int | None, start: int, end: int) -> None:
+        """The batch holds tensors only, shaped and typed like the first one (BatchError if not)."""
+        try:
+            skeleton, tensors = flatten(batch)
+        except BatchError as exc:
+            raise BatchError(f"the batch of samples [{start}, {end}) cannot be used: {exc}") from None
+        self._shape.check(skeleton, tensors, -1 if step is None else step, start, end)
+
+    def _upcoming(self, epoch: int) -> Iterator[tuple[Hashable, int, int]]:
+        """The ranges this worker will train next: the rest of its shard, then the next shard once
+        its lease is here (for the dispatcher to send out ahead)."""
+        gen = self.job.generation
+        shard, pos = self._shard, self._pos
+        if shard is not None:
+            yield from _ranges(gen, epoch, pos, shard.end, shard.batch_size)
+        future = self._prefetch
+        if future is not None and future.done() and self._prefetch_key == (gen, epoch) and future.exception() is None:
+            nxt = future.result()
+            if nxt is not None:
+                yield from _ranges(gen, epoch, nxt.start, nxt.end, nxt.batch_size)
+
+    def _upcoming_logical(self, schedule: BatchSchedule, order: list[int], epoch: int, epoch_step: int,
+                          ests: list[int], done: int) -> Iterator[tuple[Hashable, int, int]]:
+        """The logical workers' ranges of this process after EST ``ests[done]`` of this step, to
+        the end of the epoch."""
+        gen = self.job.generation
+        for k in range(epoch_step, schedule.steps_per_epoch):
+            for i, r in enumerate(ests):
+                if k == epoch_step and i <= done:
+                    continue
+                start, end = schedule.batch(order, k, r)
+                if end > start:
+                    yield (gen, epoch, start, end), start, end
+
+
+def _ranges(gen: int, epoch: int, start: int, end: int, batch_size: int) -> Iterator[tuple[Hashable, int, int]]:
+    while start < end:
+        stop = min(start + batch_size, end)
+        yield (gen, epoch, start, stop), start, stop
+        start = stop

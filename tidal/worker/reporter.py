@@ -159,6 +159,10 @@ class Reporter:
         self.stream_malformed = 0
         self.stream_queued, self.stream_forwarded_out, self.stream_forwarded_in = -1, 0, 0  # global shuffling
         self.stream_stop = False
+        # with data workers (tidal.data.dispatch): the loader's dispatcher, whose counters go into
+        # each report, and the data workers' addresses as of the last answer
+        self.data_feed: Any = None
+        self.data_workers: list[str] = []
         self.stream_committed: dict[int, int] = {}
 
     # ------------------------------------------------------------------ the thread
@@ -292,7 +296,7 @@ class Reporter:
             stream_malformed=self.stream_malformed, stream_lag=self.stream_lag,
             stream_oldest_ms=self.stream_oldest_ms, stream_busy=self.stream_busy,
             stream_queued=self.stream_queued, stream_forwarded_out=self.stream_forwarded_out,
-            stream_forwarded_in=self.stream_forwarded_in,
+            stream_forwarded_in=self.stream_forwarded_in, **self._data_counts(),
         )
         try:
             resp = self._client.post("/v1/report", req, ReportResponse, patience_s=REPORT_PATIENCE_S)
@@ -315,6 +319,7 @@ class Reporter:
                 self._unsent = own + [r for r in self._unsent if r not in own]
             self._incarnation = resp.incarnation
             self.stream_stop = self.stream_stop or resp.stop
+            self.data_workers = resp.data_workers
             if resp.stream_committed:
                 self.stream_committed = dict(resp.stream_committed)
             if resp.round == self._round and resp.reform and self._comm is not None:
@@ -324,6 +329,14 @@ class Reporter:
                 self._acked = resp.finalized_step
                 for s in [s for s in self._records if s <= self._acked]:
                     del self._records[s]
+
+    def _data_counts(self) -> dict[str, Any]:
+        feed = self.data_feed
+        if feed is None:
+            return {}
+        return {"data_received": feed.received, "data_built_here": feed.built_here, "data_taken": feed.taken,
+                "data_redispatched": feed.redispatched, "data_dropped": feed.dropped, "data_queued": feed.queued,
+                "data_wait_s": round(feed.wait_s, 6)}
 
     def _oldest_steps(self, unsent: list[StepRecord], applied: int) -> tuple[list[StepRecord], int]:
         """After a long outage more records are held than one request may carry: send the oldest

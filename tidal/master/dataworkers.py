@@ -1,0 +1,169 @@
+"""The job's data workers (``tidal run --data-workers N|MIN:MAX``): launch, registration, loss.
+
+Data workers are stateless (tidal.data.worker): each runs the training script in the role
+``data`` and serves the batches of the index ranges trainers send it. So the master's part is
+small and no round ever waits for them:
+
+- it keeps ``target`` of them launched (``tidal scale --data-workers N``, or the job-level tuner
+  of ``tidal.brain.goldminer``), replacing any that ends while the job runs;
+- a data worker registers with its first report (``POST /v1/data/report``, then every second),
+  and from then on its address is in every trainer's report answer (``ReportResponse``); one that
+  exits, is retired or stops reporting (``STALE_S``) leaves that list at once, and the trainers
+  re-dispatch the batches it held (tidal.data.dispatch);
+- retiring one (the target went down) takes it off the list first and stops it a little later
+  (``RETIRE_GRACE_S``), so that the batches it is building still arrive.
+
+Nothing of a data worker is needed to resume a job: the journal keeps the records only so that a
+new master adopts (and can stop) the processes an earlier one started.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tidal.api import DataWorkerInfo, DataWorkerReport
+from tidal.backends.api import Backend, NodeHandle, NodeSpec, Resources, node_id
+from tidal.master.api import JobSpec
+from tidal.master.fleet import last_log_line
+
+log = logging.getLogger(__name__)
+
+LAUNCHING, RUNNING, RETIRING, EXITED = "launching", "running", "retiring", "exited"
+STALE_S = 5.0  # a data worker silent this long is taken off the trainers' list (it may hang)
+RETIRE_GRACE_S = 2.0  # a retired data worker is stopped this long after it left the list
+
+
+@dataclass
+class DataWorkerRecord:
+    data_worker_id: int
+    state: str = LAUNCHING
+    pid: int = 0
+    address: str = ""
+    exit_code: int | None = None
+    retired_at: float = 0.0
+    report: DataWorkerReport | None = None  # the last one (not journaled)
+    reported_at: float = 0.0
+
+    def to_row(self) -> dict[str, Any]:
+        return {"data_worker_id": self.data_worker_id, "state": self.state, "pid": self.pid,
+                "address": self.address, "exit_code": self.exit_code}
+
+
+class DataWorkers:
+    def __init__(self, spec: JobSpec, backend: Backend) -> None:
+        self.spec = spec
+        self.backend = backend
+        self.records: dict[int, DataWorkerRecord] = {}
+        self.target = spec.data_workers
+        self.replaced = 0
+        self._seq = 0
+
+    # ------------------------------------------------------------------ views
+    def addresses(self, now: float) -> list[str]:
+        """Where the trainers send tasks: the registered data workers that reported lately."""
+        return [r.address for r in self.records.values()
+                if r.state == RUNNING and r.address and now - r.reported_at <= STALE_S]
+
+    def alive(self) -> list[int]:
+        return [i for i, r in self.records.items() if r.state != EXITED]
+
+    def info(self) -> list[DataWorkerInfo]:
+        out = []
+        for r in sorted(self.records.values(), key=lambda r: r.data_worker_id):
+            rep = r.report
+            out.append(DataWorkerInfo(id=r.data_worker_id, pid=r.pid, state=r.state, address=r.address,
+                                      exit_code=r.exit_code, batches=rep.batches if rep else 0,
+                                      batches_per_s=rep.batches_per_s if rep else 0.0,
+                                      busy=rep.busy if rep else 0.0, cpu=rep.cpu if rep else 0.0))
+        return out
+
+    # ------------------------------------------------------------------ journal
+    def to_meta(self) -> dict[str, Any]:
+        return {"data_workers": [r.to_row() for r in self.records.values()], "data_target": self.target}
+
+    def restore(self, meta: dict[str, Any], request_id: str) -> None:
+        """Rebuild from the journal and watch the data workers an earlier master started."""
+        self.records = {}
+        for row in meta.get("data_workers", []):
+            rec = DataWorkerRecord(**row)
+            self.records[rec.data_worker_id] = rec
+        self.target = int(meta.get("data_target", self.target))
+        handles = [NodeHandle(node_id("data", r.data_worker_id), r.pid) for r in self.records.values()
+                   if r.state != EXITED and r.pid]
+        if handles:
+            self.backend.adopt(handles, request_id)
+
+    # ------------------------------------------------------------------ changes
+    def reconcile(self, now: float, journal_first: Any) -> tuple[list[int], list[int]]:
+        """Launch data workers up to ``target``, retire those beyond it, stop the retired ones
+        whose grace is over. Returns (launched, retired) ids."""
+        up = sorted(i for i, r in self.records.items() if r.state in (LAUNCHING, RUNNING))
+        launched: list[int] = []
+        retired: list[int] = []
+        if len(up) < self.target:
+            first = max(self.records, default=-1) + 1
+            launched = list(range(first, first + self.target - len(up)))
+            for i in launched:
+                self.records[i] = DataWorkerRecord(i)
+            journal_first()
+            self._seq += 1
+            self.backend.launch([self.node_spec(i) for i in launched], f"{self.spec.job_id}-data-launch-{self._seq}")
+        elif len(up) > self.target:
+            # the newest go first: a launching one has no batch in flight yet
+            retired = sorted(up, reverse=True)[:len(up) - self.target]
+            for i in retired:
+                self.records[i].state, self.records[i].retired_at = RETIRING, now
+            journal_first()
+        due = [i for i, r in self.records.items() if r.state == RETIRING and now - r.retired_at >= RETIRE_GRACE_S
+               and r.exit_code is None]
+        if due:
+            self._terminate(due, "retire")
+            for i in due:
+                self.records[i].exit_code = -1  # asked to stop: do not ask again
+        return launched, retired
+
+    def report(self, req: DataWorkerReport, now: float) -> DataWorkerRecord | None:
+        """A data worker's report; returns its record when this one registered it (its first).
+
+        Raises:
+            KeyError: not a data worker of this job, or one retired or ended (it must exit).
+        """
+        rec = self.records.get(req.data_worker_id)
+        if rec is None or rec.state in (EXITED, RETIRING):
+            raise KeyError(req.data_worker_id)
+        first = rec.state != RUNNING or rec.address != req.address
+        rec.state, rec.pid, rec.address = RUNNING, req.pid, req.address
+        rec.report, rec.reported_at = req, now
+        return rec if first else None
+
+    def exited(self, data_worker_id: int, code: int | None) -> DataWorkerRecord | None:
+        """A data worker's process ended; returns its record if it was not known to have ended."""
+        rec = self.records.get(data_worker_id)
+        if rec is None or rec.state == EXITED:
+            return None
+        rec.state, rec.exit_code = EXITED, code
+        return rec
+
+    def kill(self, tag: str) -> None:
+        alive = self.alive()
+        if alive:
+            self._terminate(alive, tag)
+
+    def _terminate(self, ids: list[int], tag: str) -> None:
+        self._seq += 1
+        self.backend.terminate([node_id("data", i) for i in ids], f"{self.spec.job_id}-data-{tag}-{self._seq}")
+
+    def node_spec(self, data_worker_id: int) -> NodeSpec:
+        spec = self.spec
+        env = {"TIDAL_MASTER_URL": f"http://{spec.host}:{spec.port}", "TIDAL_TOKEN": spec.token,
+               "TIDAL_JOB_ID": spec.job_id, "TIDAL_ROLE": "data", "TIDAL_DATA_WORKER_ID": str(data_worker_id),
+               "TIDAL_DATA_HOST": spec.host, "PYTHONUNBUFFERED": "1", **spec.env}
+        log_path = str(Path(spec.job_dir) / "logs" / f"data-{data_worker_id}.log")
+        return NodeSpec(node_id("data", data_worker_id), "data", list(spec.argv), env, Resources(cpus=1.0),
+                        spec.cwd, log_path)
+
+    def log_tail(self, data_worker_id: int) -> str:
+        return last_log_line(Path(self.spec.job_dir) / "logs" / f"data-{data_worker_id}.log")
