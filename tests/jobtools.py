@@ -123,6 +123,11 @@ class Job:
         httpx.post(info["url"] + "/v1/scale", json={"ps": n}, timeout=5,
                    headers={"Authorization": f"Bearer {info['token']}"}).raise_for_status()
 
+    def scale_data(self, n: int) -> None:
+        info = self.info()
+        httpx.post(info["url"] + "/v1/scale", json={"data_workers": n}, timeout=5,
+                   headers={"Authorization": f"Bearer {info['token']}"}).raise_for_status()
+
     def wait(self, timeout: float = 180) -> int:
         assert self.proc is not None
         try:

@@ -42,12 +42,13 @@ def fetch_range(dataset: Any, start: int, end: int, collate_fn: Callable[[list[A
 
 
 def build_batch(dataset: Any, start: int, end: int, preprocess: Callable[[Any], Any] | None,
-                collate_fn: Callable[[list[Any]], Any] | None = None, *, step: int | None = None) -> Any:
+                collate_fn: Callable[[list[Any]], Any] | None = None) -> Any:
     """The batch of samples ``[start, end)``: fetched, then ``preprocess``-ed (the stateless part
     a data worker may run instead of the trainer).
 
     Raises:
-        BatchError: ``preprocess`` raised; the message names the step and the range.
+        BatchError: ``preprocess`` raised; the message names the range (the loader adds the
+            training step).
     """
     raw = fetch_range(dataset, start, end, collate_fn)
     if preprocess is None:
@@ -56,8 +57,7 @@ def build_batch(dataset: Any, start: int, end: int, preprocess: Callable[[Any], 
         with torch.no_grad():
             return preprocess(raw)
     except Exception as exc:  # the user's function: any error it raises is reported as the batch's
-        where = f"step {step}, " if step is not None else ""
-        raise BatchError(f"preprocess failed on {where}samples [{start}, {end}): {type(exc).__name__}: {exc}") from exc
+        raise BatchError(f"preprocess failed on samples [{start}, {end}): {type(exc).__name__}: {exc}") from exc
 
 
 def flatten(batch: Any) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -134,7 +134,7 @@ class BatchShape:
         return (json.dumps(skeleton, sort_keys=True),
                 tuple((k, str(t.dtype).removeprefix("torch."), tuple(t.shape[1:])) for k, t in tensors.items()))
 
-    def check(self, skeleton: Any, tensors: Mapping[str, torch.Tensor], step: int, start: int, end: int) -> None:
+    def check(self, skeleton: Any, tensors: Mapping[str, torch.Tensor], start: int, end: int) -> None:
         """Raises BatchError when this batch differs from the first one in structure, dtype or
         any dimension but the first (the samples)."""
         sig = self.signature(skeleton, tensors)
@@ -150,4 +150,4 @@ class BatchShape:
             diffs = [f"{a[0]}: {a[1]}{list(a[2])} then {b[1]}{list(b[2])}" for a, b in zip(first[1], now[1], strict=True)
                      if a != b]
             what = "tensors changed dtype or shape (beyond the sample dimension): " + "; ".join(diffs)
-        raise BatchError(f"preprocess returned an inconsistent batch for step {step}, samples [{start}, {end}): {what}")
+        raise BatchError(f"preprocess returned an inconsistent batch for samples [{start}, {end}): {what}")

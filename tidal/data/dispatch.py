@@ -155,8 +155,9 @@ class Dispatcher:
         return task
 
     def _pick(self, avoid: str | None = None) -> str | None:
-        """The data worker with the fewest batches in flight (None: none there)."""
-        choices = [a for a in self._socks if a != avoid] or list(self._socks)
+        """The data worker with the fewest batches in flight, ``avoid`` excepted (None: none
+        there; the trainer builds the batch itself)."""
+        choices = [a for a in self._socks if a != avoid]
         if not choices:
             return None
         load = {a: 0 for a in choices}

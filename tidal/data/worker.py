@@ -92,12 +92,11 @@ class DataWorker:
                                   f"the task of step {step} is for {meta.get('loader')!r}"})
         t0 = time.perf_counter()
         try:
-            skeleton, tensors = flatten(build_batch(self.dataset, start, end, self.preprocess, self.collate_fn,
-                                                    step=step))
+            skeleton, tensors = flatten(build_batch(self.dataset, start, end, self.preprocess, self.collate_fn))
             reply = frames.encode(tensors, step=step, meta={**where, "tree": skeleton})
         except (BatchError, TypeError, FrameError) as exc:
-            text = str(exc) if isinstance(exc, BatchError) and f"step {step}" in str(exc) else \
-                f"step {step}, samples [{start}, {end}): {exc}"
+            text = str(exc) if "samples [" in str(exc) else f"the batch of samples [{start}, {end}): {exc}"
+            text += f" (in data worker {self.data_worker_id})"
             reply = frames.encode({}, step=step, meta={**where, "error": text[:4000]})
         self.busy_s += time.perf_counter() - t0
         self.batches += 1

@@ -32,6 +32,8 @@ from tidal.master.fleet import last_log_line
 log = logging.getLogger(__name__)
 
 LAUNCHING, RUNNING, RETIRING, EXITED = "launching", "running", "retiring", "exited"
+START_FAILURES = 3  # data workers in a row that end before they register fail the job (a script that
+# cannot get to its loader in the data role would otherwise be relaunched forever)
 STALE_S = 5.0  # a data worker silent this long is taken off the trainers' list (it may hang)
 RETIRE_GRACE_S = 2.0  # a retired data worker is stopped this long after it left the list
 
@@ -59,6 +61,7 @@ class DataWorkers:
         self.records: dict[int, DataWorkerRecord] = {}
         self.target = spec.data_workers
         self.replaced = 0
+        self.start_failures = 0  # in a row: ended before registering
         self._seq = 0
 
     # ------------------------------------------------------------------ views
@@ -135,6 +138,8 @@ class DataWorkers:
         if rec is None or rec.state in (EXITED, RETIRING):
             raise KeyError(req.data_worker_id)
         first = rec.state != RUNNING or rec.address != req.address
+        if first:
+            self.start_failures = 0
         rec.state, rec.pid, rec.address = RUNNING, req.pid, req.address
         rec.report, rec.reported_at = req, now
         return rec if first else None

@@ -90,7 +90,7 @@ from tidal.master.api import (
 from tidal.master.audit import audit_ranges
 from tidal.master.checkpoints import Checkpoint, CheckpointBook, found_on_disk
 from tidal.master.commits import Commits
-from tidal.master.dataworkers import DataWorkers
+from tidal.master.dataworkers import START_FAILURES, DataWorkers
 from tidal.master.events import EventLog
 from tidal.master.fleet import Fleet
 from tidal.master.journal import Journal
@@ -557,15 +557,23 @@ class JobMaster:
             data_id, code, why = reports[0]
             prior = self.data.records.get(data_id)
             retiring = prior is not None and prior.state == "retiring"
+            never_served = prior is not None and prior.state == "launching"
             rec = self.data.exited(data_id, code)
             if rec is not None:
+                built = rec.report.batches if rec.report is not None else 0
                 if retiring or self.state is not JobState.RUNNING:
-                    self.log.add("data", f"data worker {data_id} stopped")
+                    self.log.add("data", f"data worker {data_id} stopped (built {built} batches)")
                 else:
                     self.data.replaced += 1
-                    tail = self.data.log_tail(data_id)
-                    self.log.add("failure", f"data worker {data_id} {why}{': ' + tail if tail and code else ''}; "
+                    # a script's own error ends it with a positive code and says why in its log
+                    tail = self.data.log_tail(data_id) if code is None or code > 0 else ""
+                    self.log.add("failure", f"data worker {data_id} {why}{': ' + tail if tail else ''}; "
                                             "the trainers re-dispatch its batches and a new one starts")
+                    if never_served:
+                        self.data.start_failures += 1
+                        if self.data.start_failures >= START_FAILURES:
+                            self._fail_job(f"{START_FAILURES} data workers in a row ended before serving; the last "
+                                           f"{why}{': ' + tail if tail else ''}")
                 self._persist()
             reports.popleft()
 

@@ -311,28 +311,29 @@ class ElasticDataLoader:
                 return self._build(None, start, end)
             key = (self.job.generation, self.epoch, start, end)
             batch = self.dispatcher.take(key, start, end, upcoming)
-            self._check(batch, None, start, end)
+            self._check(batch, start, end)
             return batch
         except BatchError as exc:
             if self.job.client is None:
                 raise
-            print(f"tidal: {exc} (epoch {self.epoch}, after training step {self.job.steps.state.applied_step})",
+            print(f"tidal: {exc}; at training step {self.job.steps.state.applied_step + 1} (epoch {self.epoch})",
                   file=sys.stderr, flush=True)
             raise SystemExit(DATA_ERROR_EXIT) from exc
 
     def _build(self, step: int | None, start: int, end: int) -> Any:
-        batch = build_batch(self.dataset, start, end, self.preprocess, self.collate_fn, step=step)
+        """Build here (``step``: the dispatcher's id of the batch, if it dispatched it)."""
+        batch = build_batch(self.dataset, start, end, self.preprocess, self.collate_fn)
         if self.preprocess is not None:
-            self._check(batch, step, start, end)
+            self._check(batch, start, end)
         return batch
 
-    def _check(self, batch: Any, step: int | None, start: int, end: int) -> None:
+    def _check(self, batch: Any, start: int, end: int) -> None:
         """The batch holds tensors only, shaped and typed like the first one (BatchError if not)."""
         try:
             skeleton, tensors = flatten(batch)
         except BatchError as exc:
             raise BatchError(f"the batch of samples [{start}, {end}) cannot be used: {exc}") from None
-        self._shape.check(skeleton, tensors, -1 if step is None else step, start, end)
+        self._shape.check(skeleton, tensors, start, end)
 
     def _upcoming(self, epoch: int) -> Iterator[tuple[Hashable, int, int]]:
         """The ranges this worker will train next: the rest of its shard, then the next shard once
