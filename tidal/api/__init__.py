@@ -545,6 +545,7 @@ class StatusResponse(_Wire):
     data_target: int = 0  # the number of data workers asked for (``tidal scale --data-workers``, the tuner)
     data_range: list[int] = Field(default_factory=list)  # --data-workers MIN:MAX
     data_queue: DataQueueStatus | None = None  # with data workers: the trainers' queues
+    data_decisions: list[str] = Field(default_factory=list)  # the data-worker tuner's (GoldMiner 3.4.1)
 
 
 class PlannerDecision(_Wire):
@@ -731,10 +732,25 @@ class PSObservation(_Wire):
 
 
 class DataWorkerObservation(_Wire):
-    """Data workers feeding the trainers (GoldMiner): filled by the data-worker issue."""
+    """Data workers feeding the trainers (GoldMiner 3.4, the data queue as the indicator).
+
+    ``count``: data workers serving now; ``target``: asked for (they differ while some start);
+    ``low``/``high``: the job's ``--data-workers MIN:MAX``; ``samples_per_s``: the trainers'
+    throughput now; ``enqueue_per_s``/``dequeue_per_s``: batches per second arriving from data
+    workers and consumed by trainers (``built_by_trainers_per_s`` of those they built
+    themselves); ``wait_share``: the share of the trainers' time spent waiting for a batch.
+    """
 
     count: int = 0
+    target: int = 0
+    low: int = 0
+    high: int = 0
+    samples_per_s: float = 0.0
     batches_per_s: float = 0.0
+    enqueue_per_s: float = 0.0
+    dequeue_per_s: float = 0.0
+    built_by_trainers_per_s: float = 0.0
+    wait_share: float = 0.0
     trainer_wait_s: float = 0.0
 
 

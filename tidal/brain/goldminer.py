@@ -26,15 +26,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from tidal.api import ConfigError
+from tidal.api import ConfigError, DataWorkerObservation, JobObservation, ResourcePlan
 
 __all__ = [
     "POLICIES",
     "DataJob",
     "DataWorkerAllocator",
     "DataWorkerGrant",
+    "DataWorkerTuner",
     "MachineCpus",
     "data_worker_size",
     "metric",
@@ -221,3 +222,117 @@ class DataWorkerAllocator:
             state[jid] = DataJob(j.job_id, j.gpus, j.machines, j.speed + dt, j.gain_per_cpu,
                                  j.cpus + dc, j.remaining, j.dw_size, j.order)
             grants.append(DataWorkerGrant(jid, machine, dc, local))
+
+
+# ---------------------------------------------------------------------------- job level, live
+@dataclass
+class _Measure:
+    since: float  # when this count was in place (every data worker serving)
+    start: tuple[float, int] | None = None  # (time, committed samples) once warmed up
+    waits: list[float] = field(default_factory=list)
+
+
+class DataWorkerTuner:
+    """GoldMiner 3.4.1 run live: how many data workers a job gets, decided from what it measures.
+
+    tidal's data workers are single-CPU processes, so 3.4.1's "data worker size" (grow the CPUs
+    of the data worker from 1 while the speedup stays linear) becomes the number of them; the
+    termination rules are the paper's:
+
+    1. *Baseline.* With ``--data-workers 0:MAX`` the job first runs without data workers (the
+       trainers build their batches) and measures its throughput B (3.4.1 (i)).
+    2. *Grow.* Then one data worker, then one more each time the last count is measured, until
+       (a) the queue is ideal: the trainers wait for batches less than ``ideal_wait`` of their
+       time, or (b) the last data worker added less than ``linear_tol`` x the first one's gain
+       (sublinear: ``data_worker_size``), which keeps the count before it, or (c) MAX.
+    3. *Fall back* to 0 when the best count does not reach ``tolerance`` x B
+       (``use_data_workers``); otherwise settle on the best count measured.
+
+    A count is measured once every data worker of it serves (``obs.data.count == target``): after
+    ``warmup_s``, the committed samples over the next ``measure_s`` seconds (``obs.
+    committed_samples``: what the job really trained, data waits included). Times come
+    from ``obs.now_s``: the tuner reads no clock. ``plan`` returns the target and why; the
+    master applies it and journals the decision (``tidal status`` shows it).
+    """
+
+    name = "goldminer-job"
+
+    def __init__(self, *, warmup_s: float = 3.0, measure_s: float = 6.0, ideal_wait: float = 0.05,
+                 linear_tol: float = 0.5, tolerance: float = 0.95) -> None:
+        self.warmup_s = warmup_s
+        self.measure_s = measure_s
+        self.ideal_wait = ideal_wait
+        self.linear_tol = linear_tol
+        self.tolerance = tolerance
+        self.measured: dict[int, float] = {}  # count -> mean samples/s
+        self.settled: int | None = None
+        self.reason = ""
+        self._current: tuple[int, _Measure] | None = None
+        self._waits: dict[int, float] = {}
+
+    def plan(self, obs: JobObservation) -> ResourcePlan:
+        data = obs.data
+        if data is None:
+            return ResourcePlan(workers=obs.target_workers, reason="no data workers in this job")
+        target = self._decide(obs.now_s, obs.committed_samples, data)
+        return ResourcePlan(workers=obs.target_workers, data_workers=target, reason=self.reason)
+
+    def _decide(self, now: float, committed: int, data: DataWorkerObservation) -> int:
+        if self.settled is not None:
+            return self.settled
+        count = data.target
+        if data.count != data.target:
+            self._current = None  # still starting (or stopping) some: not this count's throughput yet
+            self.reason = f"waiting for {data.target} data workers to serve ({data.count} do)"
+            return data.target
+        if self._current is None or self._current[0] != count:
+            self._current = (count, _Measure(now))
+        m = self._current[1]
+        if m.start is None and now - m.since >= self.warmup_s:
+            m.start = (now, committed)
+        if m.start is not None:
+            m.waits.append(data.wait_share)
+        if m.start is None or now - m.start[0] < self.measure_s:
+            self.reason = f"measuring {count} data workers"
+            return count
+        self.measured[count] = (committed - m.start[1]) / (now - m.start[0])
+        self._waits[count] = sum(m.waits) / len(m.waits)
+        return self._next(count, data)
+
+    def _next(self, count: int, data: DataWorkerObservation) -> int:
+        tput = self.measured[count]
+        if count == 0 and data.high > 0:
+            self.reason = f"baseline without data workers: {tput:,.0f} samples/s; trying 1"
+            return 1
+        first = min(self.measured)
+        gain_first = self.measured.get(first + 1, tput) - self.measured[first] if first + 1 <= count else 0.0
+        ideal = self._waits.get(count, 1.0) <= self.ideal_wait
+        previous = self.measured.get(count - 1)
+        sublinear = previous is not None and count - 1 > first and tput - previous < self.linear_tol * gain_first
+        if first == 0 and count == 1 and gain_first <= 0:
+            return self._settle(count, f"1 data worker gave {tput:,.0f} samples/s against {self.measured[0]:,.0f} "
+                                       "without")
+        if ideal:
+            return self._settle(count, f"the queue is ideal at {count} data workers (trainers wait "
+                                       f"{self._waits.get(count, 0.0):.0%} of their time)")
+        if sublinear:
+            return self._settle(count - 1, f"data worker {count} added {tput - (previous or 0):,.0f} samples/s, "
+                                           f"under {self.linear_tol:g}x the first one's {gain_first:,.0f}")
+        if count >= data.high:
+            return self._settle(count, f"MAX {data.high} data workers reached")
+        self.reason = f"{count} data workers: {tput:,.0f} samples/s, trainers waiting {self._waits.get(count, 0):.0%}; " \
+                      f"trying {count + 1}"
+        return count + 1
+
+    def _settle(self, count: int, why: str) -> int:
+        baseline = self.measured.get(0)
+        tput = self.measured[count]
+        if baseline is not None and not use_data_workers(baseline, tput, self.tolerance):
+            self.settled = 0
+            self.reason = (f"{why}; falling back to no data workers: {tput:,.0f} samples/s with {count} is under "
+                           f"{self.tolerance:g}x the baseline {baseline:,.0f}")
+            return 0
+        self.settled = count
+        self.reason = f"{why}; settled on {count} data workers ({tput:,.0f} samples/s" + \
+            (f", baseline {baseline:,.0f})" if baseline is not None else ")")
+        return count

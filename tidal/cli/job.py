@@ -198,8 +198,11 @@ def run(
              "ranges each trainer sends them, so that pre-processing scales apart from training (GoldMiner). "
              "Any number of them feed every trainer; a trainer consumes batches in order and drops duplicates, "
              "so a data worker's loss re-dispatches its batches and loses or repeats nothing. 0 is allowed (the "
-             "trainers build their batches, as without the option). `tidal scale --data-workers N` changes "
-             f"their number within MIN:MAX. At most {MAX_DATA_WORKERS}."),
+             "trainers build their batches, as without the option). With MIN:MAX (MIN < MAX) GoldMiner's job-level "
+             "tuner decides their number: it measures the job without data workers (MIN 0), then adds one at a "
+             "time while the trainers wait for batches and each one still pays, and falls back to none if they "
+             "do not help. `tidal scale --data-workers N` sets the number by hand (the tuner stops). "
+             f"At most {MAX_DATA_WORKERS}."),
     data_prefetch: int = typer.Option(
         0, "--data-prefetch", metavar="N",
         help="With --data-workers: batches each trainer keeps in flight (0: two per data worker)."),
@@ -851,6 +854,8 @@ def _render_status(st: StatusResponse) -> None:
                       + (f"; queue {q.queued} batches, enqueue {q.enqueue_per_s:.1f}/s, dequeue {q.dequeue_per_s:.1f}/s, "
                          f"built by trainers {q.built_by_trainers_per_s:.1f}/s, trainers waiting {q.wait_share:.0%}, "
                          f"{q.redispatched} re-dispatched" if q is not None else ""), markup=False, highlight=False)
+    for line in st.data_decisions[-3:]:
+        console.print(f"data-worker tuner: {line}", markup=False, highlight=False)
     for d in st.data_workers:
         if d.state != "exited":
             console.print(f"data worker {d.id}: pid {d.pid}, {d.state}, {d.address or 'not registered'}, "

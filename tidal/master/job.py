@@ -48,6 +48,7 @@ from tidal.api import (
     PS_OUT_OF_MEMORY_EXIT,
     DataQueueStatus,
     DatasetRequest,
+    DataWorkerObservation,
     DataWorkerReport,
     Event,
     FinishRequest,
@@ -75,6 +76,7 @@ from tidal.api import (
 from tidal.api.streams import unpack_id
 from tidal.backends.api import Backend
 from tidal.brain.api import Planner
+from tidal.brain.goldminer import DataWorkerTuner
 from tidal.brain.oom import servers_for_memory
 from tidal.master import liveness, rounds
 from tidal.master.actions import Action, FailJob, FailWorker, FormRound, SetStraggler, SlowSince, StartReform
@@ -195,6 +197,13 @@ class JobMaster:
         self.fleet = Fleet(spec, self.backend)
         self.servers = Servers(spec, self.backend)  # parameter servers (--ps)
         self.data = DataWorkers(spec, self.backend)  # data workers (--data-workers)
+        # GoldMiner 3.4.1's tuner decides their number for --data-workers MIN:MAX (MIN < MAX) until
+        # the user sets one (``tidal scale --data-workers``: ``data_override``)
+        self.data_tuner = DataWorkerTuner() if spec.data_workers >= 0 and spec.data_range[0] < spec.data_range[1] \
+            else None
+        self.data_override: int | None = None
+        self.data_decisions: list[str] = []
+        self._data_settled_logged = False
         # the trainers' data-queue counters summed, one point a second: (t, received, built by the
         # trainers, taken, seconds waited), for the rates of ``DataQueueStatus``
         self._data_window: deque[tuple[float, float, float, float, float]] = deque(maxlen=DATA_WINDOW)
@@ -289,6 +298,7 @@ class JobMaster:
         self.error = meta.get("error")
         self.target = meta.get("target", self.target)
         self.target_override = meta.get("target_override")
+        self.data_override = meta.get("data_override")
         self.checkpoints = CheckpointBook.from_meta(meta.get("checkpoints"))
         self._find_checkpoints()
         rs = self.rounds
@@ -530,6 +540,33 @@ class JobMaster:
             received, built, taken, waited = (float(sum(c[k] for c in counts))
                                               for k in ("received", "built_here", "taken", "wait_s"))
             self._data_window.append((now, received, built, taken, waited))
+            if self.data_tuner is not None and self.data_override is None:
+                self._tune_data(now)
+
+    def _tune_data(self, now: float) -> None:
+        """GoldMiner 3.4.1's job-level tuner (tidal.brain.goldminer.DataWorkerTuner), once a second."""
+        assert self.data_tuner is not None
+        active = self._active()
+        data = self._data_observation(active)
+        if data is None or not active:
+            return
+        obs = JobObservation(job_id=self.spec.job_id, min_workers=self.spec.min_workers,
+                             max_workers=self.spec.max_workers, current_workers=len(active),
+                             target_workers=self.target, now_s=now - self.planning.started_at,
+                             samples_per_s=data.samples_per_s, committed_samples=self.committed_samples(), data=data)
+        plan = self.data_tuner.plan(obs)
+        low, high = self.spec.data_range
+        wanted = min(max(plan.data_workers, low), high)
+        if wanted != self.data.target:
+            self.log.add("data", f"data-worker tuner: {self.data.target} -> {wanted}: {plan.reason}")
+            self.data_decisions.append(f"{now - self.planning.started_at:.1f}s: {self.data.target} -> {wanted}: "
+                                       f"{plan.reason}")
+            self.data.target = wanted
+            self._persist()
+        elif self.data_tuner.settled is not None and not self._data_settled_logged:
+            self._data_settled_logged = True
+            self.log.add("data", f"data-worker tuner: {plan.reason}")
+            self.data_decisions.append(f"{now - self.planning.started_at:.1f}s: {plan.reason}")
 
     def data_queue(self) -> DataQueueStatus | None:
         """The trainers' data queues over the last ``DATA_WINDOW`` seconds (None: no data workers)."""
@@ -847,8 +884,9 @@ class JobMaster:
         if not low <= count <= high:
             raise BadRequestError(f"{count} data workers is outside this job's range {low}:{high} "
                                   "(--data-workers MIN:MAX)")
-        self.log.add("scale", f"data workers: target {count} (was {self.data.target})")
-        self.data.target = count
+        self.log.add("scale", f"data workers: target {count} (was {self.data.target})"
+                     + ("; the tuner stops deciding" if self.data_tuner is not None else ""))
+        self.data.target = self.data_override = count
         self._persist()
         self.tick()
         return count
@@ -1139,7 +1177,21 @@ class JobMaster:
             total=0 if cfg is None or cfg.epochs is None else cfg.size * cfg.epochs, pauses=self.log.pauses(),
             stream=stream, time_scale=self.spec.time_scale,
             ps=self.servers.observation([r.cpu_percent / 100 for r in active], self.planning.cpus),
+            data=self._data_observation(active),
         )
+
+    def _data_observation(self, active: list[WorkerRecord]) -> DataWorkerObservation | None:
+        """The data-worker side of the observation (None: the job has none)."""
+        q = self.data_queue()
+        if q is None:
+            return None
+        low, high = self.spec.data_range
+        serving = len(self.data.addresses(self.clock()))
+        return DataWorkerObservation(count=serving, target=self.data.target, low=low, high=high,
+                                     samples_per_s=sum(r.samples_per_s for r in active),
+                                     batches_per_s=q.enqueue_per_s, enqueue_per_s=q.enqueue_per_s,
+                                     dequeue_per_s=q.dequeue_per_s, built_by_trainers_per_s=q.built_by_trainers_per_s,
+                                     wait_share=q.wait_share)
 
     def committed_samples(self) -> int:
         """Samples in committed ranges, over every epoch (a stream job: records committed)."""
@@ -1392,7 +1444,7 @@ class JobMaster:
             ps_range=list(self.spec.ps_range) if self.spec.ps else [],
             data_workers=self.data.info(), data_target=self.data.target if self.spec.data_workers >= 0 else 0,
             data_range=list(self.spec.data_range) if self.spec.data_workers >= 0 else [],
-            data_queue=self.data_queue(),
+            data_queue=self.data_queue(), data_decisions=self.data_decisions[-20:],
         )
 
     # ================================================================== helpers
@@ -1423,7 +1475,7 @@ class JobMaster:
             "stream_stop": self.stream_stop,
             **self.fleet.to_meta(),
             **self.servers.to_meta(),
-            **self.data.to_meta(),
+            **self.data.to_meta(), "data_override": self.data_override,
             "dataset": None if cfg is None else {
                 "size": cfg.size, "batch_size": cfg.batch_size, "batches_per_shard": cfg.batches_per_shard,
                 "shuffle": cfg.shuffle, "seed": cfg.seed, "epochs": cfg.epochs,

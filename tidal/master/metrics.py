@@ -45,6 +45,13 @@ and their optimizer state), ``tidal_ps_busy_ratio{server}`` (the share of the la
 serving requests), ``tidal_ps_request_ms{server}`` (its mean time per request) and
 ``tidal_ps_shards{server}`` (virtual shards the shard map gives it);
 ``tidal_ps_hot_moves_total`` counts the hot-PS planner's moves.
+
+A job with data workers (``--data-workers``; tidal.master.dataworkers) adds
+``tidal_data_workers`` (serving now) and ``tidal_data_workers_target``, per data worker
+``tidal_data_worker_batches_per_second{data_worker}`` and ``tidal_data_worker_busy_ratio``,
+and the trainers' queues (GoldMiner's indicator): ``tidal_data_queue_batches`` (arrived, not
+consumed yet), ``tidal_data_enqueue_per_second``, ``tidal_data_dequeue_per_second``,
+``tidal_data_trainer_wait_ratio`` and ``tidal_data_redispatched_total``.
 """
 
 from __future__ import annotations
@@ -143,6 +150,38 @@ class MasterCollector(Collector):
             yield from _stream_slo(master)
             yield from _shuffle(active)
         yield from _servers(master)
+        yield from _data_workers(master)
+
+
+def _data_workers(master: JobMaster) -> Iterator[Metric]:
+    """The data workers and the trainers' data queues (``--data-workers``)."""
+    q = master.data_queue()
+    if q is None:
+        return
+    yield GaugeMetricFamily("tidal_data_workers", "Data workers serving batches now.",
+                            value=len(master.data.addresses(master.clock())))
+    yield GaugeMetricFamily("tidal_data_workers_target", "Data workers asked for (tidal scale, the tuner).",
+                            value=master.data.target)
+    rate = GaugeMetricFamily("tidal_data_worker_batches_per_second", "Batches a data worker built, last second.",
+                             labels=["data_worker"])
+    busy = GaugeMetricFamily("tidal_data_worker_busy_ratio", "Share of the last second a data worker spent "
+                             "building batches.", labels=["data_worker"])
+    for d in master.data.info():
+        if d.state == "running":
+            rate.add_metric([str(d.id)], d.batches_per_s)
+            busy.add_metric([str(d.id)], d.busy)
+    yield rate
+    yield busy
+    yield GaugeMetricFamily("tidal_data_queue_batches", "Batches arrived at the trainers and not consumed yet.",
+                            value=q.queued)
+    yield GaugeMetricFamily("tidal_data_enqueue_per_second", "Batches per second arriving from data workers.",
+                            value=q.enqueue_per_s)
+    yield GaugeMetricFamily("tidal_data_dequeue_per_second", "Batches per second the trainers consume.",
+                            value=q.dequeue_per_s)
+    yield GaugeMetricFamily("tidal_data_trainer_wait_ratio", "Share of the trainers' time spent waiting for "
+                            "(or building) a batch.", value=q.wait_share)
+    yield CounterMetricFamily("tidal_data_redispatched", "Batches re-dispatched after a data worker was lost or "
+                              "silent.", value=q.redispatched)
 
 
 def _servers(master: JobMaster) -> Iterator[Metric]:

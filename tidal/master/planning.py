@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tidal.api import (
+    DataWorkerObservation,
     Event,
     JobObservation,
     PauseObservation,
@@ -198,7 +199,7 @@ class Planning:
         self, *, job_id: str, now: float, min_workers: int, max_workers: int, target: int,
         active: Sequence[WorkerRecord], ready: bool, applied_step: int, batch_size: int,
         committed: int, total: int, pauses: Iterable[Event], stream: StreamObservation | None = None,
-        time_scale: float = 1.0, ps: PSObservation | None = None,
+        time_scale: float = 1.0, ps: PSObservation | None = None, data: DataWorkerObservation | None = None,
     ) -> JobObservation:
         new_pauses = [p for p in pauses if p.seconds is not None and p.time > self._pauses_seen]
         if new_pauses:
@@ -214,7 +215,7 @@ class Planning:
             workers=[worker_observation(r) for r in active],
             pauses=[PauseObservation(at_s=p.time - self.started_at, seconds=p.seconds or 0.0, cause=p.cause or "")
                     for p in new_pauses],
-            cpus_available=self.cpus, stream=stream, ps=ps,
+            cpus_available=self.cpus, stream=stream, ps=ps, data=data,
         )
 
     def decided(self, obs: JobObservation, plan: ResourcePlan, target: int, reason: str) -> PlannerDecision:
