@@ -68,7 +68,7 @@ def test_falls_back_when_data_workers_do_not_pay() -> None:
 
 def test_stops_at_max() -> None:
     tuner, targets, _ = run(lambda k: 5e3 + 10e3 * k, 1e6, 0, 3)
-    assert tuner.settled == 3 and "MAX 3" in tuner.reason
+    assert tuner.settled == 3 and "MAX 3" in tuner.reason and targets == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("low", [1, 2])

@@ -2,7 +2,7 @@
 
 One real ``tidal run`` of the example (workers 1:2, one to begin with; once the test hands the
 target back to the planner, ``max`` scales it to two, so the page has a decision and a pause to
-show) serves every test of the module. The
+show; one data worker, so the page has its data-worker section) serves every test of the module. The
 HTTP tests check how the page authenticates (the token as a query parameter once, then an
 HttpOnly cookie that only GETs accept); the browser test opens the page in headless Chromium
 (tests/chromium.py), waits for its charts and reads what it shows against ``/v1/status``.
@@ -41,6 +41,9 @@ READ_PAGE = """(() => {
     decisions: document.querySelectorAll("#decisions tr[data-decision]").length,
     pauses: document.querySelectorAll("#pauses tr[data-pause]").length,
     lag_hidden: document.getElementById("lag-section").hidden && document.getElementById("lag-kv").hidden,
+    data_hidden: document.getElementById("data-section").hidden,
+    data_rows: [...document.querySelectorAll("#data-workers tr[data-data-worker-id]")].map((r) => Number(r.dataset.dataWorkerId)),
+    data_queue: document.getElementById("data-queue").dataset.dequeue || null,
     address: location.href, cookie: document.cookie,
   };
 })()"""
@@ -50,7 +53,7 @@ READ_PAGE = """(() => {
 def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
     """A real job that keeps training for minutes (it is killed after the module's tests)."""
     j = Job(tmp_path_factory.mktemp("dashboard"), "1:2", example_args(400_000, 1, 256, 0.05),
-            run_args=["--initial", "1", "--planner", "max", "--planner-interval", "0.5"])
+            run_args=["--initial", "1", "--planner", "max", "--planner-interval", "0.5", "--data-workers", "1"])
     try:
         yield j.start()
     finally:
@@ -152,6 +155,9 @@ def test_the_browser_draws_the_job(job: Job, tmp_path: Path) -> None:
         assert shown["decisions"] >= 1  # the planner's 1 -> 2
         assert shown["pauses"] >= 1  # the round that took the second worker in
         assert shown["lag_hidden"]  # a dataset job has no stream lag (tests/test_stream_slo.py draws one)
+        assert not shown["data_hidden"] and shown["data_queue"] is not None  # its data worker and queue
+        serving = [[d["id"] for d in st["data_workers"] if d["state"] != "exited"] for st in (before, after)]
+        assert shown["data_rows"] in serving and shown["data_rows"], (shown["data_rows"], serving)
         assert "token" not in shown["address"]  # the page took it out of the address bar
         assert shown["cookie"] == ""  # HttpOnly: the page's script cannot read the token
         assert browser.errors() == []  # no exception, no failed fetch, nothing the CSP blocked
