@@ -53,7 +53,7 @@ def test_exactly_once_through_data_worker_sigkills_and_scaling(tmp_path: Path, j
     job.scale_data(1)
     assert job.wait(240) == 0, job.output()[-3000:]
     audit = job.audit(samples, epochs)
-    assert audit.ok, audit.problems
+    assert audit.ok, audit.summary()
     out = job.output()
     assert out.count("the trainers re-dispatch its batches") == 2, out[-3000:]
     assert "retired data workers" in out

@@ -13,9 +13,10 @@ protocol and ledger do not change, and no batch costs a round trip to the master
 - A batch comes back labelled with its step id. The trainer consumes in step-id order and drops
   any batch with a step id at or below the last consumed one (a re-dispatched batch answered
   twice), so re-dispatching is exactly once: GoldMiner's rule.
-- A data worker that disappears from the master's list (its process ended) has its outstanding
-  steps re-dispatched at once; one that does not answer within ``timeout_s`` has them
-  re-dispatched too. With no data worker at all (none started yet, or every one gone) the
+- A data worker whose connection drops (its process died: ZeroMQ's socket monitor tells within
+  milliseconds) or that disappears from the master's list has its outstanding steps
+  re-dispatched at once; one that does not answer within ``timeout_s`` has them re-dispatched
+  too. With no data worker at all (none started yet, or every one gone) the
   trainer builds its batches itself, as without data workers: it never stalls on them.
 - A batch that breaks the codec, a reply for the wrong range or a step id never given is
   reported by name and the batch rebuilt; a batch its ``preprocess`` could not build
@@ -77,6 +78,8 @@ class Dispatcher:
         self.max_bytes = max_bytes
         self._ctx = zmq.Context()
         self._socks: dict[str, zmq.Socket[Any]] = {}
+        self._monitors: dict[str, zmq.Socket[Any]] = {}  # the DEALERs' connection events
+        self._down: set[str] = set()  # disconnected: nothing is sent there until it reconnects
         self._poller = zmq.Poller()
         self._known: tuple[str, ...] = ()
         self._next_step = 0
@@ -130,9 +133,8 @@ class Dispatcher:
         return len(self._ready)
 
     def close(self) -> None:
-        for sock in self._socks.values():
-            sock.close(0)
-        self._socks.clear()
+        for address in list(self._socks):
+            self._disconnect(address)
         self._ctx.term()
 
     # ------------------------------------------------------------------ dispatching
@@ -157,7 +159,7 @@ class Dispatcher:
     def _pick(self, avoid: str | None = None) -> str | None:
         """The data worker with the fewest batches in flight, ``avoid`` excepted (None: none
         there; the trainer builds the batch itself)."""
-        choices = [a for a in self._socks if a != avoid]
+        choices = [a for a in self._socks if a != avoid and a not in self._down]
         if not choices:
             return None
         load = {a: 0 for a in choices}
@@ -204,15 +206,27 @@ class Dispatcher:
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.MAXMSGSIZE, self.max_bytes)
                 sock.setsockopt(zmq.SNDHWM, 64)
+                monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
                 sock.connect(address)
-                self._socks[address] = sock
+                self._socks[address], self._monitors[address] = sock, monitor
                 self._poller.register(sock, zmq.POLLIN)
+                self._poller.register(monitor, zmq.POLLIN)
         for address in [a for a in self._socks if a not in now]:
-            sock = self._socks.pop(address)
-            self._poller.unregister(sock)
-            sock.close(0)
-            for task in [t for t in self._tasks.values() if t.address == address]:
-                self._redispatch(task, f"data worker at {address} is gone")
+            self._disconnect(address)
+            self._lost(address, f"data worker at {address} is gone")
+
+    def _disconnect(self, address: str) -> None:
+        sock, monitor = self._socks.pop(address), self._monitors.pop(address)
+        self._poller.unregister(sock)
+        self._poller.unregister(monitor)
+        sock.disable_monitor()
+        monitor.close(0)
+        sock.close(0)
+        self._down.discard(address)
+
+    def _lost(self, address: str, why: str) -> None:
+        for task in [t for t in self._tasks.values() if t.address == address]:
+            self._redispatch(task, why)
 
     def _wait(self, task: _Task) -> Any:
         while True:
@@ -229,6 +243,10 @@ class Dispatcher:
 
     def _receive(self, timeout_ms: int) -> None:
         for sock, _ in self._poller.poll(timeout_ms):
+            address = next((a for a, m in self._monitors.items() if m is sock), None)
+            if address is not None:
+                self._connection_event(address, sock)
+                continue
             address = next(a for a, s in self._socks.items() if s is sock)
             while True:
                 try:
@@ -236,6 +254,20 @@ class Dispatcher:
                 except zmq.Again:
                     break
                 self._accept(address, parts)
+
+    def _connection_event(self, address: str, monitor: zmq.Socket[Any]) -> None:
+        from zmq.utils.monitor import parse_monitor_message
+
+        while True:
+            try:
+                event = parse_monitor_message(monitor.recv_multipart(flags=zmq.NOBLOCK))["event"]
+            except zmq.Again:
+                return
+            if event == zmq.EVENT_DISCONNECTED and address not in self._down:
+                self._down.add(address)
+                self._lost(address, f"the connection to data worker {address} dropped")
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._down.discard(address)
 
     def _accept(self, address: str, parts: list[Any]) -> None:
         try:
