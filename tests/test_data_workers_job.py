@@ -92,6 +92,28 @@ def test_same_model_with_any_number_of_data_workers(tmp_path: Path, jobs: list[J
     assert (built > 0) == (data_workers > 0)  # the data workers did build batches of the job
 
 
+@pytest.fixture(scope="module")
+def auto_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return plain_python_fingerprint(tmp_path_factory.mktemp("plain-auto") / "ckpt", [*LOGICAL, "--auto-partition"])
+
+
+@pytest.mark.parametrize("data_workers", [0, 2])
+def test_auto_partition_gives_the_same_model_with_and_without_data_workers(
+        tmp_path: Path, jobs: list[Job], auto_reference: str, data_workers: int) -> None:
+    """preprocess="auto": torch.fx cuts the transform off the model; the data workers run it."""
+    ckpt = tmp_path / "ckpt"
+    job = Job(tmp_path, "2:2", [*LOGICAL, "--auto-partition", "--step-sleep", "0.05"],
+              run_args=["--logical-workers", "4", "--checkpoint-dir", str(ckpt),
+                        "--data-workers", str(data_workers)]).start()
+    jobs.append(job)
+    assert job.wait(240) == 0, job.output()[-3000:]
+    assert fingerprint(ckpt) == auto_reference
+    logs = "".join(p.read_text() for p in (job.dir / "logs").glob("*.log"))
+    assert "preprocess='auto': RawClickModel.forward cut after" in logs
+    built = sum(int(n) for n in re.findall(r"stopped \(built (\d+) batches\)", job.output()))
+    assert (built > 0) == (data_workers > 0)
+
+
 @pytest.mark.parametrize(("mode", "data_workers"), [("raises", 1), ("dtype", 0)])
 def test_a_bad_preprocess_fails_the_job_by_name(tmp_path: Path, jobs: list[Job], mode: str, data_workers: int) -> None:
     job = Job(tmp_path, "1:1", ["--mode", mode, "--at", "2000"], script=ROOT / "tests" / "scripts" / "bad_preprocess.py",

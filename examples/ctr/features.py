@@ -82,3 +82,19 @@ class FeatureTransform(nn.Module):
         sparse = torch.cat([sparse, buckets % self.hash_size], dim=1)
         crosses = torch.tensor(crossed, dtype=torch.int64).T if crossed else torch.zeros((n, 0), dtype=torch.int64)
         return {"dense": dense, "sparse": sparse, "crosses": crosses, "label": raw["label"]}
+
+
+class RawClickModel(nn.Module):
+    """The whole model from raw samples: ``FeatureTransform``, then the DLRM. With
+    ``job.loader(..., preprocess="auto")`` tidal cuts its forward where the transform ends
+    (tidal.data.partition): the transform holds no parameter, so it and the column slicing after
+    it run in the data workers."""
+
+    def __init__(self, transform: FeatureTransform, dlrm: nn.Module) -> None:
+        super().__init__()
+        self.transform = transform
+        self.dlrm = dlrm
+
+    def forward(self, raw: dict[str, torch.Tensor]) -> torch.Tensor:
+        f = self.transform(raw)
+        return self.dlrm(f["dense"], f["sparse"], f["crosses"])  # type: ignore[no-any-return]

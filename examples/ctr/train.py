@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -39,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import tidal.worker
 from examples.ctr.data import ClickDataset, roc_auc
-from examples.ctr.features import FeatureTransform, RawClicks
+from examples.ctr.features import FeatureTransform, RawClickModel, RawClicks
 from examples.ctr.model import DLRM
 from examples.ctr.stream import ClickRecords
 from tidal.ps.api import TableSpec
@@ -107,6 +108,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="train on raw samples (examples.ctr.features): the batches need real CPU work first "
                         "(string hashing, crosses, bucketizing), done by the job's data workers (tidal run "
                         "--data-workers N) or, without them, by the worker itself")
+    p.add_argument("--auto-partition", action="store_true",
+                   help="with --raw-features: one model from raw samples (examples.ctr.features.RawClickModel) and "
+                        "job.loader(preprocess='auto'): tidal cuts the pre-processing off its forward with torch.fx")
     p.add_argument("--crosses", type=int, default=28, metavar="K",
                    help="with --raw-features: crossed fields (pairs, then triples of the 8 raw fields; 0-84)")
     p.add_argument("--ps-async", action="store_true",
@@ -119,6 +123,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.raw_features and (args.ps or args.stream):
         p.error("--raw-features trains on the dataset with the model's own tables (not with --ps or --stream)")
+    if args.auto_partition and not args.raw_features:
+        p.error("--auto-partition needs --raw-features")
     if not 0 <= args.crosses <= 84:
         p.error("--crosses must be in [0, 84]")
     args.device_ms_per_step += args.step_sleep * 1e3  # the alias; args.step_sleep stays for its readers
@@ -155,6 +161,11 @@ def server_tables(args: argparse.Namespace, job: tidal.worker.Job) -> ServerEmbe
                             synchronous=not args.ps_async)
 
 
+def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: to_device(v, device) if isinstance(v, dict) else v.to(device, non_blocking=True)
+            for k, v in batch.items()}
+
+
 def predict(model: DLRM, tables: ServerEmbeddings | None, dense: torch.Tensor, sparse: torch.Tensor,
             crosses: torch.Tensor | None = None) -> torch.Tensor:
     """The logits: the model's own tables, or the rows pulled from the parameter servers."""
@@ -164,13 +175,19 @@ def predict(model: DLRM, tables: ServerEmbeddings | None, dense: torch.Tensor, s
     return model.interact(dense, [vectors[f"field{f}"] for f in range(model.num_sparse)])
 
 
-def evaluate(model: DLRM, tables: ServerEmbeddings | None, data: ClickDataset, device: torch.device,
+def evaluate(model: torch.nn.Module, tables: ServerEmbeddings | None, data: ClickDataset, device: torch.device,
              transform: FeatureTransform | None = None) -> float:
     model.eval()
     with torch.no_grad():
-        batch = data.get_range(0, len(data)) if transform is None else transform(RawClicks(data).get_range(0, len(data)))
-        crosses = batch["crosses"].to(device) if "crosses" in batch else None
-        scores = predict(model, tables, batch["dense"].to(device), batch["sparse"].to(device), crosses).cpu().numpy()
+        if isinstance(model, RawClickModel):  # the whole forward, from raw samples
+            batch = RawClicks(data).get_range(0, len(data))
+            scores = model(to_device(batch, device)).cpu().numpy()
+        else:
+            batch = data.get_range(0, len(data)) if transform is None else \
+                transform(RawClicks(data).get_range(0, len(data)))
+            crosses = batch["crosses"].to(device) if "crosses" in batch else None
+            scores = predict(model, tables, batch["dense"].to(device), batch["sparse"].to(device),  # type: ignore[arg-type]
+                             crosses).cpu().numpy()
     model.train()
     return roc_auc(batch["label"].numpy(), scores)
 
@@ -185,8 +202,11 @@ def main(argv: list[str] | None = None) -> None:
     device = pick_device(args.device)
     transform = FeatureTransform(hash_size=args.table_rows, crosses=args.crosses) if args.raw_features else None
     fields = {"num_sparse": transform.fields, "crosses": args.crosses > 0} if transform is not None else {}
-    model = DLRM(**MODEL_SIZES[args.model_size], hash_size=args.table_rows, tables=not args.ps,  # type: ignore[arg-type]
-                 **fields).to(device)
+    model: torch.nn.Module = DLRM(**MODEL_SIZES[args.model_size], hash_size=args.table_rows,  # type: ignore[arg-type]
+                                  tables=not args.ps, **fields).to(device)
+    if args.auto_partition:
+        assert transform is not None
+        model = RawClickModel(transform, model)
     tables = server_tables(args, job)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     state = job.state(model, optimizer)
@@ -205,13 +225,16 @@ def main(argv: list[str] | None = None) -> None:
         loader = job.loader(stream=stream, batch_size=args.batch_size, decode=records.decode)
     else:
         loader = job.loader(train if transform is None else RawClicks(train), batch_size=args.batch_size,
-                            epochs=args.epochs, seed=args.seed, preprocess=transform)
+                            epochs=args.epochs, seed=args.seed,
+                            preprocess="auto" if args.auto_partition else transform, fallback=transform)
     t0, seen, logged = time.monotonic(), 0, -1
     for batch in loader:
         started = time.monotonic()
-        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        batch = to_device(batch, device)
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(predict(model, tables, batch["dense"], batch["sparse"], batch.get("crosses")), batch["label"])
+        logits = model(batch) if args.auto_partition else \
+            predict(model, tables, batch["dense"], batch["sparse"], batch.get("crosses"))  # type: ignore[arg-type]
+        loss = loss_fn(logits, batch["label"])
         loss.backward()
         # one sleep: the straggler's extra compute, then the (emulated) device time of the batch
         pause = (slow - 1.0) * (time.monotonic() - started) + slow * emulated_device_seconds(args, len(batch["label"]))

@@ -181,9 +181,16 @@ class Job:
         if self.is_data_worker:
             if stream is not None:
                 raise UsageError("data workers build batches of a dataset, not of a stream")
+            from tidal.data.partition import resolve_preprocess
             from tidal.data.worker import serve_loader
 
-            serve_loader(dataset, options.get("preprocess"), options.get("collate_fn"))
+            try:
+                preprocess = resolve_preprocess(options.get("preprocess"), options.get("fallback"),
+                                                lambda: self.steps.state.model,
+                                                lambda m: print(f"tidal: {m}", file=sys.stderr, flush=True))
+            except ValueError as exc:
+                raise UsageError(str(exc)) from None
+            serve_loader(dataset, preprocess, options.get("collate_fn"))
         if stream is not None:
             from tidal.worker.stream_loader import StreamLoader
 

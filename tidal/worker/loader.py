@@ -21,6 +21,7 @@ from tidal.api import DATA_ERROR_EXIT, DatasetRequest, LeaseRequest, LeaseRespon
 from tidal.api.sharding import shard_starts
 from tidal.data.batches import BatchError, BatchShape, build_batch, flatten
 from tidal.data.dispatch import Dispatcher
+from tidal.data.partition import resolve_preprocess
 from tidal.data.worker import loader_key
 from tidal.worker.api import UsageError
 from tidal.worker.logical import BatchSchedule
@@ -90,14 +91,16 @@ class ElasticDataLoader:
         preprocess: the stateless part of building a batch, ``fn(raw batch) -> batch`` (a function
             or an ``nn.Module`` without trainable parameters). With ``tidal run --data-workers``
             the job's data workers run it (tidal.data.worker), else this process does; the
-            batches are the same either way.
+            batches are the same either way. ``"auto"``: cut it off the model's forward
+            (tidal.data.partition; ``fallback`` where that cannot be done).
         prefetch: with data workers, batches in flight (default ``TIDAL_DATA_PREFETCH``, else two
             per data worker).
     """
 
     def __init__(self, job: LoaderHost, dataset: Any, batch_size: int, epochs: int = 1, *, shuffle: bool = True,
                  seed: int = 0, batches_per_shard: int = 16, collate_fn: Callable[[list[Any]], Any] | None = None,
-                 preprocess: Callable[[Any], Any] | None = None, prefetch: int | None = None) -> None:
+                 preprocess: Callable[[Any], Any] | str | None = None, fallback: Callable[[Any], Any] | None = None,
+                 prefetch: int | None = None) -> None:
         if batch_size < 1 or epochs < 0 or batches_per_shard < 1:
             raise UsageError("batch_size and batches_per_shard must be >= 1 and epochs >= 0")
         self.job = job
@@ -122,9 +125,11 @@ class ElasticDataLoader:
         self._prefetch_key = (-1, -1)
         self._prefetch_at = 1
         self._jitter = random.Random(job.worker_id * 7919 + seed)
-        if preprocess is not None and not callable(preprocess):
-            raise UsageError(f"preprocess must be a function or a module, got {type(preprocess).__name__}")
-        self.preprocess = preprocess
+        try:
+            self.preprocess = resolve_preprocess(preprocess, fallback, lambda: job.steps.state.model, _say)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        preprocess = self.preprocess
         self._shape = BatchShape()
         self.dispatcher: Dispatcher | None = None
         if job.client is not None and os.environ.get("TIDAL_DATA_WORKERS"):
@@ -360,6 +365,10 @@ class ElasticDataLoader:
                 start, end = schedule.batch(order, k, r)
                 if end > start:
                     yield (gen, epoch, start, end), start, end
+
+
+def _say(message: str) -> None:
+    print(f"tidal: {message}", file=sys.stderr, flush=True)
 
 
 def _ranges(gen: int, epoch: int, start: int, end: int, batch_size: int) -> Iterator[tuple[Hashable, int, int]]:
