@@ -87,11 +87,13 @@ class DataWorkers:
     def to_meta(self) -> dict[str, Any]:
         return {"data_workers": [r.to_row() for r in self.records.values()], "data_target": self.target}
 
-    def restore(self, meta: dict[str, Any], request_id: str) -> None:
-        """Rebuild from the journal and watch the data workers an earlier master started."""
+    def restore(self, meta: dict[str, Any], request_id: str, now: float) -> None:
+        """Rebuild from the journal and watch the data workers an earlier master started (those
+        that served stay on the trainers' lists: they report again within a second)."""
         self.records = {}
         for row in meta.get("data_workers", []):
             rec = DataWorkerRecord(**row)
+            rec.reported_at = now
             self.records[rec.data_worker_id] = rec
         self.target = int(meta.get("data_target", self.target))
         handles = [NodeHandle(node_id("data", r.data_worker_id), r.pid) for r in self.records.values()

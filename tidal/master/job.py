@@ -316,7 +316,7 @@ class JobMaster:
             self.shards.restore(DatasetConfig(**dataset) if dataset else None, j.load_shards(), j.load_ledger())
         self.fleet.restore(meta, j.load_workers(), self.clock())
         self.servers.restore(meta, f"{self.spec.job_id}-ps-adopt-{self.clock():.6f}")
-        self.data.restore(meta, f"{self.spec.job_id}-data-adopt-{self.clock():.6f}")
+        self.data.restore(meta, f"{self.spec.job_id}-data-adopt-{self.clock():.6f}", self.clock())
         # Every member must report to this master before a step is final again. One found dead
         # holds finalization back, as in a running master, until the next round settles its steps:
         # its records of the last steps are only in the survivors' hands, and finalizing those
@@ -562,6 +562,7 @@ class JobMaster:
             self.data_decisions.append(f"{now - self.planning.started_at:.1f}s: {self.data.target} -> {wanted}: "
                                        f"{plan.reason}")
             self.data.target = wanted
+            self._data_settled_logged = self.data_tuner.settled is not None
             self._persist()
         elif self.data_tuner.settled is not None and not self._data_settled_logged:
             self._data_settled_logged = True

@@ -179,8 +179,8 @@ class Job:
         if (stream is None) == (dataset is None):
             raise UsageError("job.loader() takes a dataset or a stream (one of the two)")
         if self.is_data_worker:
-            if stream is not None:
-                raise UsageError("data workers build batches of a dataset, not of a stream")
+            if stream is not None or dataset is None:
+                raise UsageError("data workers build batches of a dataset (job.loader(dataset, ...)), not of a stream")
             from tidal.data.partition import resolve_preprocess
             from tidal.data.worker import serve_loader
 
