@@ -13,6 +13,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
 import pytest
 
@@ -33,8 +34,8 @@ def kill(pid: int) -> None:
              f"data worker pid {pid} to die")
 
 
-def test_exactly_once_through_data_worker_sigkills_and_scaling(tmp_path: Path, jobs: list[Job]) -> None:
-    samples, epochs = 60_000, 2
+def test_exactly_once_through_data_worker_sigkills_scaling_and_a_master_failover(tmp_path: Path, jobs: list[Job]) -> None:
+    samples, epochs = 80_000, 2
     job = Job(tmp_path, "2:2", ["--samples", str(samples), "--epochs", str(epochs), "--batch-size", "256",
                                 "--step-sleep", "0.12", "--log-every", "0", *RAW],
               run_args=["--data-workers", "1:3"]).start()
@@ -50,6 +51,15 @@ def test_exactly_once_through_data_worker_sigkills_and_scaling(tmp_path: Path, j
                          60, "a replacement data worker")
     kill(running(st)[-1]["pid"])
     st = job.wait_status(lambda s: s["data_queue"] and s["data_queue"]["enqueue_per_s"] > 0, 30, "batches arriving")
+    info = job.info()
+    metrics = httpx.get(info["url"] + "/metrics", headers={"Authorization": f"Bearer {info['token']}"}, timeout=5).text
+    for name in ("tidal_data_workers ", "tidal_data_queue_batches ", "tidal_data_enqueue_per_second ",
+                 "tidal_data_dequeue_per_second ", "tidal_data_trainer_wait_ratio ", "tidal_data_redispatched_total "):
+        assert name in metrics, name
+    # the master fails over: the new one adopts the data workers, which keep serving the trainers
+    job.kill_master()
+    job.resume_master_and_train(5)
+    job.wait_status(lambda s: len(running(s)) == 3 and s["state"] == "running", 60, "3 data workers after the failover")
     job.scale_data(1)
     assert job.wait(240) == 0, job.output()[-3000:]
     audit = job.audit(samples, epochs)

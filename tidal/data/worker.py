@@ -137,6 +137,8 @@ def _reporter(worker: DataWorker, url: str, token: str, address: str) -> None:
 
     http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=10.0)
     last_t, last_busy, last_cpu, last_batches = time.monotonic(), 0.0, time.process_time(), 0
+    patience = float(os.environ.get("TIDAL_MASTER_TIMEOUT", "120"))
+    answered = time.monotonic()
     while True:
         now, cpu, busy, batches = time.monotonic(), time.process_time(), worker.busy_s, worker.batches
         span = max(now - last_t, 1e-9)
@@ -147,10 +149,15 @@ def _reporter(worker: DataWorker, url: str, token: str, address: str) -> None:
         last_t, last_busy, last_cpu, last_batches = now, busy, cpu, batches
         try:
             resp = http.post("/v1/data/report", json=body)
+            answered = time.monotonic()
             if resp.status_code == 410:
                 os._exit(0)
         except httpx.TransportError as exc:
             log.info("data worker %d: master unreachable: %s", worker.data_worker_id, exc)
+            if time.monotonic() - answered > patience:  # the job is gone with its master: do not linger
+                print(f"tidal-data: the master has not answered for {patience:g} s; exiting", file=sys.stderr,
+                      flush=True)
+                os._exit(1)
         time.sleep(REPORT_S)
 
 

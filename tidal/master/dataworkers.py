@@ -142,6 +142,10 @@ class DataWorkers:
         first = rec.state != RUNNING or rec.address != req.address
         if first:
             self.start_failures = 0
+            # launched by an earlier master that died before it knew the pid: watch it from now on
+            # (adopting a node the backend launched itself is a no-op)
+            self.backend.adopt([NodeHandle(node_id("data", rec.data_worker_id), req.pid)],
+                               f"{self.spec.job_id}-data-{rec.data_worker_id}-{req.pid}")
         rec.state, rec.pid, rec.address = RUNNING, req.pid, req.address
         rec.report, rec.reported_at = req, now
         return rec if first else None
