@@ -99,6 +99,15 @@ def ranges(n: int, size: int = 100) -> list[tuple[Any, int, int]]:
     return [((0, 0, i * size, (i + 1) * size), i * size, (i + 1) * size) for i in range(n)]
 
 
+def built_here(plan: list[tuple[Any, int, int]]) -> list[Any]:
+    """The batches of ``plan`` as the trainer builds them itself (the reference)."""
+    return [build_batch(Squares(10_000), a, b, features) for _, a, b in plan]
+
+
+def same(got: list[Any], want: list[Any]) -> bool:
+    return len(got) == len(want) and all(equal(g, w) for g, w in zip(got, want, strict=True))
+
+
 def consume(d: Dispatcher, plan: list[tuple[Any, int, int]], after: Callable[[int], None] | None = None) -> list[Any]:
     out = []
     for i, (key, a, b) in enumerate(plan):
@@ -163,8 +172,7 @@ def test_batches_from_data_workers_equal_the_local_ones_in_order() -> None:
             got = consume(d, plan)
         finally:
             d.close()
-    want = [build_batch(Squares(10_000), a, b, features) for _, a, b in plan]
-    assert all(equal(g, w) for g, w in zip(got, want, strict=True))
+    assert same(got, built_here(plan))
     assert d.received == 40 and d.built_here == 0 and d.taken == 40
     assert all(w.batches > 0 for w in workers)  # every data worker had a share: no fixed pairing
 
@@ -177,7 +185,7 @@ def test_with_no_data_worker_the_trainer_builds_its_batches() -> None:
     finally:
         d.close()
     assert d.built_here == 5 and d.received == 0
-    assert all(equal(g, build_batch(Squares(10_000), a, b, features)) for g, (_, a, b) in zip(got, plan, strict=True))
+    assert same(got, built_here(plan))
 
 
 def test_a_data_worker_that_goes_away_has_its_batches_redispatched() -> None:
@@ -195,8 +203,7 @@ def test_a_data_worker_that_goes_away_has_its_batches_redispatched() -> None:
             got = consume(d, plan, lose_one)
         finally:
             d.close()
-    want = [build_batch(Squares(10_000), a, b, features) for _, a, b in plan]
-    assert all(equal(g, w) for g, w in zip(got, want, strict=True))
+    assert same(got, built_here(plan))
     assert d.taken == 30
 
 
@@ -214,7 +221,7 @@ def test_a_silent_data_worker_times_out_and_its_batch_is_built_elsewhere() -> No
         mute.close(0)
         ctx.term()
     assert d.redispatched >= 1 and d.built_here == 4  # the only data worker is mute: built here
-    assert all(equal(g, build_batch(Squares(10_000), a, b, features)) for g, (_, a, b) in zip(got, plan, strict=True))
+    assert same(got, built_here(plan))
 
 
 def test_rogue_answers_are_dropped_or_rebuilt_never_trained(caplog: pytest.LogCaptureFixture) -> None:
@@ -261,7 +268,7 @@ def test_rogue_answers_are_dropped_or_rebuilt_never_trained(caplog: pytest.LogCa
         d.close()
         rogue.close(0)
         ctx.term()
-    assert all(equal(g, build_batch(Squares(10_000), a, b, features)) for g, (_, a, b) in zip(got, plan, strict=True))
+    assert same(got, built_here(plan))
     text = caplog.text
     assert "never gave out" in text and "but the step is samples" in text and "malformed batch" in text
 
@@ -314,5 +321,5 @@ def test_a_reset_drops_every_batch_in_flight_by_its_step_id() -> None:
             got = consume(d, again[2:])
         finally:
             d.close()
-    assert all(equal(g, build_batch(Squares(10_000), a, b, features)) for g, (_, a, b) in zip(got, plan[2:], strict=True))
+    assert same(got, built_here(plan[2:]))
     assert d.taken == 12 and d.queued == 0

@@ -25,6 +25,18 @@ if TYPE_CHECKING:
 MAX_MESSAGE_BYTES = 1 << 30  # tidal.api.frames.MAX_MESSAGE_BYTES (checked in tests/api)
 
 
+def bind_router(host: str, max_bytes: int) -> tuple[zmq.Context[Any], zmq.Socket[Any], str]:
+    """A ROUTER bound on ``host`` at a port the system chooses, refusing messages over
+    ``max_bytes``: ``(context, socket, "tcp://HOST:PORT")``. The servers of the data plane
+    (parameter servers, data workers) answer on one."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+    port = sock.bind_to_random_port(f"tcp://{host}")
+    return ctx, sock, f"tcp://{host}:{port}"
+
+
 class RemoteRefusedError(PermanentError):
     """The other side answered the request with an error (the message is its own)."""
 

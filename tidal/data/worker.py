@@ -33,10 +33,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import zmq
-
 from tidal.api import frames
 from tidal.api.errors import FrameError
+from tidal.api.rpc import bind_router
 from tidal.data.batches import BatchError, build_batch, flatten
 
 __all__ = ["DataWorker", "loader_key", "serve", "serve_loader"]
@@ -107,13 +106,9 @@ class DataWorker:
 def serve(worker: DataWorker, host: str = "127.0.0.1", *, ready: Callable[[str], None] | None = None,
           stop: threading.Event | None = None) -> None:
     """Answer tasks until ``stop`` is set (or forever); ``ready(address)`` once bound."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, MAX_TASK_BYTES)
-    port = sock.bind_to_random_port(f"tcp://{host}")
+    ctx, sock, address = bind_router(host, MAX_TASK_BYTES)
     if ready is not None:
-        ready(f"tcp://{host}:{port}")
+        ready(address)
     try:
         while stop is None or not stop.is_set():
             if not sock.poll(200):

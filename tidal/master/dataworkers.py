@@ -21,17 +21,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from tidal.api import DataWorkerInfo, DataWorkerReport
-from tidal.backends.api import Backend, NodeHandle, NodeSpec, Resources, node_id
+from tidal.backends.api import Backend, NodeSpec, Resources, node_id
 from tidal.master.api import JobSpec
-from tidal.master.fleet import last_log_line
+from tidal.master.roles import EXITED, LAUNCHING, RETIRING, RUNNING, RoleProcesses
 
 log = logging.getLogger(__name__)
-
-LAUNCHING, RUNNING, RETIRING, EXITED = "launching", "running", "retiring", "exited"
 START_FAILURES = 3  # data workers in a row that end before they register fail the job (a script that
 # cannot get to its loader in the data role would otherwise be relaunched forever)
 STALE_S = 5.0  # a data worker silent this long is taken off the trainers' list (it may hang)
@@ -54,24 +51,18 @@ class DataWorkerRecord:
                 "address": self.address, "exit_code": self.exit_code}
 
 
-class DataWorkers:
+class DataWorkers(RoleProcesses[DataWorkerRecord]):
     def __init__(self, spec: JobSpec, backend: Backend) -> None:
-        self.spec = spec
-        self.backend = backend
-        self.records: dict[int, DataWorkerRecord] = {}
+        super().__init__(spec, backend, "data", DataWorkerRecord)
         self.target = spec.data_workers
         self.replaced = 0
         self.start_failures = 0  # in a row: ended before registering
-        self._seq = 0
 
     # ------------------------------------------------------------------ views
     def addresses(self, now: float) -> list[str]:
         """Where the trainers send tasks: the registered data workers that reported lately."""
         return [r.address for r in self.records.values()
                 if r.state == RUNNING and r.address and now - r.reported_at <= STALE_S]
-
-    def alive(self) -> list[int]:
-        return [i for i, r in self.records.items() if r.state != EXITED]
 
     def info(self) -> list[DataWorkerInfo]:
         out = []
@@ -85,7 +76,7 @@ class DataWorkers:
 
     # ------------------------------------------------------------------ journal
     def to_meta(self) -> dict[str, Any]:
-        return {"data_workers": [r.to_row() for r in self.records.values()], "data_target": self.target}
+        return {"data_workers": self.rows(), "data_target": self.target}
 
     def restore(self, meta: dict[str, Any], request_id: str, now: float) -> None:
         """Rebuild from the journal and watch the data workers an earlier master started (those
@@ -96,10 +87,7 @@ class DataWorkers:
             rec.reported_at = now
             self.records[rec.data_worker_id] = rec
         self.target = int(meta.get("data_target", self.target))
-        handles = [NodeHandle(node_id("data", r.data_worker_id), r.pid) for r in self.records.values()
-                   if r.state != EXITED and r.pid]
-        if handles:
-            self.backend.adopt(handles, request_id)
+        self.adopt(request_id)
 
     # ------------------------------------------------------------------ changes
     def reconcile(self, now: float, journal_first: Any) -> tuple[list[int], list[int]]:
@@ -109,13 +97,7 @@ class DataWorkers:
         launched: list[int] = []
         retired: list[int] = []
         if len(up) < self.target:
-            first = max(self.records, default=-1) + 1
-            launched = list(range(first, first + self.target - len(up)))
-            for i in launched:
-                self.records[i] = DataWorkerRecord(i)
-            journal_first()
-            self._seq += 1
-            self.backend.launch([self.node_spec(i) for i in launched], f"{self.spec.job_id}-data-launch-{self._seq}")
+            launched = self.start(self.target - len(up), journal_first, "launch")
         elif len(up) > self.target:
             # the newest go first: a launching one has no batch in flight yet
             retired = sorted(up, reverse=True)[:len(up) - self.target]
@@ -125,7 +107,7 @@ class DataWorkers:
         due = [i for i, r in self.records.items() if r.state == RETIRING and now - r.retired_at >= RETIRE_GRACE_S
                and r.exit_code is None]
         if due:
-            self._terminate(due, "retire")
+            self.terminate(due, "retire")
             for i in due:
                 self.records[i].exit_code = -1  # asked to stop: do not ask again
         return launched, retired
@@ -144,37 +126,16 @@ class DataWorkers:
             self.start_failures = 0
             # launched by an earlier master that died before it knew the pid: watch it from now on
             # (adopting a node the backend launched itself is a no-op)
-            self.backend.adopt([NodeHandle(node_id("data", rec.data_worker_id), req.pid)],
-                               f"{self.spec.job_id}-data-{rec.data_worker_id}-{req.pid}")
+            rec.pid = req.pid
+            self.adopt(f"{self.spec.job_id}-data-{rec.data_worker_id}-{req.pid}", [rec.data_worker_id])
         rec.state, rec.pid, rec.address = RUNNING, req.pid, req.address
         rec.report, rec.reported_at = req, now
         return rec if first else None
-
-    def exited(self, data_worker_id: int, code: int | None) -> DataWorkerRecord | None:
-        """A data worker's process ended; returns its record if it was not known to have ended."""
-        rec = self.records.get(data_worker_id)
-        if rec is None or rec.state == EXITED:
-            return None
-        rec.state, rec.exit_code = EXITED, code
-        return rec
-
-    def kill(self, tag: str) -> None:
-        alive = self.alive()
-        if alive:
-            self._terminate(alive, tag)
-
-    def _terminate(self, ids: list[int], tag: str) -> None:
-        self._seq += 1
-        self.backend.terminate([node_id("data", i) for i in ids], f"{self.spec.job_id}-data-{tag}-{self._seq}")
 
     def node_spec(self, data_worker_id: int) -> NodeSpec:
         spec = self.spec
         env = {"TIDAL_MASTER_URL": f"http://{spec.host}:{spec.port}", "TIDAL_TOKEN": spec.token,
                "TIDAL_JOB_ID": spec.job_id, "TIDAL_ROLE": "data", "TIDAL_DATA_WORKER_ID": str(data_worker_id),
                "TIDAL_DATA_HOST": spec.host, "PYTHONUNBUFFERED": "1", **spec.env}
-        log_path = str(Path(spec.job_dir) / "logs" / f"data-{data_worker_id}.log")
         return NodeSpec(node_id("data", data_worker_id), "data", list(spec.argv), env, Resources(cpus=1.0),
-                        spec.cwd, log_path)
-
-    def log_tail(self, data_worker_id: int) -> str:
-        return last_log_line(Path(self.spec.job_dir) / "logs" / f"data-{data_worker_id}.log")
+                        spec.cwd, self.log_path(data_worker_id))

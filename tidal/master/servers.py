@@ -49,20 +49,18 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from tidal.api import PSObservation, ServerInfo, ServerReport
 from tidal.api.errors import TidalError
 from tidal.api.rpc import Caller
-from tidal.backends.api import Backend, NodeHandle, NodeSpec, Resources, node_id
+from tidal.backends.api import Backend, NodeSpec, Resources, node_id
 from tidal.brain.hotps import HotShardPlan, plan_hot_shards
 from tidal.master.api import JobSpec
-from tidal.master.fleet import last_log_line
+from tidal.master.roles import EXITED, LAUNCHING, RETIRING, RUNNING, RoleProcesses
 
 log = logging.getLogger(__name__)
 
-LAUNCHING, RUNNING, RETIRING, EXITED = "launching", "running", "retiring", "exited"
 SERVER_CORES = 1  # a server's cores: it computes on one torch thread (TIDAL_PS_THREADS)
 LOAD = {"rows", "bytes", "applied_step", "requests_per_s", "busy", "latency_ms", "cpu", "rss_bytes"}  # what ServerInfo shows of a report
 MOVE_TIMEOUT_S = 120.0  # per request of a move (a page of rows)
@@ -204,11 +202,9 @@ class ShardMove:
         threading.Thread(target=run, name="tidal-ps-drop", daemon=True).start()
 
 
-class Servers:
+class Servers(RoleProcesses[ServerRecord]):
     def __init__(self, spec: JobSpec, backend: Backend) -> None:
-        self.spec = spec
-        self.backend = backend
-        self.records: dict[int, ServerRecord] = {}
+        super().__init__(spec, backend, "ps", ServerRecord)
         self.shard_map: list[int] = [v % spec.ps for v in range(spec.ps_shards)] if spec.ps else []
         self.target = spec.ps  # how many servers the map should spread over
         self.move: ShardMove | None = None
@@ -216,7 +212,6 @@ class Servers:
         self.planned_map: list[int] | None = None  # the hot-PS planner's map, moved to at the next re-form
         self.hot_moves = 0  # plans of the hot-PS planner carried out (a metric)
         self._window: dict[int, list[tuple[float, float, list[int]]]] = {}  # reports since the last check
-        self._seq = 0
 
     # ------------------------------------------------------------------ views
     @property
@@ -246,9 +241,6 @@ class Servers:
         reports = [self.records[i].report for i in self.in_map()]
         return sum(r.bytes for r in reports if r is not None) if all(reports) else None
 
-    def alive(self) -> list[int]:
-        return [i for i, r in self.records.items() if r.state != EXITED]
-
     def observation(self, workers: Sequence[float], cores: float) -> PSObservation | None:
         """The parameter-server side of the planner's observation (None: the job has none):
         the servers in the shard map, the cores each used over its last report (of the
@@ -276,7 +268,7 @@ class Servers:
 
     # ------------------------------------------------------------------ journal
     def to_meta(self) -> dict[str, Any]:
-        return {"servers": [r.to_row() for r in self.records.values()], "ps_shard_map": self.shard_map,
+        return {"servers": self.rows(), "ps_shard_map": self.shard_map,
                 "ps_target": self.target, "ps_lost": self.lost}
 
     def restore(self, meta: dict[str, Any], request_id: str) -> None:
@@ -289,28 +281,14 @@ class Servers:
         self.shard_map = list(meta.get("ps_shard_map") or self.shard_map)
         self.target = int(meta.get("ps_target", len(self.in_map())))
         self.lost = meta.get("ps_lost")
-        handles = [NodeHandle(node_id("ps", r.server_id), r.pid) for r in self.records.values()
-                   if r.state != EXITED and r.pid]
-        if handles:
-            self.backend.adopt(handles, request_id)
+        self.adopt(request_id)
 
     # ------------------------------------------------------------------ changes
     def launch(self, journal_first: Any) -> list[int]:
         """Start servers until ``target`` are up or starting; returns the ids started."""
         up = [i for i, r in self.records.items() if r.state in (LAUNCHING, RUNNING)]
         count = self.target - len(up)
-        return self._start(count, journal_first, "launch") if count > 0 else []
-
-    def _start(self, count: int, journal_first: Any, tag: str) -> list[int]:
-        """Records for ``count`` new servers (new ids), journaled before their processes start."""
-        first = max(self.records, default=-1) + 1
-        new = list(range(first, first + count))
-        for i in new:
-            self.records[i] = ServerRecord(i)
-        journal_first()
-        self._seq += 1
-        self.backend.launch([self.node_spec(i) for i in new], f"{self.spec.job_id}-ps-{tag}-{self._seq}")
-        return new
+        return self.start(count, journal_first, "launch") if count > 0 else []
 
     def wanted(self) -> list[int]:
         """The servers the map should spread over: the map's, less the newest beyond ``target``,
@@ -382,8 +360,7 @@ class Servers:
         journal()
         move.finish()
         if spare:
-            self._seq += 1
-            self.backend.terminate([node_id("ps", i) for i in spare], f"{self.spec.job_id}-ps-retire-{self._seq}")
+            self.terminate(spare, "retire")
         return spare
 
     def replace(self, lost: int, why: str, journal_first: Any) -> int:
@@ -395,7 +372,7 @@ class Servers:
         self.shard_map = [new if i == lost else i for i in self.shard_map]
         if self.move is not None:
             self.move.void = f"parameter server {lost} was lost during the move"
-        return self._start(1, journal_first, "replace")[0]
+        return self.start(1, journal_first, "replace")[0]
 
     def node_spec(self, server_id: int) -> NodeSpec:
         spec = self.spec
@@ -404,9 +381,8 @@ class Servers:
                "PYTHONUNBUFFERED": "1", **spec.env}
         if spec.ps_memory:
             env["TIDAL_PS_MEMORY_BYTES"] = str(spec.ps_memory)
-        log_path = str(Path(spec.job_dir) / "logs" / f"ps-{server_id}.log")
         return NodeSpec(node_id("ps", server_id), "ps", [sys.executable, "-m", "tidal.ps.server"], env,
-                        Resources(cpus=float(SERVER_CORES)), spec.cwd, log_path)
+                        Resources(cpus=float(SERVER_CORES)), spec.cwd, self.log_path(server_id))
 
     def report(self, req: ServerReport, now: float) -> ServerRecord | None:
         """A server's report; returns its record when this one registered it (its first)."""
@@ -422,19 +398,4 @@ class Servers:
             del window[:-WINDOW_REPORTS]
         return rec if first else None
 
-    def exited(self, server_id: int, code: int | None) -> ServerRecord | None:
-        """A server's process ended; returns its record if it was not known to have ended."""
-        rec = self.records.get(server_id)
-        if rec is None or rec.state == EXITED:
-            return None
-        rec.state, rec.exit_code = EXITED, code
-        return rec
 
-    def kill(self, tag: str) -> None:
-        alive = self.alive()
-        if alive:
-            self._seq += 1
-            self.backend.terminate([node_id("ps", i) for i in alive], f"{self.spec.job_id}-ps-{tag}-{self._seq}")
-
-    def log_tail(self, server_id: int) -> str:
-        return last_log_line(Path(self.spec.job_dir) / "logs" / f"ps-{server_id}.log")

@@ -45,6 +45,7 @@ import zmq
 
 from tidal.api import PS_OUT_OF_MEMORY_EXIT, frames
 from tidal.api.errors import FrameError
+from tidal.api.rpc import bind_router
 from tidal.ps.api import MAX_TABLES, PSError, TableSpec, virtual_shard
 from tidal.ps.table import DynamicTable, sorted_positions
 
@@ -345,12 +346,7 @@ def _shards(meta: dict[str, Any]) -> tuple[list[int], int]:
 def serve(server: ParameterServer, host: str = "127.0.0.1", *, ready: Any = None,
           stop: threading.Event | None = None) -> None:
     """Serve requests until ``stop`` is set (or forever); ``ready(address)`` once bound."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
-    port = sock.bind_to_random_port(f"tcp://{host}")
-    address = f"tcp://{host}:{port}"
+    ctx, sock, address = bind_router(host, MAX_REQUEST_BYTES)
     if ready is not None:
         ready(address)
     poller = zmq.Poller()
