@@ -196,9 +196,10 @@ def test_scale_of_a_job_whose_master_is_gone(tidal, tmp_path: Path) -> None:
     assert_one_line_error(r, "dead", "not answering")
 
 
-@pytest.mark.parametrize("args", [(), ("2", "--auto"), ("2", "--ps", "2"), ("--auto", "--ps", "1")])
+@pytest.mark.parametrize("args", [(), ("2", "--auto"), ("2", "--ps", "2"), ("--auto", "--ps", "1"),
+                                  ("--ps", "1", "--data-workers", "2"), ("2", "--data-workers", "0")])
 def test_scale_needs_a_number_or_auto_or_servers_but_only_one(tidal, args: tuple[str, ...]) -> None:
-    assert_one_line_error(tidal("scale", *args), "either a number of workers, --auto, or --ps N")
+    assert_one_line_error(tidal("scale", *args), "either a number of workers, --auto, --ps N or --data-workers N")
 
 
 @pytest.mark.parametrize(
@@ -370,6 +371,27 @@ def test_resume_of_a_journal_naming_an_unknown_backend(tidal, tmp_path: Path) ->
     journal.close()
     r = tidal("master", "--resume", str(tmp_path / "journal.sqlite"))
     assert_one_line_error(r, "backend 'gone-since', unknown here", "known: fake, local")
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (["--data-workers", "x"], ("--data-workers must be MIN:MAX or N", "x")),
+        (["--data-workers", "-1"], ("--data-workers MIN must be at least 0", "-1")),
+        (["--data-workers", "3:1"], ("--data-workers MIN (3) is greater than MAX (1)",)),
+        (["--data-workers", "1000"], ("--data-workers MAX", "256", "must be between")),
+        (["--data-workers", "1", "--data-prefetch", "-2"], ("--data-prefetch", "must be between")),
+        (["--data-prefetch", "4"], ("--data-prefetch needs --data-workers",)),
+        (["--data-workers", "1", "--stream", "redis://127.0.0.1:1/s"], ("--data-workers", "--stream")),
+    ],
+)
+def test_bad_data_worker_options(tidal, script: Path, tmp_path: Path, args: list[str],
+                                 needles: tuple[str, ...]) -> None:
+    """Data workers: a bad count or prefetch, prefetch without them, with a stream: one line, exit 2,
+    nothing started."""
+    r = tidal("run", *args, "--job-dir", str(tmp_path / "job"), str(script))
+    assert_one_line_error(r, *needles)
+    assert not (tmp_path / "job").exists()
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.jobtools import ROOT, Job, fingerprint, plain_python_fingerprint, wait_for
+from tests.jobtools import ROOT, TIDAL, Job, fingerprint, plain_python_fingerprint, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -56,6 +57,10 @@ def test_exactly_once_through_data_worker_sigkills_scaling_and_a_master_failover
     for name in ("tidal_data_workers ", "tidal_data_queue_batches ", "tidal_data_enqueue_per_second ",
                  "tidal_data_dequeue_per_second ", "tidal_data_trainer_wait_ratio ", "tidal_data_redispatched_total "):
         assert name in metrics, name
+    shown = subprocess.run([TIDAL, "status", "--job-dir", str(job.dir)], capture_output=True, text=True, timeout=30,
+                           env={**os.environ, "TIDAL_HOME": str(job.dir.parent / ".tidal")})
+    assert shown.returncode == 0, shown.stderr
+    assert "data workers: " in shown.stdout and "enqueue" in shown.stdout and "data worker " in shown.stdout, shown.stdout
     # the master fails over: the new one adopts the data workers, which keep serving the trainers
     job.kill_master()
     job.resume_master_and_train(5)

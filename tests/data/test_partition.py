@@ -103,3 +103,7 @@ def test_what_cannot_be_cut_falls_back_with_a_message(model: nn.Module, why: str
 def test_a_bad_preprocess_value_is_refused() -> None:
     with pytest.raises(ValueError, match="'auto'"):
         resolve_preprocess("automatic", None, click_model, print)
+    with pytest.raises(ValueError, match=r"trainable parameters \(weight, bias\)"):
+        resolve_preprocess(nn.Linear(2, 2), None, click_model, print)
+    frozen = nn.Linear(2, 2).requires_grad_(False)  # a fixed projection is stateless
+    assert resolve_preprocess(frozen, None, click_model, print) is frozen

@@ -167,8 +167,14 @@ def resolve_preprocess(preprocess: Callable[[Any], Any] | str | None, fallback: 
     the work), each time with a message through ``say``.
 
     Raises:
-        ValueError: a string other than "auto", or something that is not callable.
+        ValueError: a string other than "auto", something that is not callable, or a module with
+            trainable parameters.
     """
+    if isinstance(preprocess, torch.nn.Module):
+        trained = [n for n, p in preprocess.named_parameters() if p.requires_grad]
+        if trained:
+            raise ValueError(f"preprocess {type(preprocess).__name__} has trainable parameters ({', '.join(trained[:3])}): "
+                             "a data worker's copy would never be trained; keep them in the model")
     if preprocess is None or (callable(preprocess) and not isinstance(preprocess, str)):
         return preprocess
     if preprocess != "auto":

@@ -170,6 +170,7 @@ class ElasticDataLoader:
                     self.dispatcher.reset()
             epoch = state.epoch
             if epoch >= self.epochs:
+                self._close_dispatcher()
                 job.finish()
                 return
             if steps.pending is not None:
@@ -205,6 +206,7 @@ class ElasticDataLoader:
                 self._declare_dataset()
                 continue  # declaring may have found the round stale
             if state.epoch >= self.epochs:
+                self._close_dispatcher()
                 job.finish()
                 return
             if state.epoch_step >= schedule.steps_per_epoch:
@@ -308,6 +310,12 @@ class ElasticDataLoader:
         return resp.shard if resp.status == "ok" else None
 
     # ------------------------------------------------------------------ batches
+    def _close_dispatcher(self) -> None:
+        """The data is trained: close the sockets to the data workers."""
+        if self.dispatcher is not None:
+            self.dispatcher.close()
+            self.dispatcher = None
+
     def _fetch(self, start: int, end: int, upcoming: Iterator[tuple[Hashable, int, int]]) -> Any:
         """The batch of ``[start, end)``: from the data workers when the job has them, else built
         here. A batch that cannot be built ends the job with the range (``DATA_ERROR_EXIT``)."""
