@@ -299,14 +299,18 @@ def test_a_task_without_the_token_gets_no_batch() -> None:
     assert workers[0].batches == 0 and d.built_here == 2 and len(got) == 2
 
 
-def test_a_data_worker_of_another_loader_refuses_by_name() -> None:
-    with data_workers(1, dataset=Squares(500)) as (addresses, _, _):
+def test_a_second_loader_is_built_by_the_trainer(caplog: pytest.LogCaptureFixture) -> None:
+    """Data workers serve the script's first loader; another one's tasks are refused by name and
+    built by the trainer, never failed."""
+    plan = ranges(3)
+    with data_workers(1, dataset=Squares(500)) as (addresses, _, workers):
         d = make_dispatcher(addresses)  # the trainer's dataset has 10,000 samples
         try:
-            with pytest.raises(BatchError, match="serves loader 500:features"):
-                consume(d, ranges(1))
+            got = consume(d, plan)
         finally:
             d.close()
+    assert same(got, built_here(plan)) and d.built_here == 3 and workers[0].batches == 0
+    assert caplog.text.count("serves loader 500:features") == 1
 
 
 def test_a_reset_drops_every_batch_in_flight_by_its_step_id() -> None:

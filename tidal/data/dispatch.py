@@ -21,7 +21,8 @@ protocol and ledger do not change, and no batch costs a round trip to the master
 - A batch that breaks the codec, a reply for the wrong range or a step id never given is
   reported by name and the batch rebuilt; a batch its ``preprocess`` could not build
   (``tidal.data.batches.BatchError``) is raised to the loader: it fails the job with the step and
-  the sample range, never a silent skip.
+  the sample range, never a silent skip. Data workers serve the script's first ``job.loader``
+  with data workers; a later loader (an evaluation set, say) is built by the trainer.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ class Dispatcher:
         self._socks: dict[str, zmq.Socket[Any]] = {}
         self._monitors: dict[str, zmq.Socket[Any]] = {}  # the DEALERs' connection events
         self._down: set[str] = set()  # disconnected: nothing is sent there until it reconnects
+        self._other_loader: set[str] = set()  # serve another loader of the script: never asked again
         self._poller = zmq.Poller()
         self._known: tuple[str, ...] = ()
         self._next_step = 0
@@ -159,7 +161,7 @@ class Dispatcher:
     def _pick(self, avoid: str | None = None) -> str | None:
         """The data worker with the fewest batches in flight, ``avoid`` excepted (None: none
         there; the trainer builds the batch itself)."""
-        choices = [a for a in self._socks if a != avoid and a not in self._down]
+        choices = [a for a in self._socks if a != avoid and a not in self._down and a not in self._other_loader]
         if not choices:
             return None
         load = {a: 0 for a in choices}
@@ -293,6 +295,12 @@ class Dispatcher:
             log.error("data worker at %s sent step %d for samples [%s, %s), but the step is samples [%d, %d); "
                       "rebuilt", address, step, meta.get("start"), meta.get("end"), task.start, task.end)
             self._redispatch(task, "its batch was for other samples")
+            return
+        if "refused" in meta:
+            if address not in self._other_loader:
+                log.warning("%s; this loader's batches are built by the trainer", meta["refused"])
+                self._other_loader.add(address)
+            self._redispatch(task, "its data worker serves another loader")
             return
         if "error" in meta:
             raise BatchError(str(meta["error"]))

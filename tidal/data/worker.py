@@ -16,7 +16,8 @@ the job's host, port chosen by the system, and tells the master its address with
 - batch, data worker -> trainer: ``step`` the same id, every tensor of the batch in the one
   multipart message (fused transfer), ``meta`` ``{"start": a, "end": b, "tree": skeleton}``
   (``tidal.data.batches.flatten``); or, when the batch cannot be built, ``meta``
-  ``{"start": a, "end": b, "error": why}``, naming the step and the range.
+  ``{"start": a, "end": b, "error": why}``, naming the step and the range; a task for another
+  loader than the one it serves (a script's second ``job.loader``) gets ``{"refused": why}``.
 
 Any number of trainers talk to one data worker (a ROUTER answers each on its own connection),
 and a trainer spreads its tasks over every data worker (``tidal.data.dispatch``): there is no
@@ -85,10 +86,10 @@ class DataWorker:
             raise ValueError(f"a task with step {step!r} and range {start!r}..{end!r} outside the dataset "
                              f"of {self.size} samples")
         where = {"start": start, "end": end}
-        if meta.get("loader") != self.key:
+        if meta.get("loader") != self.key:  # a script's second loader: its trainer builds those itself
             return frames.encode({}, step=step, meta={
-                **where, "error": f"data worker {self.data_worker_id} serves loader {self.key}, "
-                                  f"the task of step {step} is for {meta.get('loader')!r}"})
+                **where, "refused": f"data worker {self.data_worker_id} serves loader {self.key}, "
+                                    f"not {meta.get('loader')!r}"})
         t0 = time.perf_counter()
         try:
             skeleton, tensors = flatten(build_batch(self.dataset, start, end, self.preprocess, self.collate_fn))
