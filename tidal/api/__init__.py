@@ -305,6 +305,7 @@ class ReportRequest(_Wire):
     data_dropped: int = Field(default=0, ge=0, le=_I64)
     data_queued: int = Field(default=-1, ge=-1, le=_I64)
     data_wait_s: float = Field(default=0.0, ge=0, le=1e12)
+    threads: int = Field(default=0, ge=0, le=4096)  # its torch intra-op threads (0: not said)
 
 
 class ReportResponse(_Wire):
@@ -317,6 +318,7 @@ class ReportResponse(_Wire):
     # which it deletes records from the stream
     stream_committed: dict[int, int] = Field(default_factory=dict)
     data_workers: list[str] = Field(default_factory=list)  # the job's data workers' addresses, now
+    threads: int = 0  # the torch threads a trainer should use (the data-worker tuner's; 0: as it is)
 
 
 class LeaseRequest(_Wire):
@@ -752,6 +754,11 @@ class DataWorkerObservation(_Wire):
     built_by_trainers_per_s: float = 0.0
     wait_share: float = 0.0
     trainer_wait_s: float = 0.0
+    # the trainers' CPUs (their torch threads; 0: not tunable, e.g. with logical workers, whose
+    # results must not depend on them), the most they may use, and the cores one used lately
+    trainer_threads: int = 0
+    trainer_threads_max: int = 0
+    trainer_cpu: float = 0.0
 
 
 class JobObservation(_Wire):

@@ -247,6 +247,12 @@ class DataWorkerTuner:
        (sublinear: ``data_worker_size``), which keeps the count before it, or (c) MAX.
     3. *Fall back* to 0 when the best count does not reach ``tolerance`` x B
        (``use_data_workers``); otherwise settle on the best count measured.
+    4. *Trainer CPUs* (3.4.1 (iii); only where ``obs.data.trainer_threads`` > 0). With the queue
+       ideal, fewer CPUs (torch threads) for the trainers, one at a time, down to the fewest that
+       keep the settled throughput within ``cpu_tolerance`` (``trainer_cpus``); with the queue
+       not ideal and the trainers using over 90% of their CPUs (they fetch and feed, not the data
+       workers, limit), one CPU more, kept only if it gains ``cpu_gain``. The plan's
+       ``worker_cpu`` carries it.
 
     A count is measured once every data worker of it serves (``obs.data.count == target``): after
     ``warmup_s``, the committed samples over the next ``measure_s`` seconds (``obs.
@@ -258,24 +264,94 @@ class DataWorkerTuner:
     name = "goldminer-job"
 
     def __init__(self, *, warmup_s: float = 3.0, measure_s: float = 6.0, ideal_wait: float = 0.05,
-                 linear_tol: float = 0.5, tolerance: float = 0.95) -> None:
+                 linear_tol: float = 0.5, tolerance: float = 0.95, cpu_tolerance: float = 0.02,
+                 cpu_gain: float = 0.05) -> None:
         self.warmup_s = warmup_s
         self.measure_s = measure_s
         self.ideal_wait = ideal_wait
         self.linear_tol = linear_tol
         self.tolerance = tolerance
+        self.cpu_tolerance = cpu_tolerance
+        self.cpu_gain = cpu_gain
         self.measured: dict[int, float] = {}  # count -> mean samples/s
         self.settled: int | None = None
         self.reason = ""
         self._current: tuple[int, _Measure] | None = None
         self._waits: dict[int, float] = {}
+        # step 4: the trainers' threads measured (threads -> samples/s), the direction, the result
+        self.threads_measured: dict[int, float] = {}
+        self.threads_settled: int | None = None
+        self._threads_target: int | None = None
+        self._threads_dir = 0
+        self._threads_base = 0
+        self._threads_current: tuple[int, _Measure] | None = None
+
+    @property
+    def done(self) -> bool:
+        """Nothing more to try: the count and (where tunable) the trainers' CPUs are settled."""
+        return self.settled is not None and (self.threads_settled is not None or self._threads_dir == 2)
 
     def plan(self, obs: JobObservation) -> ResourcePlan:
         data = obs.data
         if data is None:
             return ResourcePlan(workers=obs.target_workers, reason="no data workers in this job")
         target = self._decide(obs.now_s, obs.committed_samples, data)
-        return ResourcePlan(workers=obs.target_workers, data_workers=target, reason=self.reason)
+        threads = None
+        if self.settled is not None and data.trainer_threads > 0:
+            threads = self._decide_threads(obs.now_s, obs.committed_samples, data)
+        elif self.settled is not None:
+            self._threads_dir = 2  # not tunable
+        return ResourcePlan(workers=obs.target_workers, data_workers=target, worker_cpu=threads, reason=self.reason)
+
+    def _decide_threads(self, now: float, committed: int, data: DataWorkerObservation) -> int:
+        """Step 4: the trainers' threads (``trainer_cpus`` going down; one step up when CPU-bound)."""
+        current = data.trainer_threads
+        if self.threads_settled is not None:
+            return self.threads_settled
+        if data.count != data.target:  # the count is still moving: no throughput of the threads yet
+            self._threads_current = None
+            return self._threads_target or current
+        if self._threads_target is None:  # the settled count's own measurement is the start
+            self._threads_target = self._threads_base = current
+            self.threads_measured[current] = self.measured.get(self.settled or 0, 0.0)
+            ideal = self._waits.get(self.settled or 0, 1.0) <= self.ideal_wait
+            if ideal and current > 1:
+                self._threads_dir = -1
+            elif not ideal and data.trainer_cpu >= 0.9 * current and current < data.trainer_threads_max:
+                self._threads_dir = 1
+            else:
+                self.threads_settled = current
+                return current
+            self._threads_target = current + self._threads_dir
+            self.reason = f"trying {self._threads_target} CPUs per trainer (from {current})"
+            return self._threads_target
+        wanted = self._threads_target
+        if current != wanted:
+            self._threads_current = None
+            return wanted
+        if self._threads_current is None or self._threads_current[0] != wanted:
+            self._threads_current = (wanted, _Measure(now))
+        m = self._threads_current[1]
+        if m.start is None and now - m.since >= self.warmup_s:
+            m.start = (now, committed)
+        if m.start is None or now - m.start[0] < self.measure_s:
+            self.reason = f"measuring {wanted} CPUs per trainer"
+            return wanted
+        tput = self.threads_measured[wanted] = (committed - m.start[1]) / (now - m.start[0])
+        before = self.threads_measured[wanted - self._threads_dir]
+        if self._threads_dir < 0:  # trainer_cpus: against the throughput the search started from
+            keep = tput >= (1 - self.cpu_tolerance) * self.threads_measured[self._threads_base]
+            if keep and wanted > 1:
+                self._threads_target = wanted - 1
+                self.reason = f"{wanted} CPUs per trainer keep {tput:,.0f} samples/s; trying {wanted - 1}"
+                return wanted - 1
+            choice = wanted if keep else wanted + 1
+        else:
+            choice = wanted if tput >= (1 + self.cpu_gain) * before else wanted - 1
+        self.threads_settled = self._threads_target = choice
+        self.reason = (f"{wanted} CPUs per trainer: {tput:,.0f} samples/s against {before:,.0f} with "
+                       f"{wanted - self._threads_dir}; settled on {choice} CPUs per trainer")
+        return choice
 
     def _decide(self, now: float, committed: int, data: DataWorkerObservation) -> int:
         if self.settled is not None:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import os
 import secrets
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -202,6 +203,7 @@ class JobMaster:
         self.data_tuner = DataWorkerTuner() if spec.data_workers >= 0 and spec.data_range[0] < spec.data_range[1] \
             else None
         self.data_override: int | None = None
+        self.trainer_threads = 0  # the tuner's torch threads per trainer (0: as each one starts)
         self.data_decisions: list[str] = []
         self._data_settled_logged = False
         # the trainers' data-queue counters summed, one point a second: (t, received, built by the
@@ -557,14 +559,20 @@ class JobMaster:
         plan = self.data_tuner.plan(obs)
         low, high = self.spec.data_range
         wanted = min(max(plan.data_workers, low), high)
+        if plan.worker_cpu and plan.worker_cpu != (self.trainer_threads or data.trainer_threads):
+            self.log.add("data", f"data-worker tuner: trainers' CPUs {self.trainer_threads or data.trainer_threads} -> "
+                                 f"{plan.worker_cpu}: {plan.reason}")
+            self.data_decisions.append(f"{now - self.planning.started_at:.1f}s: trainers' CPUs -> {plan.worker_cpu}: "
+                                       f"{plan.reason}")
+            self.trainer_threads = plan.worker_cpu
         if wanted != self.data.target:
             self.log.add("data", f"data-worker tuner: {self.data.target} -> {wanted}: {plan.reason}")
             self.data_decisions.append(f"{now - self.planning.started_at:.1f}s: {self.data.target} -> {wanted}: "
                                        f"{plan.reason}")
             self.data.target = wanted
-            self._data_settled_logged = self.data_tuner.settled is not None
+            self._data_settled_logged = self.data_tuner.done
             self._persist()
-        elif self.data_tuner.settled is not None and not self._data_settled_logged:
+        elif self.data_tuner.done and not self._data_settled_logged:
             self._data_settled_logged = True
             self.log.add("data", f"data-worker tuner: {plan.reason}")
             self.data_decisions.append(f"{now - self.planning.started_at:.1f}s: {plan.reason}")
@@ -682,6 +690,8 @@ class JobMaster:
             rec.stream_oldest_ms, rec.stream_busy = req.stream_oldest_ms, req.stream_busy
             rec.stream_queued = req.stream_queued
             rec.stream_forwarded_out, rec.stream_forwarded_in = req.stream_forwarded_out, req.stream_forwarded_in
+        if req.threads:
+            rec.threads = req.threads
         if req.data_queued >= 0:
             rec.data_counts = {"received": req.data_received, "built_here": req.data_built_here,
                                "taken": req.data_taken, "wait_s": req.data_wait_s, "queued": req.data_queued,
@@ -712,7 +722,8 @@ class JobMaster:
             trim = {p: positions[p] for p in (assigned.stream if assigned is not None else ()) if p in positions}
         return ReportResponse(round=self.round, reform=self.reforming, finalized_step=self.finalized_step,
                               incarnation=self.incarnation, stop=self.stream_stop is not None, stream_committed=trim,
-                              data_workers=self.data.addresses(now) if self.spec.data_workers >= 0 else [])
+                              data_workers=self.data.addresses(now) if self.spec.data_workers >= 0 else [],
+                              threads=self.trainer_threads)
 
     @journaled
     def data_report(self, req: DataWorkerReport) -> None:
@@ -1188,7 +1199,13 @@ class JobMaster:
             return None
         low, high = self.spec.data_range
         serving = len(self.data.addresses(self.clock()))
+        threads = [r.threads for r in active]
+        # with logical workers the model must not depend on the trainers' threads: not tunable
+        tunable = bool(threads) and min(threads) > 0 and "TIDAL_LOGICAL_WORKERS" not in self.spec.env
         return DataWorkerObservation(count=serving, target=self.data.target, low=low, high=high,
+                                     trainer_threads=min(threads) if tunable else 0,
+                                     trainer_threads_max=max(1, int(self.planning.cpus or os.cpu_count() or 1)),
+                                     trainer_cpu=sum(r.cpu_percent for r in active) / 100 / max(1, len(active)),
                                      samples_per_s=sum(r.samples_per_s for r in active),
                                      batches_per_s=q.enqueue_per_s, enqueue_per_s=q.enqueue_per_s,
                                      dequeue_per_s=q.dequeue_per_s, built_by_trainers_per_s=q.built_by_trainers_per_s,

@@ -64,6 +64,7 @@ class WorkerRecord:
     stream_forwarded_in: int = 0
     # with data workers: the dispatcher's counters of its last report (ReportRequest's data_*)
     data_counts: dict[str, float] = field(default_factory=dict)
+    threads: int = 0  # its torch intra-op threads, as it reports (0: not said)
     # the latest transitions (a worker moves ACTIVE <-> WAITING every round: bounded)
     history: deque[tuple[float, str]] = field(default_factory=lambda: deque(maxlen=HISTORY))
 

@@ -203,6 +203,10 @@ class Job:
         """The job's data workers now (tidal.data.dispatch reads it before each batch)."""
         return self._reporter.data_workers if self._reporter is not None else []
 
+    def threads_wanted(self) -> int:
+        """The torch threads the master's data-worker tuner asks this trainer to use (0: as it is)."""
+        return self._reporter.threads_wanted if self._reporter is not None else 0
+
     def note_data_feed(self, feed: Any) -> None:
         """The loader's dispatcher: its counters go into the reports (queue, rates, waits)."""
         if self._reporter is not None:

@@ -78,6 +78,10 @@ class LoaderHost(Protocol):
         """The loader's dispatcher, whose counters the reports carry."""
         ...
 
+    def threads_wanted(self) -> int:
+        """Torch threads the master asks this trainer to use (0: as it is)."""
+        ...
+
 
 class ElasticDataLoader:
     """Iterate batches of ``dataset`` for ``epochs`` epochs, elastically.
@@ -319,6 +323,8 @@ class ElasticDataLoader:
     def _fetch(self, start: int, end: int, upcoming: Iterator[tuple[Hashable, int, int]]) -> Any:
         """The batch of ``[start, end)``: from the data workers when the job has them, else built
         here. A batch that cannot be built ends the job with the range (``DATA_ERROR_EXIT``)."""
+        if self.dispatcher is not None:
+            self._apply_threads()
         try:
             if self.dispatcher is None:
                 return self._build(None, start, end)
@@ -332,6 +338,15 @@ class ElasticDataLoader:
             print(f"tidal: {exc}; at training step {self.job.steps.state.applied_step + 1} (epoch {self.epoch})",
                   file=sys.stderr, flush=True)
             raise SystemExit(DATA_ERROR_EXIT) from exc
+
+    def _apply_threads(self) -> None:
+        """The tuner's CPUs for this trainer (GoldMiner 3.4.1 (iii)), set between two batches in
+        the training thread (never with logical workers: the master does not tune them there)."""
+        import torch
+
+        wanted = self.job.threads_wanted()
+        if wanted and wanted != torch.get_num_threads():
+            torch.set_num_threads(wanted)
 
     def _build(self, step: int | None, start: int, end: int) -> Any:
         """Build here (``step``: the dispatcher's id of the batch, if it dispatched it)."""

@@ -163,6 +163,7 @@ class Reporter:
         # each report, and the data workers' addresses as of the last answer
         self.data_feed: Any = None
         self.data_workers: list[str] = []
+        self.threads_wanted = 0  # torch threads the master asks this trainer to use (0: as it is)
         self.stream_committed: dict[int, int] = {}
 
     # ------------------------------------------------------------------ the thread
@@ -320,6 +321,7 @@ class Reporter:
             self._incarnation = resp.incarnation
             self.stream_stop = self.stream_stop or resp.stop
             self.data_workers = resp.data_workers
+            self.threads_wanted = resp.threads
             if resp.stream_committed:
                 self.stream_committed = dict(resp.stream_committed)
             if resp.round == self._round and resp.reform and self._comm is not None:
@@ -334,9 +336,10 @@ class Reporter:
         feed = self.data_feed
         if feed is None:
             return {}
+        import torch  # loaded already: the feed exists only in a training process
         return {"data_received": feed.received, "data_built_here": feed.built_here, "data_taken": feed.taken,
                 "data_redispatched": feed.redispatched, "data_dropped": feed.dropped, "data_queued": feed.queued,
-                "data_wait_s": round(feed.wait_s, 6)}
+                "data_wait_s": round(feed.wait_s, 6), "threads": torch.get_num_threads()}
 
     def _oldest_steps(self, unsent: list[StepRecord], applied: int) -> tuple[list[StepRecord], int]:
         """After a long outage more records are held than one request may carry: send the oldest
