@@ -227,9 +227,22 @@ class DataWorkerAllocator:
 # ---------------------------------------------------------------------------- job level, live
 @dataclass
 class _Measure:
-    since: float  # when this count was in place (every data worker serving)
+    """One configuration's throughput: committed samples over ``span`` s after ``warmup`` s."""
+
+    since: float  # when the configuration was in place
     start: tuple[float, int] | None = None  # (time, committed samples) once warmed up
     waits: list[float] = field(default_factory=list)
+
+    def sample(self, now: float, committed: int, warmup: float, span: float, wait: float) -> float | None:
+        """Samples/s once measured (None until then); ``wait``: the trainers' wait share now."""
+        if self.start is None and now - self.since >= warmup:
+            self.start = (now, committed)
+        if self.start is None:
+            return None
+        self.waits.append(wait)
+        if now - self.start[0] < span:
+            return None
+        return (committed - self.start[1]) / (now - self.start[0])
 
 
 class DataWorkerTuner:
@@ -331,13 +344,11 @@ class DataWorkerTuner:
             return wanted
         if self._threads_current is None or self._threads_current[0] != wanted:
             self._threads_current = (wanted, _Measure(now))
-        m = self._threads_current[1]
-        if m.start is None and now - m.since >= self.warmup_s:
-            m.start = (now, committed)
-        if m.start is None or now - m.start[0] < self.measure_s:
+        measured = self._threads_current[1].sample(now, committed, self.warmup_s, self.measure_s, data.wait_share)
+        if measured is None:
             self.reason = f"measuring {wanted} CPUs per trainer"
             return wanted
-        tput = self.threads_measured[wanted] = (committed - m.start[1]) / (now - m.start[0])
+        tput = self.threads_measured[wanted] = measured
         before = self.threads_measured[wanted - self._threads_dir]
         if self._threads_dir < 0:  # trainer_cpus: against the throughput the search started from
             keep = tput >= (1 - self.cpu_tolerance) * self.threads_measured[self._threads_base]
@@ -364,14 +375,11 @@ class DataWorkerTuner:
         if self._current is None or self._current[0] != count:
             self._current = (count, _Measure(now))
         m = self._current[1]
-        if m.start is None and now - m.since >= self.warmup_s:
-            m.start = (now, committed)
-        if m.start is not None:
-            m.waits.append(data.wait_share)
-        if m.start is None or now - m.start[0] < self.measure_s:
+        tput = m.sample(now, committed, self.warmup_s, self.measure_s, data.wait_share)
+        if tput is None:
             self.reason = f"measuring {count} data workers"
             return count
-        self.measured[count] = (committed - m.start[1]) / (now - m.start[0])
+        self.measured[count] = tput
         self._waits[count] = sum(m.waits) / len(m.waits)
         return self._next(count, data)
 
