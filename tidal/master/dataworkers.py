@@ -55,14 +55,16 @@ class DataWorkers(RoleProcesses[DataWorkerRecord]):
     def __init__(self, spec: JobSpec, backend: Backend) -> None:
         super().__init__(spec, backend, "data", DataWorkerRecord)
         self.target = spec.data_workers
-        self.replaced = 0
+        self.serving: list[str] = []  # what ``refresh`` found: every trainer's report answer carries it
         self.start_failures = 0  # in a row: ended before registering
 
     # ------------------------------------------------------------------ views
-    def addresses(self, now: float) -> list[str]:
-        """Where the trainers send tasks: the registered data workers that reported lately."""
-        return [r.address for r in self.records.values()
-                if r.state == RUNNING and r.address and now - r.reported_at <= STALE_S]
+    def refresh(self, now: float) -> list[str]:
+        """Where the trainers send tasks (``serving``): the registered data workers that reported
+        lately. Once a tick and at every change, not per report (thousands a second)."""
+        self.serving = [r.address for r in self.records.values()
+                        if r.state == RUNNING and r.address and now - r.reported_at <= STALE_S]
+        return self.serving
 
     def info(self) -> list[DataWorkerInfo]:
         out = []

@@ -100,8 +100,9 @@ from tidal.master.journal import Journal
 from tidal.master.membership import WorkerRecord
 from tidal.master.planning import Planning, available_cpus, stream_lag_s, worker_observation
 from tidal.master.progress import MemberProgress
+from tidal.master.roles import LAUNCHING, RETIRING
 from tidal.master.rounds import RoundState
-from tidal.master.servers import RETIRING, Servers
+from tidal.master.servers import Servers
 from tidal.master.shards import DatasetConfig, ShardManager
 from tidal.master.streams import StreamTable
 
@@ -530,6 +531,7 @@ class JobMaster:
 
     def _reconcile_data(self, now: float) -> None:
         launched, retired = self.data.reconcile(now, self._persist)
+        self.data.refresh(now)
         if launched:
             self.log.add("launch", f"launched data workers {launched}")
         if retired:
@@ -602,15 +604,14 @@ class JobMaster:
         while reports:
             data_id, code, why = reports[0]
             prior = self.data.records.get(data_id)
-            retiring = prior is not None and prior.state == "retiring"
-            never_served = prior is not None and prior.state == "launching"
+            retiring = prior is not None and prior.state == RETIRING
+            never_served = prior is not None and prior.state == LAUNCHING
             rec = self.data.exited(data_id, code)
             if rec is not None:
                 built = rec.report.batches if rec.report is not None else 0
                 if retiring or self.state is not JobState.RUNNING:
                     self.log.add("data", f"data worker {data_id} stopped (built {built} batches)")
                 else:
-                    self.data.replaced += 1
                     # a script's own error ends it with a positive code and says why in its log
                     tail = self.data.log_tail(data_id) if code is None or code > 0 else ""
                     self.log.add("failure", f"data worker {data_id} {why}{': ' + tail if tail else ''}; "
@@ -621,6 +622,7 @@ class JobMaster:
                             self._fail_job(f"{START_FAILURES} data workers in a row ended before serving; the last "
                                            f"{why}{': ' + tail if tail else ''}")
                 self._persist()
+                self.data.refresh(self.clock())
             reports.popleft()
 
     def _handle_server_exits(self) -> None:
@@ -722,7 +724,7 @@ class JobMaster:
             trim = {p: positions[p] for p in (assigned.stream if assigned is not None else ()) if p in positions}
         return ReportResponse(round=self.round, reform=self.reforming, finalized_step=self.finalized_step,
                               incarnation=self.incarnation, stop=self.stream_stop is not None, stream_committed=trim,
-                              data_workers=self.data.addresses(now) if self.spec.data_workers >= 0 else [],
+                              data_workers=self.data.serving,
                               threads=self.trainer_threads)
 
     @journaled
@@ -741,6 +743,7 @@ class JobMaster:
             raise WorkerGoneError(f"data worker {req.data_worker_id} is not one of this job's running ones") from None
         if registered is not None:
             self.log.add("data", f"data worker {req.data_worker_id} serves at {req.address} (pid {req.pid})")
+            self.data.refresh(self.clock())
             self._persist()
 
     def _note_checkpoint(self, step: int, problem: str) -> None:
@@ -1198,7 +1201,7 @@ class JobMaster:
         if q is None:
             return None
         low, high = self.spec.data_range
-        serving = len(self.data.addresses(self.clock()))
+        serving = len(self.data.serving)
         threads = [r.threads for r in active]
         # with logical workers the model must not depend on the trainers' threads: not tunable
         tunable = bool(threads) and min(threads) > 0 and "TIDAL_LOGICAL_WORKERS" not in self.spec.env

@@ -159,7 +159,7 @@ def _data_workers(master: JobMaster) -> Iterator[Metric]:
     if q is None:
         return
     yield GaugeMetricFamily("tidal_data_workers", "Data workers serving batches now.",
-                            value=len(master.data.addresses(master.clock())))
+                            value=len(master.data.serving))
     yield GaugeMetricFamily("tidal_data_workers_target", "Data workers asked for (tidal scale, the tuner).",
                             value=master.data.target)
     rate = GaugeMetricFamily("tidal_data_worker_batches_per_second", "Batches a data worker built, last second.",
