@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml Makefile
 	# torch first: the pinned version is the machine's local CPU wheel; a bare `torch`
 	# pulled in by another package would download gigabytes of CUDA libraries.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[dev,all]'
 	touch $(STAMP)
 
 setup: $(STAMP) chromium redis

@@ -22,13 +22,24 @@ import resource
 import signal
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tidal.backends.api import Backend, BackendState, NodeError, NodeExit, NodeHandle, NodeSpec, Role
+from tests.ray_cluster import kill_namespace, ray_cluster
+from tidal.backends.api import (
+    Backend,
+    BackendState,
+    NodeError,
+    NodeExit,
+    NodeHandle,
+    NodeSpec,
+    Resources,
+    Role,
+)
 from tidal.backends.fake import FakeBackend
 from tidal.backends.local import LocalBackend
 
@@ -454,3 +465,74 @@ class TestFakeBackend(BackendContract):
     def check_started_as(self, backend: Backend, spec: NodeSpec) -> None:
         assert isinstance(backend, FakeBackend)
         assert backend.launched == [spec]
+
+
+# ============================================================================== RayBackend
+class TestRayBackend(TestLocalBackend):
+    """The same suite on a real one-node Ray cluster on 127.0.0.1 (tests/ray_cluster.py): each node
+    a detached actor whose child is the process the local backend would start."""
+
+    settle_s = 0.3  # three status rounds
+
+    address = ""
+
+    @pytest.fixture(scope="class", autouse=True)
+    @classmethod
+    def _cluster(cls) -> Iterator[None]:
+        with ray_cluster(head_cpus=8) as cluster:
+            cls.address = cluster.address
+            yield
+
+    def make(self) -> Backend:
+        from tidal.backends.ray import RayBackend
+
+        namespace = f"contract-{uuid.uuid4().hex[:8]}"
+        self.namespaces = [*getattr(self, "namespaces", []), namespace]
+        return RayBackend(address=self.address, namespace=namespace, wait_for_resources_s=1.0, poll_interval_s=0.02)
+
+    def restarted(self, first: Backend) -> Backend:
+        from tidal.backends.ray import RayBackend
+
+        assert isinstance(first, RayBackend)
+        return RayBackend(address=self.address, namespace=first.namespace, wait_for_resources_s=1.0,
+                          poll_interval_s=0.02)
+
+    def launch_unstartable(self, backend: Backend, spec: NodeSpec, request_id: str, retryable: bool) -> None:
+        if not retryable:
+            super().launch_unstartable(backend, spec, request_id, retryable)
+            return
+        # the cluster is full: one CPU held by another actor, and the node asks for all 8 (a
+        # machine of the cluster could hold it): not placed within wait_for_resources_s
+        import ray
+
+        from tidal.backends.ray import RayBackend
+
+        assert isinstance(backend, RayBackend)
+        class Blocker:  # defined here: Ray ships it by value (the workers cannot import this module)
+            def ready(self) -> bool:
+                return True
+
+        blocker = ray.remote(num_cpus=1)(Blocker).options(
+            name="blocker", namespace=backend.namespace, lifetime="detached").remote()  # detached: kept when the handle goes
+        ray.get(blocker.ready.remote())
+        backend.launch([dataclasses.replace(spec, resources=Resources(cpus=8))], request_id)
+
+    def cleanup(self) -> None:
+        super().cleanup()
+        for namespace in getattr(self, "namespaces", []):
+            kill_namespace(namespace)
+        self.namespaces = []
+
+    def test_request_no_machine_can_hold_is_an_error_naming_the_resource(self) -> None:
+        from tidal.backends.ray import RayBackend
+
+        backend = RayBackend(address=self.address, namespace=f"contract-{uuid.uuid4().hex[:8]}")
+        self.made.append(backend)
+        backend.launch([dataclasses.replace(self.spec("worker-0"), resources=Resources(cpus=1, gpus=2))], "r1")
+        seen = Seen(backend)
+        seen.until("the launch error", lambda s: bool(s.errors))
+        error = seen.errors[0]
+        assert not error.retryable and "no Ray node has the GPUs asked for (1 CPU, 2 GPU)" in error.message
+        assert "127.0.0.1 (8 CPU, 0 GPU" in error.message  # what the machines have
+        assert self.started(backend, self.spec("worker-0")) == 0
+

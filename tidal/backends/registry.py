@@ -28,9 +28,16 @@ def _fake(**options: Any) -> Backend:
     return FakeBackend(**options)
 
 
+def _ray(**options: Any) -> Backend:
+    from tidal.backends.ray import RayBackend
+
+    return RayBackend(**options)
+
+
 # name -> (factory, what it is: one line for ``tidal run --help``)
 _REGISTRY: dict[str, tuple[BackendFactory, str]] = {
     "local": (_local, "processes of this machine, started by the master"),
+    "ray": (_ray, "Ray actors anywhere in a Ray cluster (pip install 'tidal[ray]'; --ray-address)"),
     "fake": (_fake, "in memory, starts no process (for tests: the job never trains)"),
 }
 

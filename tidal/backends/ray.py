@@ -1,0 +1,585 @@
+"""The Ray backend: a job's nodes are Ray actors, placed by Ray on any machine of a Ray cluster.
+
+Each node (a worker, parameter server or data worker) is one *detached, named* actor,
+``NodeProcess``, in the job's namespace (``tidal-{job id}``), with the node's CPU, GPU and memory
+as its Ray resources. The actor starts the node's argv as a child process on its machine and
+reports on it; nothing of the training runs in Ray's own worker process. Why it is built this way:
+
+* **The same process as on the local backend.** The user's script runs as ``python SCRIPT`` in its
+  own session, with the node's env, exactly as ``tidal.backends.local`` starts it; a test (or a
+  user) can SIGKILL it like any process, and the actor reports the exit status (-9).
+* **A lost machine takes its nodes with it.** The child is started with ``PR_SET_PDEATHSIG``: when
+  the actor's process dies (its raylet killed, the machine gone) the kernel kills the child too, so
+  a dead node never trains on beside its replacement. Ray then fails every call on the actor with
+  ``ActorDiedError``; the backend reports the node as ended with an unknown status (None).
+  ``PR_SET_PDEATHSIG`` fires when the *thread* that started the child ends: the actor is a plain
+  synchronous actor, whose methods run on its process's main thread.
+* **Nodes outlive the master.** The actors are detached and named by node id: a restarted master
+  (``tidal master --resume``, on any machine of the cluster) finds them with ``ray.get_actor`` and
+  adopts them (``adopt``), checking the pid and start time it journaled.
+* **Logs reach the job directory.** The child writes to a file on its own machine; the backend's
+  watcher thread reads what is new on every round (a few kB to 1 MB per call) and appends it to the
+  node's log in the job directory, where ``tidal status`` and the master's log follower read it.
+* **``poll`` never blocks.** One watcher thread asks every actor for its status and new output
+  every ``poll_interval_s`` (about a millisecond per actor, all in flight at once) and queues what
+  ended; ``launch`` and ``terminate`` only send requests.
+* **Resources that no node has.** A node whose request no live node could ever hold (say, 4 GPUs
+  where every node has 1) is an error at once, naming the resource and the nodes; with
+  ``wait_for_resources_s`` it may wait that long for a node that can hold it to join. A node that
+  fits a node of the cluster but finds no free room waits the same way, then fails as ``retryable``
+  (the cluster is full, the script is not at fault), and the master tries again later.
+* **Loopback clusters stay on loopback.** Ray replaces 127.0.0.1 in an address with the machine's
+  outside address; for a cluster on 127.0.0.1 (tests, one machine) the backend tells Ray not to.
+
+Every machine of the cluster needs tidal and the script at the same paths (the argv is the
+master's), as with torchrun or Ray Train's ``working_dir``-less jobs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import logging
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tidal.backends.api import (
+    BackendError,
+    BackendState,
+    NodeError,
+    NodeExit,
+    NodeHandle,
+    NodeSpec,
+    RequestIds,
+    Resources,
+)
+
+log = logging.getLogger(__name__)
+
+PLACEMENTS = ("spread", "pack")
+LOG_CHUNK = 1 << 20  # bytes of a node's output read per status call
+CREATE_TIME_TOLERANCE_S = 1.0  # as in tidal.backends.local
+CONNECT_TIMEOUT_S = 5.0
+STATUS_TIMEOUT_S = 5.0
+NAME_FREED_S = 3.0  # a status call that takes longer is asked again on the next round
+PR_SET_PDEATHSIG = 1
+RETRYABLE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOSPC, errno.EAGAIN, errno.ENOMEM})
+
+
+def import_ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise BackendError("the ray backend needs Ray on this machine: pip install 'tidal[ray]'") from None
+    return ray
+
+
+def resolve_address(address: str) -> str:
+    """``HOST:PORT`` of the cluster's GCS: ``address`` itself, or for ``auto`` ``$RAY_ADDRESS`` or
+    the cluster ``ray start`` last started on this machine.
+
+    Raises:
+        BackendError: ``auto`` found no cluster, or the address is not HOST:PORT.
+    """
+    if address == "auto":
+        found = os.environ.get("RAY_ADDRESS") or _latest_local_cluster()
+        if not found:
+            raise BackendError("no Ray cluster found (--ray-address auto): start one with `ray start --head` "
+                               "or pass --ray-address HOST:PORT")
+        address = found
+    address = address.removeprefix("ray://")  # Ray Client addresses are not supported: say so below
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise BackendError(f"--ray-address takes auto or HOST:PORT (the head's GCS port), got {address!r}")
+    return f"{host}:{port}"
+
+
+def _latest_local_cluster() -> str | None:
+    path = Path(tempfile.gettempdir(), "ray", "ray_current_cluster")
+    with contextlib.suppress(OSError):
+        return path.read_text().strip() or None
+    return None
+
+
+def is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def check_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """A TCP connection to the GCS, so that an unreachable address is a one-line error in seconds
+    (``ray.init`` retries for minutes).
+
+    Raises:
+        BackendError: nothing answers there.
+    """
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        raise BackendError(f"cannot reach the Ray cluster at {address}: {exc.strerror or exc}") from None
+
+
+def connect(address: str) -> Any:
+    """Connect this process to the cluster at ``address`` (HOST:PORT) once; later calls reuse the
+    connection. Returns the ``ray`` module.
+
+    Raises:
+        BackendError: no Ray, nothing answering, or a connection to another cluster already.
+    """
+    ray = import_ray()
+    host = address.rpartition(":")[0]
+    if is_loopback(host):
+        # Ray swaps a loopback address for the machine's outside one (so that other machines can
+        # reach it); a cluster on 127.0.0.1 must stay there
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        from ray._private import ray_constants
+
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    if ray.is_initialized():
+        return ray
+    check_reachable(address)
+    try:
+        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING,
+                 _node_ip_address="127.0.0.1" if is_loopback(host) else None)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise BackendError(f"cannot connect to the Ray cluster at {address}: {exc}") from None
+    return ray
+
+
+# ============================================================================ the actor
+def _die_with_parent() -> None:  # runs in the child, between fork and exec
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() == 1:  # the actor died before the call above: nobody would kill us later
+        os._exit(137)
+
+
+class NodeProcess:
+    """The Ray actor that runs one node's process on its machine (see the module docstring)."""
+
+    def __init__(self, node_id: str, argv: list[str], env: dict[str, str], cwd: str | None,
+                 log_path: str | None) -> None:
+        self.node_id, self.argv, self.env, self.cwd, self.log_path = node_id, argv, env, cwd, log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.local_log = ""
+
+    def start(self) -> dict[str, Any]:
+        """Start the child. Returns its pid and start time, or ``error`` (and ``retryable``)."""
+        import psutil
+        import ray
+
+        env = {**os.environ, **self.env}
+        if ray.get_gpu_ids():  # the GPUs Ray gave this actor, whatever the master guessed
+            env["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        host = ray.util.get_node_ip_address()
+        if self.cwd and not os.path.isdir(self.cwd):
+            return {"error": f"cannot start {self.argv[0]}: no directory {self.cwd} on node {host}",
+                    "retryable": False}
+        fd, self.local_log = tempfile.mkstemp(prefix=f"tidal-{self.node_id}-", suffix=".log")
+        try:
+            self.proc = subprocess.Popen(self.argv, env=env, cwd=self.cwd, stdin=subprocess.DEVNULL, stdout=fd,
+                                         stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=_die_with_parent)
+        except OSError as exc:
+            retryable = exc.errno in RETRYABLE_ERRNOS
+            return {"error": f"cannot start {self.argv[0]} on node {host}: {exc}", "retryable": retryable}
+        except (ValueError, subprocess.SubprocessError) as exc:
+            return {"error": f"cannot start {self.argv[0]} on node {host}: {exc}", "retryable": False}
+        finally:
+            os.close(fd)
+        try:
+            create_time = psutil.Process(self.proc.pid).create_time()
+        except psutil.Error:
+            create_time = time.time()
+        context = ray.get_runtime_context()
+        return {"pid": self.proc.pid, "create_time": create_time, "host": host, "ray_node": context.get_node_id(),
+                "assigned": context.get_assigned_resources()}
+
+    def describe(self) -> dict[str, Any]:
+        """What a restarted master checks before it adopts the node."""
+        import psutil
+
+        if self.proc is None:
+            return {"pid": 0}
+        try:
+            create_time = psutil.Process(self.proc.pid).create_time()
+        except psutil.Error:
+            create_time = None
+        return {"pid": self.proc.pid, "create_time": create_time, "log_path": self.log_path}
+
+    def status(self, offset: int) -> tuple[int | None, bytes]:
+        """The child's exit status (None while it runs) and its output from ``offset`` on (at most
+        ``LOG_CHUNK`` bytes). Read the status first: output written before the exit is then all in
+        the file."""
+        code = self.proc.poll() if self.proc is not None else None
+        chunk = b""
+        if self.local_log:
+            with contextlib.suppress(OSError), open(self.local_log, "rb") as f:
+                f.seek(offset)
+                chunk = f.read(LOG_CHUNK)
+        return code, chunk
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                self.proc.send_signal(signal.SIGKILL)
+
+    def forget(self) -> None:
+        """The master has the whole log: remove the local copy (the actor is killed next)."""
+        if self.local_log:
+            with contextlib.suppress(OSError):
+                os.unlink(self.local_log)
+
+
+# ============================================================================ the backend
+@dataclass
+class _Node:
+    actor: Any
+    log_path: str | None
+    resources: Resources
+    launched_at: float
+    feasible: bool = True
+    start_ref: Any = None  # the pending ``start`` call (None once answered)
+    handle: NodeHandle | None = None  # once it runs
+    ray_node: str = ""
+    adopted: bool = False
+    offset: int = 0  # bytes of its output already in log_path
+    killed: bool = False
+    exit_code: int | None = None  # once its process ended (the rest of the output still to read)
+    ended: bool = False
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+class RayBackend:
+    """Nodes as Ray actors (``tidal.backends.api.Backend``); see the module docstring.
+
+    Args:
+        address: the cluster, ``auto`` (``$RAY_ADDRESS``, else the one ``ray start`` started here)
+            or ``HOST:PORT`` of the head's GCS.
+        namespace: the Ray namespace of the job's actors (``tidal-{job id}``): node ids are names in it.
+        placement: ``spread`` (Ray's SPREAD strategy: nodes on as many machines as possible) or
+            ``pack`` (onto the machine that holds most of the job's nodes while it has room).
+        wait_for_resources_s: how long a node may wait for room (or for a machine that can hold it
+            to join) before it is reported as not started; 0: a request no machine can hold fails at
+            once, one that fits waits for room without limit.
+        poll_interval_s: how often the watcher asks the actors for their status and output.
+
+    Raises:
+        BackendError: no Ray here, a bad option, or no cluster answering at ``address``.
+    """
+
+    name = "ray"
+
+    def __init__(self, address: str = "auto", namespace: str = "tidal", placement: str = "spread",
+                 wait_for_resources_s: float = 0.0, poll_interval_s: float = 0.1) -> None:
+        if placement not in PLACEMENTS:
+            raise BackendError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
+        if not wait_for_resources_s >= 0:
+            raise BackendError(f"wait_for_resources_s must be 0 or more, got {wait_for_resources_s}")
+        if not poll_interval_s > 0:
+            raise BackendError(f"poll_interval_s must be positive, got {poll_interval_s}")
+        self.address = resolve_address(address)
+        self.namespace = namespace
+        self.placement = placement
+        self.wait_for_resources_s = wait_for_resources_s
+        self._poll_interval_s = poll_interval_s
+        self._ray = connect(self.address)
+        self._actor_class = self._ray.remote(NodeProcess)
+        self._lock = threading.Lock()
+        self._nodes: dict[str, _Node] = {}  # launched or adopted, until their end is reported
+        self._gone: set[str] = set()
+        self._ended: list[NodeExit] = []
+        self._errors: list[NodeError] = []
+        self._requests = RequestIds()
+        self._closed = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, daemon=True, name="tidal-ray-watch")
+        self._watcher.start()
+
+    # ------------------------------------------------------------------------------ launch
+    def launch(self, specs: list[NodeSpec], request_id: str) -> None:
+        if not self._requests.first("launch", request_id):
+            return
+        machines = self.machines()
+        for spec in specs:
+            with self._lock:
+                if spec.node_id in self._nodes:
+                    continue
+                if spec.node_id in self._gone:
+                    self._errors.append(NodeError(spec.node_id, f"node {spec.node_id} already ran and ended; "
+                                                  "a node id is launched once"))
+                    continue
+            if not spec.argv:
+                self._fail(NodeError(spec.node_id, "cannot start a node with an empty argv"))
+                continue
+            feasible = any(_fits(spec.resources, m["Resources"]) for m in machines)
+            if not feasible and self.wait_for_resources_s == 0:
+                self._fail(NodeError(spec.node_id, unplaceable(spec.resources, machines)))
+                continue
+            try:
+                actor = self._create(spec)
+            except ValueError as exc:  # the name is taken: an actor of an earlier master, not adopted
+                self._fail(NodeError(spec.node_id, f"cannot create the actor of {spec.node_id}: {_first_line(exc)}"))
+                continue
+            node = _Node(actor, spec.log_path, spec.resources, time.monotonic(), feasible,
+                         start_ref=actor.start.remote())
+            with self._lock:
+                self._nodes[spec.node_id] = node
+            log.info("node %s: actor requested (%s)", spec.node_id, spec.resources)
+
+    def _create(self, spec: NodeSpec) -> Any:
+        """The node's actor. Its name is the node id: one that failed to start was killed a moment
+        ago, and Ray frees a dead actor's name shortly after; so a name taken is asked again for up
+        to ``NAME_FREED_S``."""
+        deadline = time.monotonic() + NAME_FREED_S
+        while True:
+            try:
+                return self._actor_class.options(
+                    name=spec.node_id, namespace=self.namespace, lifetime="detached", max_restarts=0,
+                    num_cpus=spec.resources.cpus, num_gpus=spec.resources.gpus,
+                    memory=spec.resources.memory_mb * 2**20 if spec.resources.memory_mb else None,
+                    scheduling_strategy=self._strategy(),
+                ).remote(spec.node_id, list(spec.argv), dict(spec.env), spec.cwd, spec.log_path)
+            except ValueError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def machines(self) -> list[dict[str, Any]]:
+        """The live machines (Ray nodes) of the cluster, as ``ray.nodes()`` gives them."""
+        return [m for m in self._ray.nodes() if m.get("Alive")]
+
+    def _strategy(self) -> Any:
+        if self.placement == "spread":
+            return "SPREAD"
+        with self._lock:
+            counts: dict[str, int] = {}
+            for node in self._nodes.values():
+                if node.ray_node and not node.ended:
+                    counts[node.ray_node] = counts.get(node.ray_node, 0) + 1
+        if not counts:
+            return "DEFAULT"
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        # soft: once that machine is full (or gone) Ray places the node elsewhere
+        return NodeAffinitySchedulingStrategy(node_id=max(counts, key=lambda k: counts[k]), soft=True)
+
+    def _fail(self, error: NodeError) -> None:
+        log.warning("node %s did not start: %s", error.node_id, error.message)
+        with self._lock:
+            self._errors.append(error)  # the id may be launched again, by a new request
+
+    # ------------------------------------------------------------------------------ terminate
+    def terminate(self, node_ids: list[str], request_id: str) -> None:
+        if not self._requests.first("terminate", request_id):
+            return
+        with self._lock:
+            nodes = [(n, self._nodes[n]) for n in node_ids if n in self._nodes and not self._nodes[n].ended]
+        for node_id, node in nodes:
+            node.killed = True
+            if node.handle is None:  # not started yet: withdraw the request
+                log.info("node %s: withdrawn before it started", node_id)
+                self._kill_actor(node)
+                self._finish(node_id, -signal.SIGKILL)
+            else:
+                log.info("node %s: SIGKILL to pid %d", node_id, node.handle.pid)
+                node.actor.kill.remote()
+
+    def _kill_actor(self, node: _Node) -> None:
+        with contextlib.suppress(Exception):  # already dead: nothing to free
+            self._ray.kill(node.actor, no_restart=True)
+
+    # ------------------------------------------------------------------------------ adopt
+    def adopt(self, handles: list[NodeHandle], request_id: str) -> None:
+        if not self._requests.first("adopt", request_id):
+            return
+        found: list[tuple[NodeHandle, Any, Any]] = []
+        for handle in handles:
+            with self._lock:
+                known = self._nodes.get(handle.node_id)
+                if handle.node_id in self._gone:
+                    continue
+            if known is not None:
+                if known.handle is not None and known.handle.pid != handle.pid:
+                    log.warning("node %s runs as pid %d: not adopting pid %d under its id",
+                                handle.node_id, known.handle.pid, handle.pid)
+                continue
+            try:
+                actor = self._ray.get_actor(handle.node_id, namespace=self.namespace)
+            except ValueError:  # no such actor: it ended (or its machine is gone)
+                log.info("node %s is gone: not adopted", handle.node_id)
+                self._finish(handle.node_id, None)
+                continue
+            found.append((handle, actor, actor.describe.remote()))
+        for handle, actor, ref in found:
+            try:
+                info = self._ray.get(ref, timeout=STATUS_TIMEOUT_S)
+            except Exception as exc:  # died, or not answering: either way not ours to watch
+                log.info("node %s did not answer (%s): not adopted", handle.node_id, type(exc).__name__)
+                self._finish(handle.node_id, None)
+                continue
+            created = info.get("create_time")
+            reused = (info["pid"] != handle.pid or created is None
+                      or (handle.create_time is not None and abs(created - handle.create_time) > CREATE_TIME_TOLERANCE_S))
+            if reused:
+                log.info("node %s runs pid %s, not pid %d: not adopted", handle.node_id, info["pid"], handle.pid)
+                self._finish(handle.node_id, None)
+                continue
+            log_path = info.get("log_path")
+            offset = 0
+            if log_path:
+                with contextlib.suppress(OSError):
+                    offset = os.path.getsize(log_path)  # what the earlier master had appended
+            node = _Node(actor, log_path, Resources(), time.monotonic(), adopted=True, offset=offset,
+                         handle=NodeHandle(handle.node_id, handle.pid, created))
+            with self._lock:
+                if handle.node_id not in self._nodes and handle.node_id not in self._gone:
+                    self._nodes[handle.node_id] = node
+            log.info("node %s adopted: pid %d", handle.node_id, handle.pid)
+
+    # ------------------------------------------------------------------------------ the watcher
+    def _watch(self) -> None:
+        while not self._closed.wait(self._poll_interval_s):
+            try:
+                self._round()
+            except Exception:  # a bug here must not silence every later report
+                log.exception("ray backend: watcher round failed")
+
+    def _round(self) -> None:
+        with self._lock:
+            nodes = [(n, node) for n, node in self._nodes.items() if not node.ended]
+        starting = [(n, node) for n, node in nodes if node.start_ref is not None]
+        running = [(n, node) for n, node in nodes if node.start_ref is None and node.handle is not None]
+        for node_id, node in starting:
+            self._check_start(node_id, node)
+        if not running:
+            return
+        refs = {node.actor.status.remote(node.offset): (node_id, node) for node_id, node in running}
+        ready, _ = self._ray.wait(list(refs), num_returns=len(refs), timeout=STATUS_TIMEOUT_S)
+        for ref in ready:
+            node_id, node = refs[ref]
+            try:
+                code, chunk = self._ray.get(ref)
+            except self._ray.exceptions.RayActorError as exc:
+                log.warning("node %s lost: %s", node_id, _first_line(exc))
+                self._finish(node_id, None)
+                continue
+            if chunk:
+                self._append_log(node, chunk)
+            if code is not None and len(chunk) < LOG_CHUNK:  # ended, and all its output is here
+                node.actor.forget.remote()
+                self._kill_actor(node)
+                self._finish(node_id, None if node.adopted else code)
+
+    def _check_start(self, node_id: str, node: _Node) -> None:
+        ready, _ = self._ray.wait([node.start_ref], timeout=0)
+        if not ready:
+            waited = time.monotonic() - node.launched_at
+            if self.wait_for_resources_s and waited > self.wait_for_resources_s:
+                self._kill_actor(node)
+                with self._lock:
+                    self._nodes.pop(node_id, None)
+                message = (f"not placed in {self.wait_for_resources_s:g} s (--wait-for-resources): "
+                           + (f"no machine has room for {_describe(node.resources)}" if node.feasible
+                              else unplaceable(node.resources, self.machines())))
+                self._fail(NodeError(node_id, message, retryable=node.feasible))
+            return
+        node.start_ref = None
+        try:
+            info = self._ray.get(ready[0])
+        except self._ray.exceptions.RayActorError as exc:  # its machine died before it started
+            with self._lock:
+                self._nodes.pop(node_id, None)
+            self._fail(NodeError(node_id, f"its Ray node died before it started: {_first_line(exc)}", retryable=True))
+            return
+        if "error" in info:
+            self._kill_actor(node)
+            with self._lock:
+                self._nodes.pop(node_id, None)
+            self._fail(NodeError(node_id, info["error"], retryable=info["retryable"]))
+            return
+        node.ray_node = info["ray_node"]
+        node.handle = NodeHandle(node_id, info["pid"], info["create_time"])
+        log.info("node %s started: pid %d on %s with %s", node_id, info["pid"], info["host"], info["assigned"])
+        if node.killed:  # terminated while it was starting
+            node.actor.kill.remote()
+
+    def _append_log(self, node: _Node, chunk: bytes) -> None:
+        node.offset += len(chunk)
+        if node.log_path:
+            try:
+                with open(node.log_path, "ab") as out:
+                    out.write(chunk)
+            except OSError as exc:
+                log.warning("cannot append to %s: %s", node.log_path, exc)
+
+    # ------------------------------------------------------------------------------ poll
+    def _finish(self, node_id: str, code: int | None) -> None:
+        with self._lock:
+            node = self._nodes.pop(node_id, None)
+            if node is not None:
+                node.ended = True
+            if node_id in self._gone:
+                return
+            self._gone.add(node_id)
+            self._ended.append(NodeExit(node_id, code, time.time()))
+        log.info("node %s ended: exit code %s", node_id, code)
+
+    def poll(self) -> BackendState:
+        with self._lock:
+            running = {n: node.handle for n, node in self._nodes.items() if node.handle is not None and not node.ended}
+            state = BackendState(running, self._ended, self._errors)
+            self._ended, self._errors = [], []
+        return state
+
+    def close(self) -> None:
+        """Stop watching (the actors keep running: a restarted master adopts them)."""
+        self._closed.set()
+        self._watcher.join()
+
+
+# ============================================================================ helpers
+RESOURCE_KEYS: tuple[tuple[str, str, Callable[[Resources], float]], ...] = (
+    ("CPU", "CPUs", lambda r: r.cpus),
+    ("GPU", "GPUs", lambda r: float(r.gpus)),
+    ("memory", "bytes of memory", lambda r: float(r.memory_mb) * 2**20),
+)
+
+
+def _fits(asked: Resources, total: dict[str, float]) -> bool:
+    return all(get(asked) <= total.get(key, 0.0) for key, _, get in RESOURCE_KEYS)
+
+
+def _describe(asked: Resources) -> str:
+    parts = [f"{asked.cpus:g} CPU"]
+    if asked.gpus:
+        parts.append(f"{asked.gpus} GPU")
+    if asked.memory_mb:
+        parts.append(f"{asked.memory_mb} MiB of memory")
+    return ", ".join(parts)
+
+
+def unplaceable(asked: Resources, machines: list[dict[str, Any]]) -> str:
+    """Which resource no machine has enough of, and what the machines have."""
+    short = [what for key, what, get in RESOURCE_KEYS
+             if get(asked) > max((m["Resources"].get(key, 0.0) for m in machines), default=0.0)]
+    have = "; ".join(
+        f"{m.get('NodeManagerAddress', '?')} ({m['Resources'].get('CPU', 0):g} CPU, "
+        f"{m['Resources'].get('GPU', 0):g} GPU, {m['Resources'].get('memory', 0) / 2**30:.1f} GiB)"
+        for m in machines) or "none"
+    lacking = " and ".join(short) or "room"
+    return f"no Ray node has the {lacking} asked for ({_describe(asked)}); nodes: {have}"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return next((ln.strip() for ln in text if "died" in ln), text[0] if text else type(exc).__name__)
