@@ -11,7 +11,10 @@ imports it, and needs torch only once it moves shards.
 from __future__ import annotations
 
 import itertools
+import os
+import socket
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import zmq
 
@@ -23,6 +26,27 @@ if TYPE_CHECKING:
     from tidal.api import frames
 
 MAX_MESSAGE_BYTES = 1 << 30  # tidal.api.frames.MAX_MESSAGE_BYTES (checked in tests/api)
+
+
+def node_address(master_url: str | None = None) -> str:
+    """The address a node of a job listens on for its peers (its process group, data plane,
+    shuffle): ``$TIDAL_NODE_HOST`` if set, else this machine's address on the route to the master
+    (127.0.0.1 when the master is on 127.0.0.1, as on one machine). A node never listens on every
+    interface, and on another machine than the master's it cannot listen on the master's address.
+    A UDP socket's ``connect`` only picks the route: nothing is sent."""
+    explicit = os.environ.get("TIDAL_NODE_HOST")
+    if explicit:
+        return explicit
+    url = master_url if master_url is not None else os.environ.get("TIDAL_MASTER_URL", "")
+    host = urlsplit(url).hostname or "127.0.0.1"
+    if host == "localhost" or host.startswith("127."):
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))
+            return str(probe.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
 
 
 def bind_router(host: str, max_bytes: int) -> tuple[zmq.Context[Any], zmq.Socket[Any], str]:

@@ -215,7 +215,10 @@ class NodeProcess:
             create_time = psutil.Process(self.proc.pid).create_time()
         except psutil.Error:
             create_time = None
-        return {"pid": self.proc.pid, "create_time": create_time, "log_path": self.log_path}
+        import ray
+
+        return {"pid": self.proc.pid, "create_time": create_time, "log_path": self.log_path,
+                "ray_node": ray.get_runtime_context().get_node_id()}
 
     def status(self, offset: int) -> tuple[int | None, bytes]:
         """The child's exit status (None while it runs) and its output from ``offset`` on (at most

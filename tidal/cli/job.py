@@ -96,9 +96,35 @@ def parse_range(text: str, option: str, least: int = 1) -> tuple[int, int]:
 
 def parse_workers(text: str) -> tuple[int, int]:
     low, high = parse_range(text, "--workers")
-    check_range("--workers MAX", high, (1, MAX_LOCAL_WORKERS),
-                " (MAX_LOCAL_WORKERS: the local backend runs every worker on this machine)")
+    check_range("--workers MAX", high, (1, MAX_WORKERS))
     return low, high
+
+
+def ray_options(backend: str, address: str, placement: str, wait_s: float, gpus_per_worker: int,
+                max_workers: int) -> dict[str, Any]:
+    """The ray backend's options from ``tidal run``'s (a one-line error for bad ones, or for
+    ray options given to another backend); the local backend's cap on workers."""
+    given_ray = address != "auto" or placement != "spread" or wait_s != 0.0 or gpus_per_worker != 0
+    if backend != "ray":
+        if given_ray:
+            raise fail("--ray-address, --placement, --wait-for-resources and --gpus-per-worker need --backend ray")
+        if backend == "local":
+            check_range("--workers MAX", max_workers, (1, MAX_LOCAL_WORKERS),
+                        " (MAX_LOCAL_WORKERS: the local backend runs every worker on this machine)")
+        return {}
+    if placement not in ("spread", "pack"):
+        raise fail(f"--placement must be spread or pack, got {placement!r}")
+    check_range("--wait-for-resources", wait_s, (0.0, 86_400.0), " seconds")
+    check_range("--gpus-per-worker", gpus_per_worker, (0, 64))
+    from tidal.backends.ray import check_reachable, import_ray, resolve_address
+
+    try:  # before the job exists: a missing Ray or a cluster that is not there is a one-line error
+        import_ray()
+        address = resolve_address(address)
+        check_reachable(address)
+    except backends.BackendError as exc:
+        raise fail(str(exc)) from None
+    return {"address": address, "placement": placement, "wait_for_resources_s": wait_s}
 
 
 def make_job_dir(directory: Path) -> None:
@@ -124,6 +150,7 @@ def check_ledger(path: Path | None) -> None:
 
 
 
+MAX_WORKERS = 4096  # worker processes of one job on any backend
 MAX_PS = 64  # parameter servers of one job on the local backend
 MAX_DATA_WORKERS = 256  # data workers of one job on the local backend
 
@@ -248,6 +275,29 @@ def run(
              "(gloo on CPU; nccl on GPUs when each worker has its own, one GPU per worker from "
              "CUDA_VISIBLE_DEVICES or the machine's; gloo over CUDA where they must share)."),
     backend: str = typer.Option("local", "--backend", metavar="NAME", help=backends_help()),
+    ray_address: str = typer.Option(
+        "auto", "--ray-address", metavar="auto|HOST:PORT",
+        help="With --backend ray: the Ray cluster (the head's GCS address); auto: $RAY_ADDRESS, else the "
+             "cluster `ray start` started on this machine."),
+    placement: str = typer.Option(
+        "spread", "--placement", metavar="spread|pack",
+        help="With --backend ray: spread the job's nodes over the cluster's machines (Ray's SPREAD strategy), "
+             "or pack them onto the machine that already holds most of them while it has room."),
+    wait_for_resources: float = typer.Option(
+        0.0, "--wait-for-resources", metavar="SECONDS",
+        help="With --backend ray: how long a node may wait for a machine with room. 0 (default): a request no "
+             "machine of the cluster can hold (say 2 GPUs where each has 1) fails at once, naming the resource "
+             "and the machines; one that fits waits without limit. N: either waits N seconds (for a machine to "
+             "join, or room to free up) before the node counts as not started."),
+    gpus_per_worker: int = typer.Option(
+        0, "--gpus-per-worker", metavar="N",
+        help="With --backend ray: GPUs each worker asks Ray for (Ray sets its CUDA_VISIBLE_DEVICES). The local "
+             "backend gives each worker one of this machine's GPUs instead."),
+    host: str = typer.Option(
+        "127.0.0.1", "--host",
+        help="The address the master listens on. Workers on other machines (--backend ray) reach it there: give "
+             "this machine's address on the cluster's network. Every request carries the job's bearer token; "
+             "the README says how to put TLS in front."),
     planner: str | None = typer.Option(
         None, "--planner", metavar="NAME",
         help="The policy that sets the number of workers while the job runs: max, fixed, es, optimus, dlrover, "
@@ -280,7 +330,7 @@ def run(
         1.0, "--planner-interval", metavar="SECONDS",
         help=f"How often the planner is asked for a target ({span(PLANNER_INTERVAL_S)})."),
 ) -> None:
-    """Run SCRIPT [ARGS...] as an elastic job of local worker processes.
+    """Run SCRIPT [ARGS...] as an elastic job of worker processes (on this machine, or on a Ray cluster).
 
     Options of `tidal run` go before SCRIPT; everything after it is the script's.
 
@@ -317,6 +367,7 @@ def run(
         seed = read_traffic_history(traffic_history, traffic_column)
     if backend not in backends.names():
         raise fail(f"unknown --backend {backend!r}; known: {', '.join(backends.names())}")
+    backend_options = ray_options(backend, ray_address, placement, wait_for_resources, gpus_per_worker, high)
     if not script.is_file():
         raise fail(f"script {script} not found")
     if initial is not None and not low <= initial <= high:
@@ -365,11 +416,11 @@ def run(
             raise fail("--checkpoint-keep needs --checkpoint-every")
         check_range("--checkpoint-keep", checkpoint_keep, (1, 1_000_000))
         env["TIDAL_CHECKPOINT_KEEP"] = str(checkpoint_keep)
-    gpus = visible_gpus()
+    gpus = visible_gpus() if backend == "local" else []
     if comm_backend is not None:
         if comm_backend not in ("gloo", "nccl"):
             raise fail(f"--comm-backend must be gloo or nccl, got {comm_backend!r}")
-        if comm_backend == "nccl" and high > len(gpus):
+        if comm_backend == "nccl" and high > len(gpus) and not gpus_per_worker:
             raise fail(f"--comm-backend nccl needs a GPU per worker: --workers MAX is {high}, "
                        f"this machine shows {len(gpus)} GPU(s)")
         env["TIDAL_COMM_BACKEND"] = comm_backend
@@ -378,8 +429,10 @@ def run(
     from tidal.master.job import new_token
     from tidal.master.server import bind_socket, run_master
 
-    sock = bind_socket("127.0.0.1", port)
+    sock = bind_socket(host, port)
     job_id = uuid.uuid4().hex[:8]
+    if backend == "ray":
+        backend_options["namespace"] = f"tidal-{job_id}"
     directory = (job_dir or tidal_home() / job_id).resolve()
     make_job_dir(directory)
     spec = JobSpec(
@@ -388,7 +441,8 @@ def run(
         ledger_path=str(ledger.resolve()) if ledger else None, initial_workers=initial,
         heartbeat_timeout_s=heartbeat_timeout, collective_timeout_s=collective_timeout,
         round_timeout_s=round_timeout, progress_timeout_s=progress_timeout, max_restarts=max_restarts,
-        cwd=os.getcwd(), env=env, gpus=gpus, backend=backend, planner=planner,
+        cwd=os.getcwd(), env=env, gpus=gpus, backend=backend, backend_options=backend_options,
+        gpus_per_worker=gpus_per_worker, host=host, planner=planner,
         planner_interval_s=planner_interval, history_path=history_path(history),
         stream_url=stream, stop_when_drained_s=stop_when_drained, trim_after_commit=trim_after_commit,
         time_scale=time_scale, lag_slo_s=1200.0 if lag_slo is None else lag_slo,
@@ -397,8 +451,8 @@ def run(
         ps_oom_horizon_s=ps_oom_horizon, data_workers=data_low, data_workers_max=data_high,
     )
     _point_current(directory)
-    typer.echo(f"tidal: job {job_id} on http://127.0.0.1:{spec.port} (job dir {directory}); "
-               f"dashboard: http://127.0.0.1:{spec.port}/dashboard?token={spec.token}", err=True)
+    typer.echo(f"tidal: job {job_id} on http://{host}:{spec.port} (job dir {directory}); "
+               f"dashboard: http://{host}:{spec.port}/dashboard?token={spec.token}", err=True)
     code, master = run_master(spec, directory / "journal.sqlite", sock=sock, follow_logs=not quiet)
     _print_summary(master)
     raise typer.Exit(code)

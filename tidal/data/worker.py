@@ -36,7 +36,7 @@ from typing import Any
 
 from tidal.api import frames
 from tidal.api.errors import FrameError
-from tidal.api.rpc import bind_router
+from tidal.api.rpc import bind_router, node_address
 from tidal.data.batches import BatchError, build_batch, flatten
 
 __all__ = ["DataWorker", "loader_key", "serve", "serve_loader"]
@@ -177,5 +177,5 @@ def serve_loader(dataset: Any, preprocess: Callable[[Any], Any] | None,
         threading.Thread(target=_reporter, args=(worker, url, token, address), daemon=True,
                          name="tidal-data-report").start()
 
-    serve(worker, os.environ.get("TIDAL_DATA_HOST", "127.0.0.1"), ready=ready)
+    serve(worker, os.environ.get("TIDAL_DATA_HOST") or node_address(url), ready=ready)
     raise SystemExit(0)

@@ -106,6 +106,11 @@ class JobSpec:
     # where the nodes run, by name in tidal.backends.registry; journaled with the spec, so a
     # resumed master uses the backend that started the nodes it adopts
     backend: str = "local"
+    # options of that backend, journaled too (the ray backend's address, namespace, placement)
+    backend_options: dict[str, Any] = field(default_factory=dict)
+    # GPUs each worker asks the backend for where the backend places them (ray); the local
+    # backend hands out ``gpus`` above instead
+    gpus_per_worker: int = 0
     # a stream job (``tidal run --stream URL``): the workers read it (the master never talks to
     # the stream system); ``stop_when_drained_s``: end the job once every partition is drained
     # and nothing new arrived for that long (None: run until stopped)

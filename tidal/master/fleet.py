@@ -187,8 +187,10 @@ class Fleet:
             "PYTHONUNBUFFERED": "1",
             **spec.env,
         }
-        gpus = 0
-        if spec.gpus:
+        gpus = spec.gpus_per_worker  # placed by the backend, which sets CUDA_VISIBLE_DEVICES (ray)
+        if gpus:
+            env["TIDAL_OWN_GPU"] = "1"
+        elif spec.gpus:
             # one GPU per worker slot (a replacement takes its slot's GPU); when MAX exceeds the
             # GPUs, workers share them and say so, and their groups use gloo (tidal.worker.placement)
             env["CUDA_VISIBLE_DEVICES"] = spec.gpus[rec.slot % len(spec.gpus)]

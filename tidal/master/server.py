@@ -24,6 +24,7 @@ import uvicorn
 
 from tidal.api import ConfigError, JobState
 from tidal.api.shm import SHM_DIR, job_slot_pattern
+from tidal.backends import BackendError
 from tidal.backends import get as get_backend
 from tidal.brain import planners
 from tidal.brain.api import Planner
@@ -99,8 +100,12 @@ def run_master(
     Path(spec.job_dir, "logs").mkdir(parents=True, exist_ok=True)
     sock = sock or bind_socket(spec.host, spec.port)
     spec.port = sock.getsockname()[1]
+    try:
+        backend = get_backend(spec.backend, **spec.backend_options)  # connects to a cluster: first
+    except BackendError as exc:
+        sock.close()
+        raise ConfigError(str(exc)) from None
     journal = SqliteJournal(journal_path, create=not resume)
-    backend = get_backend(spec.backend)
 
     # The workers' process groups rendezvous through the master's own control plane
     # (/v1/store, tidal.master.store): same socket, same token, no second listener.

@@ -45,7 +45,7 @@ import zmq
 
 from tidal.api import PS_OUT_OF_MEMORY_EXIT, frames
 from tidal.api.errors import FrameError
-from tidal.api.rpc import bind_router
+from tidal.api.rpc import bind_router, node_address
 from tidal.ps.api import MAX_TABLES, PSError, TableSpec, virtual_shard
 from tidal.ps.table import DynamicTable, sorted_positions
 
@@ -457,8 +457,8 @@ def main() -> None:
     limit = os.environ.get("TIDAL_PS_MEMORY_BYTES")
     server = ParameterServer(token, int(os.environ.get("TIDAL_PS_ID", "0")), int(limit) if limit else None)
     server.row_cost_s = emulated_row_cost(os.environ.get("TIDAL_PS_EMULATE_SLOW", ""), server.server_id)
-    host = os.environ.get("TIDAL_PS_HOST", "127.0.0.1")
     url = os.environ.get("TIDAL_MASTER_URL")
+    host = os.environ.get("TIDAL_PS_HOST") or node_address(url)
 
     def ready(address: str) -> None:
         if url:

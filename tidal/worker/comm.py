@@ -12,13 +12,13 @@ import logging
 import os
 import time
 from typing import Any
-from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
 
 from tidal.api import FrameError
 from tidal.api.frames import MAX_HEADER_BYTES
+from tidal.api.rpc import node_address
 from tidal.worker.api import CollectiveError
 from tidal.worker.logical import Grads, flatten, param_grads, set_grads, sum_and_scale, unflatten
 from tidal.worker.state import MAX_STATE_BYTES, pack_state, unpack_state
@@ -95,9 +95,9 @@ class RoundComm:
                 opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
                 opts._timeout = connect
                 # gloo's default device listens on whatever the machine's hostname resolves to
-                # (an outside interface on many machines): listen on the job's host, as the
-                # master does (DESIGN.md 5)
-                opts._devices = [dist.ProcessGroupGloo.create_device(hostname=urlsplit(url).hostname or "127.0.0.1")]
+                # (an outside interface on many machines): listen on this machine's address on
+                # the route to the master (127.0.0.1 on one machine; DESIGN.md 5)
+                opts._devices = [dist.ProcessGroupGloo.create_device(hostname=node_address(url))]
                 comm.group = dist.ProcessGroupGloo(store, rank, world_size, opts)
                 comm.group._set_default_timeout(datetime.timedelta(seconds=timeout_s))
         except (RuntimeError, ValueError) as exc:

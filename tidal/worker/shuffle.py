@@ -17,12 +17,13 @@ or more, the next batches it reads are *overflow* and go to another worker that 
   up to the step's batch size (``take``): a worker that keeps up reads a few records at a time,
   and the reader waits for a step after such a read rather than read again at once.
 * Messages go through a *forwarding unit* thread that owns the sending sockets (ZeroMQ PUSH to
-  each peer's PULL socket on 127.0.0.1); a batch it cannot hand to ZeroMQ within ``SEND_TIMEOUT_S``
+  each peer's PULL socket); a batch it cannot hand to ZeroMQ within ``SEND_TIMEOUT_S``
   comes back to the sender's own queue, so no batch is stranded while its round lasts.
 * Each round the units publish their addresses in the round's store (the master's, under the
   round's prefix, as ``torch.distributed`` does) and connect to each other's; once connected, a
   unit repeats its state to the others (a change made before that reached nobody). Units bind
-  127.0.0.1 only: one machine (the Ray backend's issue takes this across machines).
+  this machine's address on the route to the master (``tidal.api.rpc.node_address``): 127.0.0.1
+  on one machine, the machine's own across several (the Ray backend).
 
 Exactly once. A batch is a partition's records in ``(after, last]`` (``Batch``); the step that
 trains it carries ``after``, ``first`` and ``last`` in its header whoever trains it, and the
@@ -50,6 +51,7 @@ import itertools
 import logging
 import queue
 import random
+import re
 import threading
 import time
 from collections import deque
@@ -63,12 +65,14 @@ import zmq
 
 from tidal.api import frames
 from tidal.api.errors import FrameError
+from tidal.api.rpc import node_address
 from tidal.api.streams import pack_id, parse_id, unpack_id
 from tidal.data.api import MAX_FIELD_BYTES, MAX_FIELDS, StreamRecord
 
 log = logging.getLogger(__name__)
 
 SEND_TIMEOUT_S = 2.0
+PEER_ADDRESS = re.compile(r"tcp://[0-9A-Za-z.\-]+:[0-9]{1,5}")  # what a unit publishes, checked before connecting
 MAX_BATCH_RECORDS = 1 << 16
 MAX_MESSAGE_BYTES = 256 << 20
 PEERS_TIMEOUT_S = 30.0  # how long a round's unit waits for every peer's address
@@ -110,8 +114,9 @@ class ShuffleUnit:
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        port = self._pull.bind_to_random_port("tcp://127.0.0.1")
-        self.address = f"tcp://127.0.0.1:{port}"
+        host = node_address()  # 127.0.0.1 on one machine
+        port = self._pull.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{port}"
         self._cond = threading.Condition()
         self._queue: deque[Batch] = deque()
         self.queued = 0  # records in the local queue
@@ -178,8 +183,8 @@ class ShuffleUnit:
             close = getattr(store, "close", None)
             if close is not None:
                 close()
-        if any(not a.startswith("tcp://127.0.0.1:") for a in peers.values()):
-            log.error("shuffle: round %d: a peer address is not on 127.0.0.1: %s", round_, peers)
+        if any(not PEER_ADDRESS.fullmatch(a) for a in peers.values()):
+            log.error("shuffle: round %d: a peer address is not tcp://HOST:PORT: %s", round_, peers)
             return
         self._outbox.put(("peers", round_, peers))
 

@@ -1,0 +1,123 @@
+"""Whole jobs on the ray backend: a real Ray cluster of a head and 3 machines on 127.0.0.1
+(tests/ray_cluster.py), started once for the module; ``tidal run --backend ray`` against it.
+
+Each machine is a real raylet with 2 CPUs; the head has none, so every node of a job runs on the
+3 machines, placed by Ray. A machine is lost by killing its raylet (``Cluster.remove_node``): its
+actors die, and their children with them.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.jobtools import TIDAL, Job, example_args, fingerprint, plain_python_fingerprint
+from tests.ray_cluster import RayCluster, ray_cluster
+
+pytestmark = pytest.mark.slow
+
+ARGS = example_args(16_000, 2, 256, 0.1, "--logical-workers", "4")
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[RayCluster]:
+    with ray_cluster(head_cpus=0, nodes=[2, 2, 2]) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The example under plain python: what the job must produce, on any backend."""
+    return plain_python_fingerprint(tmp_path_factory.mktemp("plain") / "ckpt", ARGS)
+
+
+def ray_job(tmp_path: Path, cluster: RayCluster, workers: str, script_args: list[str], *run_args: str) -> Job:
+    return Job(tmp_path, workers, script_args,
+               run_args=["--backend", "ray", "--ray-address", cluster.address, *run_args])
+
+
+def node_of(job: Job, worker_id: int) -> str:
+    """The Ray machine (node id) a worker's actor runs on."""
+    import ray
+
+    actor = ray.get_actor(f"worker-{worker_id}", namespace=f"tidal-{job.info()['job_id']}")
+    info: dict[str, Any] = ray.get(actor.describe.remote(), timeout=10)
+    return str(info["ray_node"])
+
+
+def test_exactly_once_and_the_same_model_through_sigkills_and_a_lost_machine(
+        tmp_path: Path, jobs: list[Job], cluster: RayCluster, reference: str) -> None:
+    ckpt = tmp_path / "ckpt"
+    job = ray_job(tmp_path, cluster, "3:3", ARGS, "--logical-workers", "4", "--checkpoint-dir", str(ckpt))
+    jobs.append(job.start())
+    st = job.wait_step(3, 120)
+    machines = {node_of(job, w["worker_id"]) for w in st["workers"] if w["state"] == "active"}
+    assert len(machines) == 3  # --placement spread: one worker per machine
+    # (a) a random worker SIGKILLed: the master re-forms the survivors and Ray places a replacement
+    rng = random.Random(7)
+    victim = rng.choice([w for w in st["workers"] if w["state"] == "active"])
+    os.kill(victim["pid"], signal.SIGKILL)
+    st = job.wait_status(lambda s: s["finalized_step"] > st["finalized_step"] + 3 and not s["reforming"]
+                         and sum(w["state"] == "active" for w in s["workers"]) == 3, 120, "3 workers after the kill")
+    # (b) a whole machine lost: its worker goes with it, and the job goes on on the other two
+    survivors = [w for w in st["workers"] if w["state"] == "active"]
+    where = {w["worker_id"]: node_of(job, w["worker_id"]) for w in survivors}
+    lost_worker = survivors[0]
+    lost = where[lost_worker["worker_id"]]
+    cluster.remove(cluster.node_of(lost))
+    st = job.wait_status(lambda s: any(w["worker_id"] == lost_worker["worker_id"] and w["state"] == "failed"
+                                       for w in s["workers"]), 60, "the lost machine's worker failed")
+    st = job.wait_status(lambda s: s["finalized_step"] > st["finalized_step"] + 3 and not s["reforming"],
+                         120, "training on the remaining machines")
+    for w in st["workers"]:
+        if w["state"] == "active":
+            assert node_of(job, w["worker_id"]) != lost
+    kept = [w for w in survivors if where[w["worker_id"]] != lost]
+    assert kept
+    for w in kept:  # the workers on the other machines were not restarted
+        assert any(s["worker_id"] == w["worker_id"] and s["pid"] == w["pid"] and s["state"] == "active"
+                   for s in st["workers"])
+    assert job.wait(300) == 0, job.output()[-3000:]
+    result = job.audit(16_000, 2)
+    assert result.ok, result.summary()
+    assert fingerprint(ckpt) == reference
+    # every actor's output reached the job directory
+    logs = sorted(p.name for p in (job.dir / "logs").glob("worker-*.log"))
+    assert len(logs) >= 5 and all((job.dir / "logs" / n).stat().st_size > 0 for n in logs), logs
+
+
+def test_a_request_no_machine_can_hold_fails_the_job_naming_the_resource(
+        tmp_path: Path, jobs: list[Job], cluster: RayCluster) -> None:
+    job = ray_job(tmp_path, cluster, "1:1", example_args(2000, 1), "--gpus-per-worker", "1")
+    jobs.append(job.start())
+    assert job.wait(120) == 1
+    out = job.output()
+    assert "no Ray node has the GPUs asked for (1 CPU, 1 GPU)" in out and "127.0.0.1 (2 CPU, 0 GPU" in out, out[-2000:]
+
+
+def test_bad_ray_setups_are_one_line_errors(tmp_path: Path, cluster: RayCluster) -> None:
+    def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([TIDAL, "run", "--job-dir", str(tmp_path / "j"), *args, sys.executable], text=True,
+                              capture_output=True, timeout=60, env={**os.environ, **(env or {})})
+
+    unreachable = run("--backend", "ray", "--ray-address", "127.0.0.1:9")
+    assert unreachable.returncode == 2 and "cannot reach the Ray cluster at 127.0.0.1:9" in unreachable.stderr
+    assert len(unreachable.stderr.strip().splitlines()) == 1, unreachable.stderr
+    no_cluster = run("--backend", "ray", env={"RAY_ADDRESS": "", "TMPDIR": str(tmp_path)})
+    assert no_cluster.returncode == 2 and "no Ray cluster found" in no_cluster.stderr, no_cluster.stderr
+    # Ray missing: a package named ray that cannot be imported shadows the real one
+    fake = tmp_path / "noray" / "ray"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('no ray here')\n")
+    missing = run("--backend", "ray", "--ray-address", cluster.address, env={"PYTHONPATH": str(fake.parent)})
+    assert missing.returncode == 2 and "pip install 'tidal[ray]'" in missing.stderr, missing.stderr
+    wrong = run("--placement", "pack")
+    assert wrong.returncode == 2 and "need --backend ray" in wrong.stderr
