@@ -8,9 +8,11 @@ actors die, and their children with them.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
+import sqlite3
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -25,6 +27,7 @@ from tests.ray_cluster import RayCluster, ray_cluster
 pytestmark = pytest.mark.slow
 
 ARGS = example_args(16_000, 2, 256, 0.1, "--logical-workers", "4")
+UNPACED = example_args(16_000, 2, 256, 0.0, "--logical-workers", "4")  # the same model, no emulated device time
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +39,7 @@ def cluster() -> Iterator[RayCluster]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The example under plain python: what the job must produce, on any backend."""
-    return plain_python_fingerprint(tmp_path_factory.mktemp("plain") / "ckpt", ARGS)
+    return plain_python_fingerprint(tmp_path_factory.mktemp("plain") / "ckpt", UNPACED)
 
 
 def ray_job(tmp_path: Path, cluster: RayCluster, workers: str, script_args: list[str], *run_args: str) -> Job:
@@ -53,7 +56,7 @@ def node_of(job: Job, worker_id: int) -> str:
     return str(info["ray_node"])
 
 
-def test_exactly_once_and_the_same_model_through_sigkills_and_a_lost_machine(
+def test_exactly_once_and_the_same_model_through_sigkills_a_lost_machine_and_a_master_failover(
         tmp_path: Path, jobs: list[Job], cluster: RayCluster, reference: str) -> None:
     ckpt = tmp_path / "ckpt"
     job = ray_job(tmp_path, cluster, "3:3", ARGS, "--logical-workers", "4", "--checkpoint-dir", str(ckpt))
@@ -82,9 +85,12 @@ def test_exactly_once_and_the_same_model_through_sigkills_and_a_lost_machine(
             assert node_of(job, w["worker_id"]) != lost
     kept = [w for w in survivors if where[w["worker_id"]] != lost]
     assert kept
-    for w in kept:  # the workers on the other machines were not restarted
+    # (c) the master SIGKILLed and started again: it finds the actors by name and adopts them
+    job.kill_master()
+    st = job.resume_master_and_train(3)
+    for w in kept:  # the workers on the other machines were never restarted, through all of it
         assert any(s["worker_id"] == w["worker_id"] and s["pid"] == w["pid"] and s["state"] == "active"
-                   for s in st["workers"])
+                   for s in st["workers"]), (w, st["workers"])
     assert job.wait(300) == 0, job.output()[-3000:]
     result = job.audit(16_000, 2)
     assert result.ok, result.summary()
@@ -121,3 +127,19 @@ def test_bad_ray_setups_are_one_line_errors(tmp_path: Path, cluster: RayCluster)
     assert missing.returncode == 2 and "pip install 'tidal[ray]'" in missing.stderr, missing.stderr
     wrong = run("--placement", "pack")
     assert wrong.returncode == 2 and "need --backend ray" in wrong.stderr
+
+
+def test_a_cluster_that_disappears_stops_the_job_resumable(tmp_path: Path, jobs: list[Job]) -> None:
+    with ray_cluster(head_cpus=0, nodes=[2]) as doomed:
+        job = Job(tmp_path, "1:1", example_args(200_000, 1, 256, 0.05),
+                  run_args=["--backend", "ray", "--ray-address", doomed.address])
+        jobs.append(job.start())
+        job.wait_step(3, 120)
+        address = doomed.address
+    # the whole cluster is gone (its GCS, raylets, actors and their children)
+    assert job.wait(120) == 2
+    out = job.output()
+    assert f"the Ray cluster at {address} is gone" in out and "tidal master --resume" in out, out[-2000:]
+    journal = sqlite3.connect(job.dir / "journal.sqlite")
+    (state,) = journal.execute("select value from meta where key = 'state'").fetchone()
+    assert json.loads(state).get("job_state", "running") == "running", state  # neither failed nor succeeded

@@ -71,7 +71,9 @@ LOG_CHUNK = 1 << 20  # bytes of a node's output read per status call
 CREATE_TIME_TOLERANCE_S = 1.0  # as in tidal.backends.local
 CONNECT_TIMEOUT_S = 5.0
 STATUS_TIMEOUT_S = 5.0
-NAME_FREED_S = 3.0  # a status call that takes longer is asked again on the next round
+NAME_FREED_S = 3.0
+CLUSTER_GONE_S = 10.0  # the GCS not answering this long: the cluster is gone (Ray's own limit is 60 s)
+GCS_CHECK_S = 1.0  # a status call that takes longer is asked again on the next round
 PR_SET_PDEATHSIG = 1
 RETRYABLE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOSPC, errno.EAGAIN, errno.ENOMEM})
 
@@ -247,10 +249,11 @@ class NodeProcess:
 # ============================================================================ the backend
 @dataclass
 class _Node:
-    actor: Any
+    actor: Any  # None until the watcher has asked Ray for it
     log_path: str | None
     resources: Resources
     launched_at: float
+    spec: NodeSpec | None = None  # queued by launch, until its actor is asked for
     feasible: bool = True
     start_ref: Any = None  # the pending ``start`` call (None once answered)
     handle: NodeHandle | None = None  # once it runs
@@ -305,14 +308,18 @@ class RayBackend:
         self._errors: list[NodeError] = []
         self._requests = RequestIds()
         self._closed = threading.Event()
+        self._unreachable_since: float | None = None
+        self._lost: str | None = None  # the cluster is gone: what poll raises
         self._watcher = threading.Thread(target=self._watch, daemon=True, name="tidal-ray-watch")
         self._watcher.start()
+        threading.Thread(target=self._watch_gcs, daemon=True, name="tidal-ray-gcs").start()
 
     # ------------------------------------------------------------------------------ launch
     def launch(self, specs: list[NodeSpec], request_id: str) -> None:
+        """Queue the nodes: the watcher thread asks Ray for their actors (a call to a cluster that
+        is gone would hang the master)."""
         if not self._requests.first("launch", request_id):
             return
-        machines = self.machines()
         for spec in specs:
             with self._lock:
                 if spec.node_id in self._nodes:
@@ -321,23 +328,43 @@ class RayBackend:
                     self._errors.append(NodeError(spec.node_id, f"node {spec.node_id} already ran and ended; "
                                                   "a node id is launched once"))
                     continue
-            if not spec.argv:
-                self._fail(NodeError(spec.node_id, "cannot start a node with an empty argv"))
-                continue
-            feasible = any(_fits(spec.resources, m["Resources"]) for m in machines)
-            if not feasible and self.wait_for_resources_s == 0:
-                self._fail(NodeError(spec.node_id, unplaceable(spec.resources, machines)))
+                if spec.argv:
+                    self._nodes[spec.node_id] = _Node(None, spec.log_path, spec.resources, time.monotonic(), spec=spec)
+                    continue
+            self._fail(NodeError(spec.node_id, "cannot start a node with an empty argv"))
+
+    def _create_requested(self) -> None:
+        """Ask Ray for the actors of the nodes ``launch`` queued (in the watcher thread)."""
+        with self._lock:
+            queued = [(n, node) for n, node in self._nodes.items() if node.spec is not None and not node.ended]
+        if not queued:
+            return
+        machines = self.machines()
+        for node_id, node in queued:
+            spec = node.spec
+            assert spec is not None
+            node.feasible = any(_fits(spec.resources, m["Resources"]) for m in machines)
+            if not node.feasible and self.wait_for_resources_s == 0:
+                self._drop(node_id, NodeError(node_id, unplaceable(spec.resources, machines)))
                 continue
             try:
                 actor = self._create(spec)
             except ValueError as exc:  # the name is taken: an actor of an earlier master, not adopted
-                self._fail(NodeError(spec.node_id, f"cannot create the actor of {spec.node_id}: {_first_line(exc)}"))
+                self._drop(node_id, NodeError(node_id, f"cannot create the actor of {node_id}: {_first_line(exc)}"))
                 continue
-            node = _Node(actor, spec.log_path, spec.resources, time.monotonic(), feasible,
-                         start_ref=actor.start.remote())
             with self._lock:
-                self._nodes[spec.node_id] = node
-            log.info("node %s: actor requested (%s)", spec.node_id, spec.resources)
+                if node.ended:  # terminated meanwhile
+                    self._kill_actor_of(actor)
+                    continue
+                node.actor, node.spec = actor, None
+                node.start_ref = actor.start.remote()
+            log.info("node %s: actor requested (%s)", node_id, spec.resources)
+
+    def _drop(self, node_id: str, error: NodeError) -> None:
+        """A node that will not start: forget it, report why (its id may be launched again)."""
+        with self._lock:
+            self._nodes.pop(node_id, None)
+        self._fail(error)
 
     def _create(self, spec: NodeSpec) -> Any:
         """The node's actor. Its name is the node id: one that failed to start was killed a moment
@@ -391,15 +418,19 @@ class RayBackend:
             node.killed = True
             if node.handle is None:  # not started yet: withdraw the request
                 log.info("node %s: withdrawn before it started", node_id)
-                self._kill_actor(node)
+                if node.actor is not None:
+                    self._kill_actor(node)
                 self._finish(node_id, -signal.SIGKILL)
             else:
                 log.info("node %s: SIGKILL to pid %d", node_id, node.handle.pid)
                 node.actor.kill.remote()
 
     def _kill_actor(self, node: _Node) -> None:
+        self._kill_actor_of(node.actor)
+
+    def _kill_actor_of(self, actor: Any) -> None:
         with contextlib.suppress(Exception):  # already dead: nothing to free
-            self._ray.kill(node.actor, no_restart=True)
+            self._ray.kill(actor, no_restart=True)
 
     # ------------------------------------------------------------------------------ adopt
     def adopt(self, handles: list[NodeHandle], request_id: str) -> None:
@@ -458,8 +489,11 @@ class RayBackend:
                 log.exception("ray backend: watcher round failed")
 
     def _round(self) -> None:
+        if self._unreachable_since is not None:
+            return
+        self._create_requested()
         with self._lock:
-            nodes = [(n, node) for n, node in self._nodes.items() if not node.ended]
+            nodes = [(n, node) for n, node in self._nodes.items() if not node.ended and node.actor is not None]
         starting = [(n, node) for n, node in nodes if node.start_ref is not None]
         running = [(n, node) for n, node in nodes if node.start_ref is None and node.handle is not None]
         for node_id, node in starting:
@@ -483,32 +517,49 @@ class RayBackend:
                 self._kill_actor(node)
                 self._finish(node_id, None if node.adopted else code)
 
+    def _watch_gcs(self) -> None:
+        """Whether the cluster's GCS takes connections, every ``GCS_CHECK_S``, in a thread of its
+        own: when it is gone Ray's calls hang (the watcher's with them) and after a minute Ray
+        ends this process. After ``CLUSTER_GONE_S`` without it ``poll`` raises instead, and the
+        master stops with its journal resumable."""
+        while not self._closed.wait(GCS_CHECK_S):
+            now = time.monotonic()
+            try:
+                check_reachable(self.address, timeout_s=GCS_CHECK_S)
+            except BackendError:
+                if self._unreachable_since is None:
+                    self._unreachable_since = now
+                    log.warning("the Ray cluster at %s is not answering", self.address)
+                elif now - self._unreachable_since > CLUSTER_GONE_S and self._lost is None:
+                    self._lost = (f"the Ray cluster at {self.address} is gone (not answering for "
+                                  f"{CLUSTER_GONE_S:g} s); every committed step is in the journal: "
+                                  "`tidal master --resume JOURNAL` goes on once the cluster is back")
+                continue
+            if self._unreachable_since is not None:
+                log.warning("the Ray cluster at %s answers again", self.address)
+            self._unreachable_since = None
+
     def _check_start(self, node_id: str, node: _Node) -> None:
         ready, _ = self._ray.wait([node.start_ref], timeout=0)
         if not ready:
             waited = time.monotonic() - node.launched_at
             if self.wait_for_resources_s and waited > self.wait_for_resources_s:
                 self._kill_actor(node)
-                with self._lock:
-                    self._nodes.pop(node_id, None)
                 message = (f"not placed in {self.wait_for_resources_s:g} s (--wait-for-resources): "
                            + (f"no machine has room for {_describe(node.resources)}" if node.feasible
                               else unplaceable(node.resources, self.machines())))
-                self._fail(NodeError(node_id, message, retryable=node.feasible))
+                self._drop(node_id, NodeError(node_id, message, retryable=node.feasible))
             return
         node.start_ref = None
         try:
             info = self._ray.get(ready[0])
         except self._ray.exceptions.RayActorError as exc:  # its machine died before it started
-            with self._lock:
-                self._nodes.pop(node_id, None)
-            self._fail(NodeError(node_id, f"its Ray node died before it started: {_first_line(exc)}", retryable=True))
+            self._drop(node_id, NodeError(node_id, f"its Ray node died before it started: {_first_line(exc)}",
+                                          retryable=True))
             return
         if "error" in info:
             self._kill_actor(node)
-            with self._lock:
-                self._nodes.pop(node_id, None)
-            self._fail(NodeError(node_id, info["error"], retryable=info["retryable"]))
+            self._drop(node_id, NodeError(node_id, info["error"], retryable=info["retryable"]))
             return
         node.ray_node = info["ray_node"]
         node.handle = NodeHandle(node_id, info["pid"], info["create_time"])
@@ -538,6 +589,11 @@ class RayBackend:
         log.info("node %s ended: exit code %s", node_id, code)
 
     def poll(self) -> BackendState:
+        """Raises:
+            BackendError: the cluster is gone (not the failure of a node: of everything).
+        """
+        if self._lost is not None:
+            raise BackendError(self._lost)
         with self._lock:
             running = {n: node.handle for n, node in self._nodes.items() if node.handle is not None and not node.ended}
             state = BackendState(running, self._ended, self._errors)
@@ -545,9 +601,10 @@ class RayBackend:
         return state
 
     def close(self) -> None:
-        """Stop watching (the actors keep running: a restarted master adopts them)."""
+        """Stop watching (the actors keep running: a restarted master adopts them). A watcher stuck
+        in a call to a cluster that is gone is left behind (a daemon thread)."""
         self._closed.set()
-        self._watcher.join()
+        self._watcher.join(timeout=STATUS_TIMEOUT_S + 1)
 
 
 # ============================================================================ helpers

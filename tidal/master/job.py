@@ -1226,7 +1226,8 @@ class JobMaster:
         self._handle_backend_reports()  # launches that failed at once
         for rec in new:
             if rec.state is W.LAUNCHING:
-                self.log.add("launch", f"launched worker {rec.worker_id} (pid {rec.pid})", worker=rec.worker_id)
+                where = f" (pid {rec.pid})" if rec.pid else ""  # a ray node gets its pid once placed
+                self.log.add("launch", f"launched worker {rec.worker_id}{where}", worker=rec.worker_id)
         self._persist()
 
     # ================================================================== rounds

@@ -290,6 +290,8 @@ def _guarded_tick(master: JobMaster) -> None:
     """One bad request must not take the master down: log a failed tick and carry on."""
     try:
         master.tick()
+    except BackendError:
+        raise  # the backend is gone (a Ray cluster lost): the master stops, its journal resumable
     except Exception:
         log.exception("job %s: reconcile step failed", master.spec.job_id)
 
