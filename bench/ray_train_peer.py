@@ -42,6 +42,23 @@ every worker appends ``wall_time world_size local_samples step`` to ``--stamp-di
 worker process also writes its Ray node id to ``--stamp-dir/<pid>.node``, so a benchmark can tell
 which machine to remove to kill a given worker.
 
+What Ray Train does that a benchmark should know (seen with Ray 2.60 on a local multi-node cluster):
+
+* The controller runs on the driver's node (``ray.init`` attaches to the head node here; the peer
+  logs it to stderr): never remove that node.
+* Ray Train's own settings are environment variables of this driver, which it passes on to its
+  controller: ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`` (the controller polls its workers every 2 s),
+  ``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S`` (60 s). They are left at Ray's defaults here.
+* A worker's ``report`` goes through a one-slot queue that the controller empties when it polls:
+  a worker that reports more often than every poll interval blocks in ``report`` until the next
+  poll. Pick ``--checkpoint-every`` so that checkpoints are at least that far apart, or measured
+  throughput includes that wait. A checkpoint counts (is restored after a failure) only once a
+  poll has collected it, so the last one before a failure may be lost and older steps redone.
+* After a lost machine the elastic policy sizes the new worker group from the cluster's
+  resources as the GCS sees them; until the GCS declares the node dead (missed heartbeats,
+  about 30 s with Ray's defaults) it still counts the lost machine, tries ``--workers`` workers,
+  and waits ``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S`` before trying again.
+
 At the end the driver prints one JSON line, ``{"ok": ..., "error": ..., "wall_s": ...}`` (wall_s:
 ``TorchTrainer.fit`` alone, connecting to the cluster excluded), and exits 0 only if the training
 finished.

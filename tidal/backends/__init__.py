@@ -1,7 +1,7 @@
 """Where a job's nodes run. ``backends.get("local")`` is the embedded default (DESIGN.md 3).
 
-The interface is in ``tidal.backends.api``; the implementations (``local``, ``fake``) are built by
-name through ``tidal.backends.registry``, which imports each only when it is asked for.
+The interface is in ``tidal.backends.api``; the implementations (``local``, ``ray``, ``fake``) are
+built by name through ``tidal.backends.registry``, which imports each only when it is asked for.
 """
 
 from __future__ import annotations

@@ -293,6 +293,10 @@ def run(
         0, "--gpus-per-worker", metavar="N",
         help="With --backend ray: GPUs each worker asks Ray for (Ray sets its CUDA_VISIBLE_DEVICES). The local "
              "backend gives each worker one of this machine's GPUs instead."),
+    public_url: str | None = typer.Option(
+        None, "--public-url", metavar="URL",
+        help="The URL the job's workers reach the master at, when it is behind a TLS-terminating proxy "
+             "(https://master.example:8443); default http://HOST:PORT."),
     host: str = typer.Option(
         "127.0.0.1", "--host",
         help="The address the master listens on. Workers on other machines (--backend ray) reach it there: give "
@@ -368,6 +372,8 @@ def run(
     if backend not in backends.names():
         raise fail(f"unknown --backend {backend!r}; known: {', '.join(backends.names())}")
     backend_options = ray_options(backend, ray_address, placement, wait_for_resources, gpus_per_worker, high)
+    if public_url is not None and not public_url.startswith(("http://", "https://")):
+        raise fail(f"--public-url must start with http:// or https://, got {public_url!r}")
     if not script.is_file():
         raise fail(f"script {script} not found")
     if initial is not None and not low <= initial <= high:
@@ -442,7 +448,7 @@ def run(
         heartbeat_timeout_s=heartbeat_timeout, collective_timeout_s=collective_timeout,
         round_timeout_s=round_timeout, progress_timeout_s=progress_timeout, max_restarts=max_restarts,
         cwd=os.getcwd(), env=env, gpus=gpus, backend=backend, backend_options=backend_options,
-        gpus_per_worker=gpus_per_worker, host=host, planner=planner,
+        gpus_per_worker=gpus_per_worker, host=host, public_url=public_url, planner=planner,
         planner_interval_s=planner_interval, history_path=history_path(history),
         stream_url=stream, stop_when_drained_s=stop_when_drained, trim_after_commit=trim_after_commit,
         time_scale=time_scale, lag_slo_s=1200.0 if lag_slo is None else lag_slo,

@@ -111,6 +111,9 @@ class JobSpec:
     # GPUs each worker asks the backend for where the backend places them (ray); the local
     # backend hands out ``gpus`` above instead
     gpus_per_worker: int = 0
+    # the URL the job's nodes reach the master at, when not http://HOST:PORT: a TLS-terminating
+    # proxy in front of the master (``tidal run --public-url https://...``)
+    public_url: str | None = None
     # a stream job (``tidal run --stream URL``): the workers read it (the master never talks to
     # the stream system); ``stop_when_drained_s``: end the job once every partition is drained
     # and nothing new arrived for that long (None: run until stopped)
@@ -156,6 +159,11 @@ class JobSpec:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def node_url(self) -> str:
+        """Where the job's nodes (workers, servers, data workers) reach the master."""
+        return self.public_url or f"http://{self.host}:{self.port}"
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> JobSpec:

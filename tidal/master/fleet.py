@@ -180,7 +180,7 @@ class Fleet:
     def node_spec(self, rec: WorkerRecord) -> NodeSpec:
         spec = self.spec
         env = {
-            "TIDAL_MASTER_URL": f"http://{spec.host}:{spec.port}",
+            "TIDAL_MASTER_URL": spec.node_url,
             "TIDAL_TOKEN": spec.token,
             "TIDAL_JOB_ID": spec.job_id,
             "TIDAL_WORKER_ID": str(rec.worker_id),
