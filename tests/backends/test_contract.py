@@ -488,13 +488,13 @@ class TestRayBackend(TestLocalBackend):
 
         namespace = f"contract-{uuid.uuid4().hex[:8]}"
         self.namespaces = [*getattr(self, "namespaces", []), namespace]
-        return RayBackend(address=self.address, namespace=namespace, wait_for_resources_s=1.0, poll_interval_s=0.02)
+        return RayBackend(address=self.address, namespace=namespace, wait_for_resources_s=5.0, poll_interval_s=0.02)
 
     def restarted(self, first: Backend) -> Backend:
         from tidal.backends.ray import RayBackend
 
         assert isinstance(first, RayBackend)
-        return RayBackend(address=self.address, namespace=first.namespace, wait_for_resources_s=1.0,
+        return RayBackend(address=self.address, namespace=first.namespace, wait_for_resources_s=5.0,
                           poll_interval_s=0.02)
 
     def launch_unstartable(self, backend: Backend, spec: NodeSpec, request_id: str, retryable: bool) -> None:

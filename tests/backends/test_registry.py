@@ -14,7 +14,7 @@ from tidal.backends.local import LocalBackend
 
 
 def test_builtins() -> None:
-    assert backends.names() == ["fake", "local"]
+    assert backends.names() == ["fake", "local", "ray"]
     local = backends.get("local", poll_interval_s=0.5)
     try:
         assert isinstance(local, LocalBackend) and local.name == "local"
@@ -25,10 +25,17 @@ def test_builtins() -> None:
 
 
 def test_unknown_name_lists_the_known_ones() -> None:
-    with pytest.raises(BackendError, match=r"unknown backend 'ray'; known: fake, local"):
-        backends.get("ray")
+    with pytest.raises(BackendError, match=r"unknown backend 'kubernetes'; known: fake, local, ray"):
+        backends.get("kubernetes")
     with pytest.raises(BackendError, match="unknown backend"):
-        backends.summary("ray")
+        backends.summary("kubernetes")
+
+
+def test_ray_without_a_cluster_is_a_backend_error() -> None:
+    with pytest.raises(BackendError, match=r"cannot reach the Ray cluster at 127\.0\.0\.1:9"):
+        backends.get("ray", address="127.0.0.1:9")
+    with pytest.raises(BackendError, match="placement must be one of spread, pack"):
+        backends.get("ray", address="127.0.0.1:9", placement="anywhere")
 
 
 def test_an_option_the_backend_does_not_take() -> None:

@@ -161,8 +161,12 @@ def test_reform_causes() -> None:
 
 # ----------------------------------------------------------------------------- liveness
 def test_heartbeat_and_start_timeouts() -> None:
-    workers = [rec(0, last_seen=NOW - 6), rec(1, last_seen=NOW - 4), rec(2, W.LAUNCHING, launched_at=NOW - 200),
-               rec(3, last_seen=NOW - 60, finished=True)]
+    workers = [rec(0, last_seen=NOW - 6), rec(1, last_seen=NOW - 4), rec(2, W.LAUNCHING, launched_at=NOW - 200, pid=7),
+               rec(3, last_seen=NOW - 60, finished=True),
+               # placed by Ray 100 s after its launch: 100 s of 180 since its process started
+               rec(4, W.LAUNCHING, launched_at=NOW - 200, pid=8, create_time=NOW - 100),
+               # not placed yet (no process): the backend's --wait-for-resources decides
+               rec(5, W.LAUNCHING, launched_at=NOW - 500)]
     actions = check_heartbeats(workers, NOW, heartbeat_timeout_s=5.0, start_timeout_s=180.0)
     assert [(a.worker_id, a.kill) for a in actions] == [(0, "hb-0"), (2, "start-2")]
     assert "missed heartbeats for 6.0s" in actions[0].why

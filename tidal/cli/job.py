@@ -94,23 +94,22 @@ def parse_range(text: str, option: str, least: int = 1) -> tuple[int, int]:
     return low, high
 
 
-def parse_workers(text: str) -> tuple[int, int]:
+def parse_workers(text: str, backend: str = "local") -> tuple[int, int]:
     low, high = parse_range(text, "--workers")
+    if backend == "local":
+        check_range("--workers MAX", high, (1, MAX_LOCAL_WORKERS),
+                    " (MAX_LOCAL_WORKERS: the local backend runs every worker on this machine)")
     check_range("--workers MAX", high, (1, MAX_WORKERS))
     return low, high
 
 
-def ray_options(backend: str, address: str, placement: str, wait_s: float, gpus_per_worker: int,
-                max_workers: int) -> dict[str, Any]:
+def ray_options(backend: str, address: str, placement: str, wait_s: float, gpus_per_worker: int) -> dict[str, Any]:
     """The ray backend's options from ``tidal run``'s (a one-line error for bad ones, or for
-    ray options given to another backend); the local backend's cap on workers."""
+    ray options given to another backend)."""
     given_ray = address != "auto" or placement != "spread" or wait_s != 0.0 or gpus_per_worker != 0
     if backend != "ray":
         if given_ray:
             raise fail("--ray-address, --placement, --wait-for-resources and --gpus-per-worker need --backend ray")
-        if backend == "local":
-            check_range("--workers MAX", max_workers, (1, MAX_LOCAL_WORKERS),
-                        " (MAX_LOCAL_WORKERS: the local backend runs every worker on this machine)")
         return {}
     if placement not in ("spread", "pack"):
         raise fail(f"--placement must be spread or pack, got {placement!r}")
@@ -345,7 +344,7 @@ def run(
     """
     if resume_dir is not None:
         _resume_job(resume_dir, quiet, [str(script.resolve()), *ctx.args])
-    low, high = parse_workers(workers)
+    low, high = parse_workers(workers, backend)
     check_range("--port", port, PORTS)
     check_range("--heartbeat-timeout", heartbeat_timeout, HEARTBEAT_TIMEOUT_S, " seconds")
     check_range("--collective-timeout", collective_timeout, COLLECTIVE_TIMEOUT_S, " seconds")
@@ -371,7 +370,7 @@ def run(
         seed = read_traffic_history(traffic_history, traffic_column)
     if backend not in backends.names():
         raise fail(f"unknown --backend {backend!r}; known: {', '.join(backends.names())}")
-    backend_options = ray_options(backend, ray_address, placement, wait_for_resources, gpus_per_worker, high)
+    backend_options = ray_options(backend, ray_address, placement, wait_for_resources, gpus_per_worker)
     if public_url is not None and not public_url.startswith(("http://", "https://")):
         raise fail(f"--public-url must start with http:// or https://, got {public_url!r}")
     if not script.is_file():

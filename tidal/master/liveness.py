@@ -34,7 +34,9 @@ def check_heartbeats(workers: Iterable[WorkerRecord], now: float, *, heartbeat_t
                 and now - rec.last_seen > heartbeat_timeout_s):
             out.append(FailWorker(rec.worker_id, f"missed heartbeats for {now - rec.last_seen:.1f}s",
                                   kill=f"hb-{rec.worker_id}"))
-        elif rec.state is W.LAUNCHING and now - rec.launched_at > start_timeout_s:
+        # from the start of its process: a backend that places nodes (ray) may hold one for a while
+        # before it has room (its --wait-for-resources decides how long), and it has no pid then
+        elif rec.state is W.LAUNCHING and rec.pid and now - max(rec.launched_at, rec.create_time or 0.0) > start_timeout_s:
             out.append(FailWorker(rec.worker_id, f"did not join within {start_timeout_s:.0f}s",
                                   kill=f"start-{rec.worker_id}"))
     return out
