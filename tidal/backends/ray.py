@@ -287,7 +287,7 @@ class RayBackend:
     name = "ray"
 
     def __init__(self, address: str = "auto", namespace: str = "tidal", placement: str = "spread",
-                 wait_for_resources_s: float = 0.0, poll_interval_s: float = 0.1) -> None:
+                 wait_for_resources_s: float = 0.0, poll_interval_s: float = 0.25) -> None:
         if placement not in PLACEMENTS:
             raise BackendError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
         if not wait_for_resources_s >= 0:
