@@ -30,7 +30,8 @@ paced as on an accelerator; both sides sleep the same.
 
 Steady (``--only steady``): samples/s of 2 workers over one epoch, no emulated device time: tidal
 on Ray (the cluster up, 2 machines of 1 CPU) against tidal on the local backend (no cluster
-running), from 3 s after the first step to the end (bench/common.py ``steady_rate``).
+running), from 3 s after the first step to the end (bench/common.py ``steady_rate``); the runs
+of the two sides alternate.
 
 Start (``--only start``): from ``tidal run`` to the first step stamped, 2 workers, local backend
 against Ray (the cluster already running: connecting, placing 2 actors and starting their
@@ -180,13 +181,15 @@ def tidal_steady_and_start(work: Path, train: list[str], run_opts: list[str]) ->
 
 def steady(tmp: Path, n: int, samples: int) -> dict[str, Any]:
     train = one_epoch_args(samples)
-    local = [tidal_steady_and_start(tmp / f"local-{i}", train, []) for i in range(n)]
-    cluster = new_cluster(2)
-    try:
-        on_ray = [tidal_steady_and_start(tmp / f"ray-{i}", train, ["--backend", "ray", "--ray-address", cluster.address])
-                  for i in range(n)]
-    finally:
-        cluster.shutdown()
+    local, on_ray = [], []
+    for i in range(n):  # alternated, so that a noisy minute of the machine hits both sides
+        local.append(tidal_steady_and_start(tmp / f"local-{i}", train, []))
+        cluster = new_cluster(2)
+        try:
+            on_ray.append(tidal_steady_and_start(tmp / f"ray-{i}", train,
+                                                 ["--backend", "ray", "--ray-address", cluster.address]))
+        finally:
+            cluster.shutdown()
     return {"local_rate": [r for r, _ in local], "ray_rate": [r for r, _ in on_ray],
             "local_start_s": [s for _, s in local], "ray_start_s": [s for _, s in on_ray]}
 

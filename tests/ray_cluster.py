@@ -23,12 +23,15 @@ import pytest
 
 # before Ray is imported anywhere in this process: its constants read it at import
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+# Ray >= 2.5x turns token authentication on for a node it starts when a token file exists
+# (~/.ray/auth_token, left by any earlier local `ray.init()`), so a machine added later would
+# refuse the head's requests; a test cluster on 127.0.0.1 runs without it, every node alike
+# (the processes the tests start inherit this)
+os.environ["RAY_AUTH_MODE"] = "disabled"
 
 OBJECT_STORE_BYTES = 75 * 2**20  # Ray's smallest
 NODE_ARGS: dict[str, Any] = {"node_ip_address": "127.0.0.1", "object_store_memory": OBJECT_STORE_BYTES,
                              "include_dashboard": False}
-# the processes a test's Ray cluster starts see the same setting
-CHILD_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
 class RayCluster:

@@ -1,8 +1,8 @@
 """Whole jobs on the ray backend: a real Ray cluster of a head and 3 machines on 127.0.0.1
 (tests/ray_cluster.py), started once for the module; ``tidal run --backend ray`` against it.
 
-Each machine is a real raylet with 2 CPUs; the head has none, so every node of a job runs on the
-3 machines, placed by Ray. A machine is lost by killing its raylet (``Cluster.remove_node``): its
+Each machine is a real raylet with 1 CPU (room for one worker); the head has none, so every node
+of a job runs on the 3 machines, placed by Ray. A machine is lost by killing its raylet (``Cluster.remove_node``): its
 actors die, and their children with them.
 """
 
@@ -21,18 +21,28 @@ from typing import Any
 
 import pytest
 
-from tests.jobtools import TIDAL, Job, example_args, fingerprint, plain_python_fingerprint
+from tests.jobtools import (
+    EXAMPLE,
+    ROOT,
+    TIDAL,
+    Job,
+    example_args,
+    fingerprint,
+    plain_python_fingerprint,
+    wait_for,
+)
 from tests.ray_cluster import RayCluster, ray_cluster
+from tidal.master.audit import audit_ledger
 
 pytestmark = pytest.mark.slow
 
-ARGS = example_args(16_000, 2, 256, 0.1, "--logical-workers", "4")
-UNPACED = example_args(16_000, 2, 256, 0.0, "--logical-workers", "4")  # the same model, no emulated device time
+ARGS = example_args(48_000, 2, 256, 0.15, "--logical-workers", "4")
+UNPACED = example_args(48_000, 2, 256, 0.0, "--logical-workers", "4")  # the same model, no emulated device time
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[RayCluster]:
-    with ray_cluster(head_cpus=0, nodes=[2, 2, 2]) as c:
+    with ray_cluster(head_cpus=0, nodes=[1, 1, 1]) as c:
         yield c
 
 
@@ -47,32 +57,38 @@ def ray_job(tmp_path: Path, cluster: RayCluster, workers: str, script_args: list
                run_args=["--backend", "ray", "--ray-address", cluster.address, *run_args])
 
 
-def node_of(job: Job, worker_id: int) -> str:
+def node_of(cluster: RayCluster, job: Job, worker_id: int) -> str:
     """The Ray machine (node id) a worker's actor runs on."""
     import ray
 
+    from tidal.backends.ray import connect
+
+    connect(cluster.address)
     actor = ray.get_actor(f"worker-{worker_id}", namespace=f"tidal-{job.info()['job_id']}")
     info: dict[str, Any] = ray.get(actor.describe.remote(), timeout=10)
     return str(info["ray_node"])
 
 
-def test_exactly_once_and_the_same_model_through_sigkills_a_lost_machine_and_a_master_failover(
+def test_exactly_once_and_the_same_model_through_sigkills_a_lost_machine_a_new_one_and_a_master_failover(
         tmp_path: Path, jobs: list[Job], cluster: RayCluster, reference: str) -> None:
     ckpt = tmp_path / "ckpt"
-    job = ray_job(tmp_path, cluster, "3:3", ARGS, "--logical-workers", "4", "--checkpoint-dir", str(ckpt))
+    job = ray_job(tmp_path, cluster, "2:3", ARGS, "--logical-workers", "4", "--checkpoint-dir", str(ckpt))
     jobs.append(job.start())
-    st = job.wait_step(3, 120)
-    machines = {node_of(job, w["worker_id"]) for w in st["workers"] if w["state"] == "active"}
-    assert len(machines) == 3  # --placement spread: one worker per machine
-    # (a) a random worker SIGKILLed: the master re-forms the survivors and Ray places a replacement
+    st = job.wait_status(lambda s: s["finalized_step"] >= 3 and sum(w["state"] == "active" for w in s["workers"]) == 3,
+                         120, "3 workers training")
+    where = {w["worker_id"]: node_of(cluster, job, w["worker_id"]) for w in st["workers"] if w["state"] == "active"}
+    assert len(set(where.values())) == 3  # one CPU per machine: one worker on each
+    # (a) a random worker SIGKILLed: the master re-forms the survivors, Ray places a replacement
+    # where the killed one freed its CPU
     rng = random.Random(7)
     victim = rng.choice([w for w in st["workers"] if w["state"] == "active"])
     os.kill(victim["pid"], signal.SIGKILL)
     st = job.wait_status(lambda s: s["finalized_step"] > st["finalized_step"] + 3 and not s["reforming"]
                          and sum(w["state"] == "active" for w in s["workers"]) == 3, 120, "3 workers after the kill")
-    # (b) a whole machine lost: its worker goes with it, and the job goes on on the other two
+    # (b) a whole machine lost: its worker goes with it; the job goes on with the other two, and
+    # its replacement waits for room
     survivors = [w for w in st["workers"] if w["state"] == "active"]
-    where = {w["worker_id"]: node_of(job, w["worker_id"]) for w in survivors}
+    where = {w["worker_id"]: node_of(cluster, job, w["worker_id"]) for w in survivors}
     lost_worker = survivors[0]
     lost = where[lost_worker["worker_id"]]
     cluster.remove(cluster.node_of(lost))
@@ -80,19 +96,28 @@ def test_exactly_once_and_the_same_model_through_sigkills_a_lost_machine_and_a_m
                                        for w in s["workers"]), 60, "the lost machine's worker failed")
     st = job.wait_status(lambda s: s["finalized_step"] > st["finalized_step"] + 3 and not s["reforming"],
                          120, "training on the remaining machines")
-    for w in st["workers"]:
-        if w["state"] == "active":
-            assert node_of(job, w["worker_id"]) != lost
+    assert sum(w["state"] == "active" for w in st["workers"]) == 2
+    # (c) a machine joins: Ray places the waiting replacement there, and it joins the job
+    joined = cluster.add(1)
+    st = job.wait_status(lambda s: sum(w["state"] == "active" for w in s["workers"]) == 3 and not s["reforming"],
+                         120, "the replacement on the new machine")
+    newest = max(w["worker_id"] for w in st["workers"] if w["state"] == "active")
+    assert node_of(cluster, job, newest) == joined.node_id
     kept = [w for w in survivors if where[w["worker_id"]] != lost]
-    assert kept
-    # (c) the master SIGKILLed and started again: it finds the actors by name and adopts them
+    assert len(kept) == 2
+    # (d) the master SIGKILLed and started again: it finds the actors by name and adopts them
     job.kill_master()
     st = job.resume_master_and_train(3)
-    for w in kept:  # the workers on the other machines were never restarted, through all of it
+    for w in kept:  # the workers on the machines that stayed were never restarted, through all of it
         assert any(s["worker_id"] == w["worker_id"] and s["pid"] == w["pid"] and s["state"] == "active"
                    for s in st["workers"]), (w, st["workers"])
     assert job.wait(300) == 0, job.output()[-3000:]
-    result = job.audit(16_000, 2)
+    # nothing of the job is left in the cluster (its actors are detached: they would hold CPUs)
+    import ray
+
+    namespace = f"tidal-{job.info()['job_id']}"
+    assert [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == namespace] == []
+    result = job.audit(48_000, 2)
     assert result.ok, result.summary()
     assert fingerprint(ckpt) == reference
     # every actor's output reached the job directory
@@ -106,7 +131,7 @@ def test_a_request_no_machine_can_hold_fails_the_job_naming_the_resource(
     jobs.append(job.start())
     assert job.wait(120) == 1
     out = job.output()
-    assert "no Ray node has the GPUs asked for (1 CPU, 1 GPU)" in out and "127.0.0.1 (2 CPU, 0 GPU" in out, out[-2000:]
+    assert "no Ray node has the GPUs asked for (1 CPU, 1 GPU)" in out and "127.0.0.1 (1 CPU, 0 GPU" in out, out[-2000:]
 
 
 def test_bad_ray_setups_are_one_line_errors(tmp_path: Path, cluster: RayCluster) -> None:
@@ -143,3 +168,29 @@ def test_a_cluster_that_disappears_stops_the_job_resumable(tmp_path: Path, jobs:
     journal = sqlite3.connect(job.dir / "journal.sqlite")
     (state,) = journal.execute("select value from meta where key = 'state'").fetchone()
     assert json.loads(state).get("job_state", "running") == "running", state  # neither failed nor succeeded
+
+
+def test_a_detached_master_outlives_its_command_and_runs_the_job_to_the_end(tmp_path: Path, cluster: RayCluster) -> None:
+    job_dir, ledger = tmp_path / "job", tmp_path / "job.ledger"
+    started = subprocess.run(
+        [TIDAL, "run", "--backend", "ray", "--ray-address", cluster.address, "--detach", "--planner", "max",
+         "--workers", "2:2", "--job-dir", str(job_dir), "--ledger", str(ledger), "-q",
+         str(EXAMPLE), *example_args(8_000, 1, 256, 0.02)],
+        capture_output=True, text=True, timeout=60, cwd=ROOT, env={**os.environ, "TIDAL_HOME": str(tmp_path / ".tidal")})
+    assert started.returncode == 0 and "the master runs detached" in started.stderr, started.stderr
+    import ray
+
+    try:
+        # the command has returned; the master, a Ray actor's child, trains the job to its end
+        wait_for(lambda: (job_dir / "journal.sqlite").exists()
+                 and '"succeeded"' in (sqlite3.connect(job_dir / "journal.sqlite").execute(
+                     "select value from meta where key = 'state'").fetchone() or ("",))[0],
+                 120, "the detached job to succeed")
+        wait_for(lambda: not [a for a in ray.util.list_named_actors(all_namespaces=True)
+                              if a["namespace"] == "tidal-masters"], 30, "the master's actor to end with it")
+    finally:
+        for a in ray.util.list_named_actors(all_namespaces=True):
+            if a["namespace"] == "tidal-masters":
+                ray.kill(ray.get_actor(a["name"], namespace="tidal-masters"))
+    assert audit_ledger(ledger.read_text().splitlines(), 8_000, 1).ok
+    assert "job" in (job_dir / "master.log").read_text()

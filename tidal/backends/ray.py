@@ -28,6 +28,11 @@ reports on it; nothing of the training runs in Ray's own worker process. Why it 
   ``wait_for_resources_s`` it may wait that long for a node that can hold it to join. A node that
   fits a node of the cluster but finds no free room waits the same way, then fails as ``retryable``
   (the cluster is full, the script is not at fault), and the master tries again later.
+* **No new node on a machine that is gone.** Ray's GCS declares a lost machine dead only after
+  its health checks fail (seconds; tens of seconds for a machine that vanishes without closing
+  its connections) and places new actors there meanwhile, where they hang. When an actor is lost
+  and its machine's raylet refuses connections, the backend holds new nodes back until Ray
+  agrees the machine is dead (at most ``SUSPECT_MAX_S``).
 * **Loopback clusters stay on loopback.** Ray replaces 127.0.0.1 in an address with the machine's
   outside address; for a cluster on 127.0.0.1 (tests, one machine) the backend tells Ray not to.
 
@@ -49,7 +54,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +78,8 @@ CONNECT_TIMEOUT_S = 5.0
 STATUS_TIMEOUT_S = 5.0
 NAME_FREED_S = 3.0
 CLUSTER_GONE_S = 10.0  # the GCS not answering this long: the cluster is gone (Ray's own limit is 60 s)
-GCS_CHECK_S = 1.0  # a status call that takes longer is asked again on the next round
+GCS_CHECK_S = 1.0
+SUSPECT_MAX_S = 60.0  # the longest new nodes wait for Ray to declare a machine seen gone dead  # a status call that takes longer is asked again on the next round
 PR_SET_PDEATHSIG = 1
 RETRYABLE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOSPC, errno.EAGAIN, errno.ENOMEM})
 
@@ -170,8 +176,12 @@ class NodeProcess:
     """The Ray actor that runs one node's process on its machine (see the module docstring)."""
 
     def __init__(self, node_id: str, argv: list[str], env: dict[str, str], cwd: str | None,
-                 log_path: str | None) -> None:
+                 log_path: str | None, *, here: bool = False) -> None:
+        """``here``: the actor runs on the machine of ``log_path`` (a detached master, placed on
+        the machine ``tidal run`` ran on): the child writes its log itself, and once it ends the
+        actor ends too (nobody watches it)."""
         self.node_id, self.argv, self.env, self.cwd, self.log_path = node_id, argv, env, cwd, log_path
+        self.here = here
         self.proc: subprocess.Popen[bytes] | None = None
         self.local_log = ""
 
@@ -187,7 +197,10 @@ class NodeProcess:
         if self.cwd and not os.path.isdir(self.cwd):
             return {"error": f"cannot start {self.argv[0]}: no directory {self.cwd} on node {host}",
                     "retryable": False}
-        fd, self.local_log = tempfile.mkstemp(prefix=f"tidal-{self.node_id}-", suffix=".log")
+        if self.here and self.log_path:
+            fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        else:
+            fd, self.local_log = tempfile.mkstemp(prefix=f"tidal-{self.node_id}-", suffix=".log")
         try:
             self.proc = subprocess.Popen(self.argv, env=env, cwd=self.cwd, stdin=subprocess.DEVNULL, stdout=fd,
                                          stderr=subprocess.STDOUT, start_new_session=True,
@@ -203,9 +216,16 @@ class NodeProcess:
             create_time = psutil.Process(self.proc.pid).create_time()
         except psutil.Error:
             create_time = time.time()
+        if self.here:
+            threading.Thread(target=self._end_with_child, daemon=True).start()
         context = ray.get_runtime_context()
         return {"pid": self.proc.pid, "create_time": create_time, "host": host, "ray_node": context.get_node_id(),
                 "assigned": context.get_assigned_resources()}
+
+    def _end_with_child(self) -> None:
+        assert self.proc is not None
+        self.proc.wait()
+        os._exit(0)  # a detached actor that nobody watches: end with the process it ran
 
     def describe(self) -> dict[str, Any]:
         """What a restarted master checks before it adopts the node."""
@@ -246,6 +266,38 @@ class NodeProcess:
                 os.unlink(self.local_log)
 
 
+MASTERS_NAMESPACE = "tidal-masters"
+
+
+def run_detached(address: str, argv: list[str], cwd: str, log_path: str) -> dict[str, Any]:
+    """Run ``argv`` (a job's master: ``tidal run`` without ``--detach``) as a detached actor
+    pinned to this machine (its job directory and script are here), outliving this process.
+    Returns the actor's name and the master's pid.
+
+    Raises:
+        BackendError: no cluster, or the master could not start.
+    """
+    ray = connect(resolve_address(address))
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = ray.get_runtime_context().get_node_id()
+    name = f"master-{os.getpid()}-{int(time.time())}"
+    actor = ray.remote(NodeProcess).options(
+        name=name, namespace=MASTERS_NAMESPACE, lifetime="detached", max_restarts=0, num_cpus=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
+    ).remote("master", argv, dict(os.environ), cwd, log_path, here=True)
+    try:
+        info = ray.get(actor.start.remote(), timeout=60)
+    except Exception as exc:
+        with contextlib.suppress(Exception):
+            ray.kill(actor, no_restart=True)
+        raise BackendError(f"cannot start the detached master: {_first_line(exc)}") from None
+    if "error" in info:
+        ray.kill(actor, no_restart=True)
+        raise BackendError(f"cannot start the detached master: {info['error']}")
+    return {"actor": name, "namespace": MASTERS_NAMESPACE, "pid": info["pid"]}
+
+
 # ============================================================================ the backend
 @dataclass
 class _Node:
@@ -261,9 +313,7 @@ class _Node:
     adopted: bool = False
     offset: int = 0  # bytes of its output already in log_path
     killed: bool = False
-    exit_code: int | None = None  # once its process ended (the rest of the output still to read)
     ended: bool = False
-    detail: dict[str, Any] = field(default_factory=dict)
 
 
 class RayBackend:
@@ -310,6 +360,7 @@ class RayBackend:
         self._closed = threading.Event()
         self._unreachable_since: float | None = None
         self._lost: str | None = None  # the cluster is gone: what poll raises
+        self._suspects: dict[str, float] = {}  # Ray machines seen gone that Ray still counts alive
         self._watcher = threading.Thread(target=self._watch, daemon=True, name="tidal-ray-watch")
         self._watcher.start()
         threading.Thread(target=self._watch_gcs, daemon=True, name="tidal-ray-gcs").start()
@@ -333,6 +384,29 @@ class RayBackend:
                     continue
             self._fail(NodeError(spec.node_id, "cannot start a node with an empty argv"))
 
+    def _suspect(self, ray_node: str) -> None:
+        """An actor on ``ray_node`` was lost: if its raylet no longer takes connections, the
+        machine is gone, though Ray's GCS may take seconds (a machine that vanishes: tens of
+        seconds) to declare it dead, and until then places new actors on it, where they hang."""
+        machine = next((m for m in self.machines() if m["NodeID"] == ray_node), None)
+        if machine is None:
+            return  # declared dead already
+        try:
+            check_reachable(f"{machine['NodeManagerAddress']}:{machine['NodeManagerPort']}", timeout_s=1.0)
+        except BackendError:
+            log.warning("Ray machine %s is gone: no node is placed until Ray knows it", ray_node[:12])
+            self._suspects[ray_node] = time.monotonic()
+
+    def _placeable(self, machines: list[dict[str, Any]]) -> bool:
+        """False while a machine known to be gone still counts as alive for Ray (at most
+        ``SUSPECT_MAX_S``): an actor placed there would hang until Ray notices."""
+        alive = {m["NodeID"] for m in machines}
+        now = time.monotonic()
+        for ray_node, since in list(self._suspects.items()):
+            if ray_node not in alive or now - since > SUSPECT_MAX_S:
+                del self._suspects[ray_node]
+        return not self._suspects
+
     def _create_requested(self) -> None:
         """Ask Ray for the actors of the nodes ``launch`` queued (in the watcher thread)."""
         with self._lock:
@@ -340,6 +414,8 @@ class RayBackend:
         if not queued:
             return
         machines = self.machines()
+        if not self._placeable(machines):
+            return
         for node_id, node in queued:
             spec = node.spec
             assert spec is not None
@@ -462,6 +538,12 @@ class RayBackend:
                 self._finish(handle.node_id, None)
                 continue
             created = info.get("create_time")
+            if info["pid"] == handle.pid and created is None:  # its process ended: free its actor
+                log.info("node %s (pid %d) has ended: not adopted", handle.node_id, handle.pid)
+                actor.forget.remote()
+                self._kill_actor_of(actor)
+                self._finish(handle.node_id, None)
+                continue
             reused = (info["pid"] != handle.pid or created is None
                       or (handle.create_time is not None and abs(created - handle.create_time) > CREATE_TIME_TOLERANCE_S))
             if reused:
@@ -488,10 +570,11 @@ class RayBackend:
             except Exception:  # a bug here must not silence every later report
                 log.exception("ray backend: watcher round failed")
 
-    def _round(self) -> None:
+    def _round(self, create: bool = True) -> None:
         if self._unreachable_since is not None:
             return
-        self._create_requested()
+        if create:
+            self._create_requested()
         with self._lock:
             nodes = [(n, node) for n, node in self._nodes.items() if not node.ended and node.actor is not None]
         starting = [(n, node) for n, node in nodes if node.start_ref is not None]
@@ -508,6 +591,7 @@ class RayBackend:
                 code, chunk = self._ray.get(ref)
             except self._ray.exceptions.RayActorError as exc:
                 log.warning("node %s lost: %s", node_id, _first_line(exc))
+                self._suspect(node.ray_node)
                 self._finish(node_id, None)
                 continue
             if chunk:
@@ -601,10 +685,18 @@ class RayBackend:
         return state
 
     def close(self) -> None:
-        """Stop watching (the actors keep running: a restarted master adopts them). A watcher stuck
-        in a call to a cluster that is gone is left behind (a daemon thread)."""
+        """Stop watching. The nodes that still run keep running (a restarted master adopts them);
+        the actors of those that ended are freed by a last round (detached actors would hold their
+        CPUs in the cluster for good). A watcher stuck in a call to a cluster that is gone is left
+        behind (a daemon thread)."""
         self._closed.set()
         self._watcher.join(timeout=STATUS_TIMEOUT_S + 1)
+        if self._watcher.is_alive() or self._unreachable_since is not None:
+            return
+        try:
+            self._round(create=False)
+        except Exception:
+            log.exception("ray backend: the last round failed")
 
 
 # ============================================================================ helpers

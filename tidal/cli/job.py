@@ -296,6 +296,11 @@ def run(
         None, "--public-url", metavar="URL",
         help="The URL the job's workers reach the master at, when it is behind a TLS-terminating proxy "
              "(https://master.example:8443); default http://HOST:PORT."),
+    detach: bool = typer.Option(
+        False, "--detach",
+        help="With --backend ray: run the master as a detached Ray actor on this machine, which outlives this "
+             "command (and the terminal); prints the job directory and returns. Follow it with "
+             "`tidal status --job-dir DIR`; its output goes to DIR/master.log."),
     host: str = typer.Option(
         "127.0.0.1", "--host",
         help="The address the master listens on. Workers on other machines (--backend ray) reach it there: give "
@@ -429,6 +434,11 @@ def run(
             raise fail(f"--comm-backend nccl needs a GPU per worker: --workers MAX is {high}, "
                        f"this machine shows {len(gpus)} GPU(s)")
         env["TIDAL_COMM_BACKEND"] = comm_backend
+    if detach:
+        if backend != "ray":
+            raise fail("--detach needs --backend ray (the master then runs as a Ray actor)")
+        _detach(str(script), job_dir, backend_options["address"])
+        return
     # the master's modules (and their planners' numpy and scipy) once the options are known good
     from tidal.master.api import JobSpec
     from tidal.master.job import new_token
@@ -461,6 +471,29 @@ def run(
     code, master = run_master(spec, directory / "journal.sqlite", sock=sock, follow_logs=not quiet)
     _print_summary(master)
     raise typer.Exit(code)
+
+
+def _detach(script: str, job_dir: Path | None, address: str) -> None:
+    """``tidal run --detach``: this same command without ``--detach``, as a detached Ray actor on
+    this machine (tidal.backends.ray.run_detached)."""
+    from tidal.backends.ray import run_detached
+
+    directory = (job_dir or tidal_home() / f"detached-{uuid.uuid4().hex[:8]}").resolve()
+    make_job_dir(directory)
+    args = sys.argv[1:]
+    at = args.index(script) if script in args else len(args)  # options before SCRIPT, the script's after
+    options = [a for a in args[:at] if a != "--detach"]
+    if "run" in options and job_dir is None:
+        options.insert(options.index("run") + 1, f"--job-dir={directory}")
+    argv = [sys.argv[0], *options, *args[at:]]
+    try:
+        started = run_detached(address, argv, os.getcwd(), str(directory / "master.log"))
+    except backends.BackendError as exc:
+        raise fail(str(exc)) from None
+    _point_current(directory)
+    typer.echo(f"tidal: the master runs detached (Ray actor {started['actor']} in namespace {started['namespace']}, "
+               f"pid {started['pid']}); job dir {directory}; its output: {directory / 'master.log'}; "
+               f"follow it with `tidal status --job-dir {directory}`", err=True)
 
 
 def shuffle_thresholds(text: str) -> tuple[int, int]:

@@ -138,6 +138,6 @@ class DataWorkers(RoleProcesses[DataWorkerRecord]):
         spec = self.spec
         env = {"TIDAL_MASTER_URL": spec.node_url, "TIDAL_TOKEN": spec.token,
                "TIDAL_JOB_ID": spec.job_id, "TIDAL_ROLE": "data", "TIDAL_DATA_WORKER_ID": str(data_worker_id),
-               "TIDAL_DATA_HOST": spec.host, "PYTHONUNBUFFERED": "1", **spec.env}
+               "PYTHONUNBUFFERED": "1", **spec.env}
         return NodeSpec(node_id("data", data_worker_id), "data", list(spec.argv), env, Resources(cpus=1.0),
                         spec.cwd, self.log_path(data_worker_id))

@@ -377,7 +377,7 @@ class Servers(RoleProcesses[ServerRecord]):
     def node_spec(self, server_id: int) -> NodeSpec:
         spec = self.spec
         env = {"TIDAL_MASTER_URL": spec.node_url, "TIDAL_TOKEN": spec.token,
-               "TIDAL_JOB_ID": spec.job_id, "TIDAL_PS_ID": str(server_id), "TIDAL_PS_HOST": spec.host,
+               "TIDAL_JOB_ID": spec.job_id, "TIDAL_PS_ID": str(server_id),
                "PYTHONUNBUFFERED": "1", **spec.env}
         if spec.ps_memory:
             env["TIDAL_PS_MEMORY_BYTES"] = str(spec.ps_memory)

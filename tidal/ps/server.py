@@ -2,8 +2,9 @@
 
     python -m tidal.ps.server            # launched by the master in the role ``ps``
 
-It binds a ZeroMQ ROUTER on the job's host (127.0.0.1 unless ``TIDAL_PS_HOST`` says otherwise),
-port chosen by the system, and tells the master its address (``POST /v1/ps/report``, then every
+It binds a ZeroMQ ROUTER on its machine's address on the route to the master
+(``tidal.api.rpc.node_address``: 127.0.0.1 on one machine; ``TIDAL_PS_HOST`` overrides it), port
+chosen by the system, and tells the master its address (``POST /v1/ps/report``, then every
 ``REPORT_S`` with its rows, bytes and request latency). Without ``TIDAL_MASTER_URL`` it prints
 ``tidal-ps listening ADDRESS`` on stdout instead (tests, debugging).
 
