@@ -48,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -110,21 +111,32 @@ def gap_stats(stamp_dir: Path, removed_at: float, window: float) -> dict[str, fl
             "step_s": statistics.median(steps) if steps else float("nan"), "redone_steps": float(redone)}
 
 
-def tidal_pause(work: Path, cluster: RayCluster, train: list[str], kill_after: float, window: float) -> dict[str, float]:
-    job_dir, stamps = work / "job", work / "stamps"
-    argv = tidal_argv("1:2", job_dir, stamps, train, ["--backend", "ray", "--ray-address", cluster.address])
-    proc = start(argv, work / "tidal.log", bench_env())
+def lose_a_machine(proc: subprocess.Popen[bytes], cluster: RayCluster, stamps: Path, victim: Callable[[], str],
+                   kill_after: float, window: float, start_timeout: float) -> dict[str, float]:
+    """Once 2 workers train, ``kill_after`` s of steps, then the machine ``victim()`` names is
+    removed; the gaps from there to ``window`` s later. Stops ``proc`` whatever happens."""
     try:
-        wait_stamps(stamps, 20, 120, workers=2)
+        wait_stamps(stamps, 20, start_timeout, workers=2)
         time.sleep(kill_after)
-        job_id = json.loads((job_dir / "job.json").read_text())["job_id"]
-        victim = cluster.node_of(ray_node_of_actor(cluster.address, f"tidal-{job_id}", "worker-0"))
+        machine = cluster.node_of(victim())
         removed_at = time.time()
-        cluster.remove(victim)
+        cluster.remove(machine)
         time.sleep(window)
         return gap_stats(stamps, removed_at, window)
     finally:
         stop(proc)
+
+
+def tidal_pause(work: Path, cluster: RayCluster, train: list[str], kill_after: float, window: float) -> dict[str, float]:
+    job_dir, stamps = work / "job", work / "stamps"
+    argv = tidal_argv("1:2", job_dir, stamps, train, ["--backend", "ray", "--ray-address", cluster.address])
+
+    def worker_0() -> str:
+        job_id = json.loads((job_dir / "job.json").read_text())["job_id"]
+        return ray_node_of_actor(cluster.address, f"tidal-{job_id}", "worker-0")
+
+    return lose_a_machine(start(argv, work / "tidal.log", bench_env()), cluster, stamps, worker_0, kill_after,
+                          window, 120)
 
 
 def ray_train_pause(work: Path, cluster: RayCluster, train: list[str], kill_after: float, window: float,
@@ -133,18 +145,12 @@ def ray_train_pause(work: Path, cluster: RayCluster, train: list[str], kill_afte
     stamps.mkdir(parents=True)
     argv = [PYTHON, PEER, "--address", cluster.address, "--stamp-dir", str(stamps), "--storage", str(work / "storage"),
             "--workers", "2", "--min-workers", "1", "--checkpoint-every", str(checkpoint_every), "--", *train]
+
+    def first_worker() -> str:  # each Ray Train worker writes its machine's id to <pid>.node
+        return sorted(stamps.glob("*.node"))[0].read_text().strip()
+
     proc = start(argv, work / "ray_train.log", bench_env(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0"))
-    try:
-        wait_stamps(stamps, 20, 180, workers=2)
-        time.sleep(kill_after)
-        node_files = sorted(stamps.glob("*.node"))
-        victim = cluster.node_of(node_files[0].read_text().strip())
-        removed_at = time.time()
-        cluster.remove(victim)
-        time.sleep(window)
-        return gap_stats(stamps, removed_at, window)
-    finally:
-        stop(proc)
+    return lose_a_machine(proc, cluster, stamps, first_worker, kill_after, window, 180)
 
 
 def pause(tmp: Path, n: int, samples: int, step_sleep: float, kill_after: float, window: float,

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import errno
 import logging
 import os
 import signal
@@ -68,12 +67,12 @@ from tidal.backends.api import (
     RequestIds,
     Resources,
 )
+from tidal.backends.local import CREATE_TIME_TOLERANCE_S, RETRYABLE_ERRNOS
 
 log = logging.getLogger(__name__)
 
 PLACEMENTS = ("spread", "pack")
 LOG_CHUNK = 1 << 20  # bytes of a node's output read per status call
-CREATE_TIME_TOLERANCE_S = 1.0  # as in tidal.backends.local
 CONNECT_TIMEOUT_S = 5.0
 STATUS_TIMEOUT_S = 5.0
 NAME_FREED_S = 3.0
@@ -81,7 +80,6 @@ CLUSTER_GONE_S = 10.0  # the GCS not answering this long: the cluster is gone (R
 GCS_CHECK_S = 1.0
 SUSPECT_MAX_S = 60.0  # the longest new nodes wait for Ray to declare a machine seen gone dead  # a status call that takes longer is asked again on the next round
 PR_SET_PDEATHSIG = 1
-RETRYABLE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOSPC, errno.EAGAIN, errno.ENOMEM})
 
 
 def import_ray() -> Any:
