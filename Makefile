@@ -37,12 +37,16 @@ lint: setup
 
 # Component tests (each starts at most a few processes of its own) run two at a time; the
 # job tests (tests/test_*.py: whole jobs with timeouts and SIGKILLs) one at a time, so that
-# no job shares the 2 cores with another test.
+# no job's timing shares the 2 cores with another test. The job tests whose every assertion
+# holds at any speed (a fingerprint, a ledger; no pause or rate is measured, every wait is
+# long) run in the first phase, a file per xdist worker (the Ray tests start one cluster per file).
 COMPONENT_TESTS := $(sort $(dir $(wildcard tests/*/test_*.py)))
+SPEED_FREE_JOB_TESTS := tests/test_cli_errors.py tests/test_determinism.py tests/test_ray_job.py tests/test_resume.py
+SERIAL_JOB_TESTS := $(filter-out $(SPEED_FREE_JOB_TESTS),$(wildcard tests/test_*.py))
 
 unit: setup
-	$(VENV)/bin/pytest -q -n 2 $(COMPONENT_TESTS)
-	$(VENV)/bin/pytest -q $(wildcard tests/test_*.py)
+	$(VENV)/bin/pytest -q -n 2 --dist loadfile $(COMPONENT_TESTS) $(SPEED_FREE_JOB_TESTS)
+	$(VENV)/bin/pytest -q $(SERIAL_JOB_TESTS)
 
 test: lint unit
 
