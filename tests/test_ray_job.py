@@ -97,12 +97,16 @@ def test_exactly_once_and_the_same_model_through_sigkills_a_lost_machine_a_new_o
     st = job.wait_status(lambda s: s["finalized_step"] > st["finalized_step"] + 3 and not s["reforming"],
                          120, "training on the remaining machines")
     assert sum(w["state"] == "active" for w in st["workers"]) == 2
-    # (c) a machine joins: Ray places the waiting replacement there, and it joins the job
+    # (c) a machine joins: Ray places the waiting replacement there (it then joins the job, if
+    # the job has not ended meanwhile)
+    st = job.wait_status(lambda s: max(w["worker_id"] for w in s["workers"]) > max(where), 60,
+                         "the replacement launched")
+    replacement = max(w["worker_id"] for w in st["workers"])  # launched at the loss, waiting for room
+    assert replacement not in where and not next(w for w in st["workers"] if w["worker_id"] == replacement)["pid"]
     joined = cluster.add(1)
-    st = job.wait_status(lambda s: sum(w["state"] == "active" for w in s["workers"]) == 3 and not s["reforming"],
-                         120, "the replacement on the new machine")
-    newest = max(w["worker_id"] for w in st["workers"] if w["state"] == "active")
-    assert node_of(cluster, job, newest) == joined.node_id
+    job.wait_status(lambda s: any(w["worker_id"] == replacement and w["pid"] for w in s["workers"]), 120,
+                    "the replacement placed and started")
+    assert node_of(cluster, job, replacement) == joined.node_id
     kept = [w for w in survivors if where[w["worker_id"]] != lost]
     assert len(kept) == 2
     # (d) the master SIGKILLed and started again: it finds the actors by name and adopts them
@@ -170,6 +174,15 @@ def test_a_cluster_that_disappears_stops_the_job_resumable(tmp_path: Path, jobs:
     assert json.loads(state).get("job_state", "running") == "running", state  # neither failed nor succeeded
 
 
+def journal_state(path: Path) -> str:
+    """The master's state row of a journal, "" while there is none yet."""
+    try:
+        row = sqlite3.connect(path).execute("select value from meta where key = 'state'").fetchone()
+    except sqlite3.Error:  # not created yet, or being created
+        return ""
+    return str(row[0]) if row else ""
+
+
 def test_a_detached_master_outlives_its_command_and_runs_the_job_to_the_end(tmp_path: Path, cluster: RayCluster) -> None:
     job_dir, ledger = tmp_path / "job", tmp_path / "job.ledger"
     started = subprocess.run(
@@ -182,10 +195,7 @@ def test_a_detached_master_outlives_its_command_and_runs_the_job_to_the_end(tmp_
 
     try:
         # the command has returned; the master, a Ray actor's child, trains the job to its end
-        wait_for(lambda: (job_dir / "journal.sqlite").exists()
-                 and '"succeeded"' in (sqlite3.connect(job_dir / "journal.sqlite").execute(
-                     "select value from meta where key = 'state'").fetchone() or ("",))[0],
-                 120, "the detached job to succeed")
+        wait_for(lambda: '"succeeded"' in journal_state(job_dir / "journal.sqlite"), 120, "the detached job to succeed")
         wait_for(lambda: not [a for a in ray.util.list_named_actors(all_namespaces=True)
                               if a["namespace"] == "tidal-masters"], 30, "the master's actor to end with it")
     finally:
