@@ -523,6 +523,22 @@ class TestRayBackend(TestLocalBackend):
             kill_namespace(namespace)
         self.namespaces = []
 
+    def test_a_node_whose_pid_was_never_journaled_is_freed_not_adopted(self) -> None:
+        # the earlier master died while the node started: its journal has pid 0 for it
+        first = self.new()
+        spec = self.spec("worker-0")
+        self.running(first, spec)
+        first.close()
+        second = self.new(first)
+        second.adopt([NodeHandle("worker-0", 0, None)], "a1")
+        seen = Seen(second)
+        seen.until("the end", lambda s: bool(s.ended))
+        assert seen.ended_codes("worker-0") == [None] and seen.running == {}
+        deadline = time.monotonic() + 10
+        while self.started(second, spec):  # its process went with its actor
+            assert time.monotonic() < deadline, "the node's process outlived its actor"
+            time.sleep(0.05)
+
     def test_request_no_machine_can_hold_is_an_error_naming_the_resource(self) -> None:
         from tidal.backends.ray import RayBackend
 

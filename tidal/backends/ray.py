@@ -536,8 +536,12 @@ class RayBackend:
                 self._finish(handle.node_id, None)
                 continue
             created = info.get("create_time")
-            if info["pid"] == handle.pid and created is None:  # its process ended: free its actor
-                log.info("node %s (pid %d) has ended: not adopted", handle.node_id, handle.pid)
+            if handle.pid == 0 or (info["pid"] == handle.pid and created is None):
+                # its process ended, or the earlier master never learnt its pid (it died while the
+                # node started): the actor is this job's (its namespace says so) and no round
+                # counts on it, so it is freed, its process with it, and the node reported ended
+                log.info("node %s (pid %s) is not adopted: ended or never known; its actor is freed",
+                         handle.node_id, info["pid"])
                 actor.forget.remote()
                 self._kill_actor_of(actor)
                 self._finish(handle.node_id, None)
@@ -683,10 +687,11 @@ class RayBackend:
         return state
 
     def close(self) -> None:
-        """Stop watching. The nodes that still run keep running (a restarted master adopts them);
-        the actors of those that ended are freed by a last round (detached actors would hold their
-        CPUs in the cluster for good). A watcher stuck in a call to a cluster that is gone is left
-        behind (a daemon thread)."""
+        """Stop watching. The nodes that still run keep running (a restarted master adopts them by
+        the pid it journaled). Detached actors would hold their CPUs in the cluster for good, so
+        the others are freed: those that ended (a last round), those being killed, and those not
+        started yet (no pid: nothing could adopt them). A watcher stuck in a call to a cluster that
+        is gone is left behind (a daemon thread)."""
         self._closed.set()
         self._watcher.join(timeout=STATUS_TIMEOUT_S + 1)
         if self._watcher.is_alive() or self._unreachable_since is not None:
@@ -695,6 +700,11 @@ class RayBackend:
             self._round(create=False)
         except Exception:
             log.exception("ray backend: the last round failed")
+        with self._lock:
+            unadoptable = [node for node in self._nodes.values()
+                           if node.actor is not None and not node.ended and (node.killed or node.handle is None)]
+        for node in unadoptable:
+            self._kill_actor(node)  # its process, if any, dies with it (PR_SET_PDEATHSIG)
 
 
 # ============================================================================ helpers
