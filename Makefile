@@ -39,10 +39,12 @@ lint: setup
 # job tests (tests/test_*.py: whole jobs with timeouts and SIGKILLs) one at a time, so that
 # no job's timing shares the 2 cores with another test. The job tests whose every assertion
 # holds at any speed (a fingerprint, a ledger; no pause or rate is measured, every wait is
-# long) run in the first phase, a file per xdist worker. The Ray job tests stay serial: a
-# replacement placed on a machine that joins must start before the job ends.
+# long; a kill falls mid-run because each step sleeps) run in the first phase, a file per
+# xdist worker. The Ray job tests stay serial: a replacement placed on a machine that joins
+# must start before the job ends.
 COMPONENT_TESTS := $(sort $(dir $(wildcard tests/*/test_*.py)))
-SPEED_FREE_JOB_TESTS := tests/test_cli_errors.py tests/test_determinism.py tests/test_resume.py
+SPEED_FREE_JOB_TESTS := tests/test_cli_errors.py tests/test_determinism.py tests/test_resume.py \
+		tests/test_data_workers_job.py
 SERIAL_JOB_TESTS := $(filter-out $(SPEED_FREE_JOB_TESTS),$(wildcard tests/test_*.py))
 
 unit: setup

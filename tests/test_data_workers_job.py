@@ -89,7 +89,7 @@ LOGICAL = ["--samples", "12000", "--epochs", "2", "--batch-size", "128", "--log-
 def test_same_model_with_any_number_of_data_workers(tmp_path: Path, jobs: list[Job], reference: str,
                                                     data_workers: int) -> None:
     ckpt = tmp_path / "ckpt"
-    job = Job(tmp_path, "2:2", [*LOGICAL, "--step-sleep", "0.5" if data_workers == 3 else "0.02"],
+    job = Job(tmp_path, "2:2", [*LOGICAL, "--step-sleep", "0.3" if data_workers == 3 else "0.02"],
               run_args=["--logical-workers", "4", "--checkpoint-dir", str(ckpt),
                         "--data-workers", str(data_workers)]).start()
     jobs.append(job)

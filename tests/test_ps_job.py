@@ -214,7 +214,7 @@ def test_a_killed_server_fails_a_job_without_checkpoints(tmp_path: Path, jobs: l
 # ---------------------------------------------------------------------------- out of memory
 # The example's tables grow to about 1.5 MiB over the first epoch (7,400 rows of 8 x 16 float32
 # with Adam's two moments), then stay: one server with 1.2 MiB runs out at about 80% of it.
-OOM_ARGS = ("--step-sleep", "1.0")
+OOM_ARGS = ("--step-sleep", "0.5")
 
 
 def test_tables_outgrowing_a_server_fail_the_job_with_an_out_of_memory_report(tmp_path: Path,

@@ -52,19 +52,20 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     return plain_python_fingerprint(tmp_path_factory.mktemp("plain") / "ckpt", UNPACED)
 
 
-def ray_job(tmp_path: Path, cluster: RayCluster, workers: str, script_args: list[str], *run_args: str) -> Job:
-    return Job(tmp_path, workers, script_args,
+def ray_job(tmp_path: Path, cluster: RayCluster, workers: str, script_args: list[str], *run_args: str,
+            name: str = "job") -> Job:
+    return Job(tmp_path, workers, script_args, name=name,
                run_args=["--backend", "ray", "--ray-address", cluster.address, *run_args])
 
 
-def node_of(cluster: RayCluster, job: Job, worker_id: int) -> str:
-    """The Ray machine (node id) a worker's actor runs on."""
+def node_of(cluster: RayCluster, job: Job, worker_id: int, role: str = "worker") -> str:
+    """The Ray machine (node id) a node's actor runs on."""
     import ray
 
     from tidal.backends.ray import connect
 
     connect(cluster.address)
-    actor = ray.get_actor(f"worker-{worker_id}", namespace=f"tidal-{job.info()['job_id']}")
+    actor = ray.get_actor(f"{role}-{worker_id}", namespace=f"tidal-{job.info()['job_id']}")
     info: dict[str, Any] = ray.get(actor.describe.remote(), timeout=10)
     return str(info["ray_node"])
 
@@ -129,6 +130,33 @@ def test_exactly_once_and_the_same_model_through_sigkills_a_lost_machine_a_new_o
     # every actor's output reached the job directory
     logs = sorted(p.name for p in (job.dir / "logs").glob("worker-*.log"))
     assert len(logs) >= 5 and all((job.dir / "logs" / n).stat().st_size > 0 for n in logs), logs
+
+
+def test_servers_and_data_workers_are_actors_too_packed_or_spread(tmp_path: Path, jobs: list[Job],
+                                                                  cluster: RayCluster) -> None:
+    # --placement pack: a worker and its parameter server (1 CPU each) on one machine, the
+    # biggest (a 2-CPU machine joins for them); a data worker job beside it, spread
+    big = cluster.add(2)
+    try:
+        ps = ray_job(tmp_path, cluster, "1:1", ["--ps", *example_args(4000, 1, 128, 0.6)],
+                     "--ps", "1", "--placement", "pack", name="ps")
+        jobs.append(ps.start())
+        ps.wait_step(2, 120)
+        assert node_of(cluster, ps, 0) == node_of(cluster, ps, 0, "ps") == big.node_id
+        data = ray_job(tmp_path, cluster, "1:1", [*example_args(4000, 1, 128), "--raw-features"],
+                       "--data-workers", "2", name="data")
+        jobs.append(data.start())
+        st = data.wait_status(lambda s: sum(d["state"] == "running" for d in s["data_workers"]) == 2, 120,
+                              "2 data workers")
+        machines = {node_of(cluster, data, d["id"], "data") for d in st["data_workers"]}
+        assert len(machines) == 2 and big.node_id not in machines  # spread, on the machines with room
+        assert ps.wait(240) == 0, ps.output()[-3000:]
+        assert data.wait(240) == 0, data.output()[-3000:]
+        assert ps.audit(4000, 1).ok and data.audit(4000, 1).ok
+        # every actor's output goes to the job directory (a server reporting to its master prints nothing)
+        assert (ps.dir / "logs" / "ps-0.log").is_file() and (data.dir / "logs" / "data-0.log").stat().st_size > 0
+    finally:
+        cluster.remove(big)
 
 
 def test_a_request_no_machine_can_hold_fails_the_job_naming_the_resource(

@@ -307,7 +307,8 @@ class _Node:
     feasible: bool = True
     start_ref: Any = None  # the pending ``start`` call (None once answered)
     handle: NodeHandle | None = None  # once it runs
-    ray_node: str = ""
+    ray_node: str = ""  # the Ray machine it runs on, once it has said so
+    target: str = ""  # the machine ``pack`` asked for (until ray_node is known)
     adopted: bool = False
     offset: int = 0  # bytes of its output already in log_path
     killed: bool = False
@@ -322,7 +323,8 @@ class RayBackend:
             or ``HOST:PORT`` of the head's GCS.
         namespace: the Ray namespace of the job's actors (``tidal-{job id}``): node ids are names in it.
         placement: ``spread`` (Ray's SPREAD strategy: nodes on as many machines as possible) or
-            ``pack`` (onto the machine that holds most of the job's nodes while it has room).
+            ``pack`` (onto the machine that holds most of the job's nodes while it has room; the
+            first onto the machine with the most CPUs).
         wait_for_resources_s: how long a node may wait for room (or for a machine that can hold it
             to join) before it is reported as not started; 0: a request no machine can hold fails at
             once, one that fits waits for room without limit.
@@ -421,8 +423,9 @@ class RayBackend:
             if not node.feasible and self.wait_for_resources_s == 0:
                 self._drop(node_id, NodeError(node_id, unplaceable(spec.resources, machines)))
                 continue
+            target = self._pack_target(spec.resources, machines) if self.placement == "pack" else ""
             try:
-                actor = self._create(spec)
+                actor = self._create(spec, target)
             except ValueError as exc:  # the name is taken: an actor of an earlier master, not adopted
                 self._drop(node_id, NodeError(node_id, f"cannot create the actor of {node_id}: {_first_line(exc)}"))
                 continue
@@ -430,7 +433,7 @@ class RayBackend:
                 if node.ended:  # terminated meanwhile
                     self._kill_actor_of(actor)
                     continue
-                node.actor, node.spec = actor, None
+                node.actor, node.spec, node.target = actor, None, target
                 node.start_ref = actor.start.remote()
             log.info("node %s: actor requested (%s)", node_id, spec.resources)
 
@@ -440,7 +443,7 @@ class RayBackend:
             self._nodes.pop(node_id, None)
         self._fail(error)
 
-    def _create(self, spec: NodeSpec) -> Any:
+    def _create(self, spec: NodeSpec, target: str) -> Any:
         """The node's actor. Its name is the node id: one that failed to start was killed a moment
         ago, and Ray frees a dead actor's name shortly after; so a name taken is asked again for up
         to ``NAME_FREED_S``."""
@@ -451,7 +454,7 @@ class RayBackend:
                     name=spec.node_id, namespace=self.namespace, lifetime="detached", max_restarts=0,
                     num_cpus=spec.resources.cpus, num_gpus=spec.resources.gpus,
                     memory=spec.resources.memory_mb * 2**20 if spec.resources.memory_mb else None,
-                    scheduling_strategy=self._strategy(),
+                    scheduling_strategy=self._strategy(target),
                 ).remote(spec.node_id, list(spec.argv), dict(spec.env), spec.cwd, spec.log_path)
             except ValueError:
                 if time.monotonic() > deadline:
@@ -462,20 +465,29 @@ class RayBackend:
         """The live machines (Ray nodes) of the cluster, as ``ray.nodes()`` gives them."""
         return [m for m in self._ray.nodes() if m.get("Alive")]
 
-    def _strategy(self) -> Any:
-        if self.placement == "spread":
+    def _strategy(self, target: str) -> Any:
+        if not target:
             return "SPREAD"
-        with self._lock:
-            counts: dict[str, int] = {}
-            for node in self._nodes.values():
-                if node.ray_node and not node.ended:
-                    counts[node.ray_node] = counts.get(node.ray_node, 0) + 1
-        if not counts:
-            return "DEFAULT"
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         # soft: once that machine is full (or gone) Ray places the node elsewhere
-        return NodeAffinitySchedulingStrategy(node_id=max(counts, key=lambda k: counts[k]), soft=True)
+        return NodeAffinitySchedulingStrategy(node_id=target, soft=True)
+
+    def _pack_target(self, asked: Resources, machines: list[dict[str, Any]]) -> str:
+        """``pack``: the machine that holds (or was asked for) most of the job's live nodes, among
+        those big enough for ``asked``; with none yet, the biggest (most CPUs): room for the most
+        nodes beside it. Counting the machines asked for, not only those confirmed, keeps a batch
+        of nodes launched at once together."""
+        fitting = {m["NodeID"]: m for m in machines if _fits(asked, m["Resources"])}
+        if not fitting:
+            return ""  # wait_for_resources: no machine can hold it yet; Ray decides when one joins
+        counts = dict.fromkeys(fitting, 0)
+        with self._lock:
+            for node in self._nodes.values():
+                machine = node.ray_node or node.target
+                if machine in counts and not node.ended:
+                    counts[machine] += 1
+        return max(fitting, key=lambda k: (counts[k], fitting[k]["Resources"].get("CPU", 0.0), k))
 
     def _fail(self, error: NodeError) -> None:
         log.warning("node %s did not start: %s", error.node_id, error.message)
@@ -649,6 +661,7 @@ class RayBackend:
             return
         node.ray_node = info["ray_node"]
         node.handle = NodeHandle(node_id, info["pid"], info["create_time"])
+        self._append_log(node, b"")  # the log exists from the start, as on the local backend
         log.info("node %s started: pid %d on %s with %s", node_id, info["pid"], info["host"], info["assigned"])
         if node.killed:  # terminated while it was starting
             node.actor.kill.remote()

@@ -281,7 +281,8 @@ def run(
     placement: str = typer.Option(
         "spread", "--placement", metavar="spread|pack",
         help="With --backend ray: spread the job's nodes over the cluster's machines (Ray's SPREAD strategy), "
-             "or pack them onto the machine that already holds most of them while it has room."),
+             "or pack them onto the machine that already holds most of them while it has room (the first "
+             "onto the machine with the most CPUs)."),
     wait_for_resources: float = typer.Option(
         0.0, "--wait-for-resources", metavar="SECONDS",
         help="With --backend ray: how long a node may wait for a machine with room. 0 (default): a request no "
