@@ -13,7 +13,7 @@ Stage 2, auto-scaling, every decision interval:
   non-negativity). With fewer distinct samples than its five coefficients the model is the most
   similar past job's (or the paper's published coefficients, section 6.2) rescaled to match
   the throughput measured now;
-* job-level candidates: NSGA-II (pymoo) over ``A = (w, p, lambda_w, lambda_p)`` minimising
+* job-level candidates: NSGA-II (``tidal.brain.nsga2``) over ``A = (w, p, lambda_w, lambda_p)`` minimising
   Eq. 9, ``(RC(A), 1 / TG(A))``, with
 
   - Eq. 7, ``RC(A) = sum_r a_r Money(a_r)``: cores times the price of a core plus GB times the
@@ -53,6 +53,7 @@ from tidal.brain.api import FitError, ThroughputConfig, ThroughputSample
 from tidal.brain.dlrover import C_MAX, PSConfig, hot_ps_cores, require_ps
 from tidal.brain.history import Feature, HistoryStore, top_k
 from tidal.brain.models import DLRoverRMModel
+from tidal.brain.nsga2 import nsga2
 from tidal.brain.oom import predict_oom
 
 __all__ = [
@@ -289,14 +290,6 @@ def nsga_candidates(params: Mapping[str, float], now: PSConfig, psi_now: float, 
     Memory per pod stays as now. The constraint is the job's quota, ``w l_w + p l_p <= C_total``.
     Returns the non-dominated feasible candidates with ``TG > 0``, cheapest first.
     """
-    from pymoo.algorithms.moo.nsga2 import NSGA2
-    from pymoo.core.problem import Problem
-    from pymoo.operators.crossover.sbx import SBX
-    from pymoo.operators.mutation.pm import PM
-    from pymoo.operators.repair.rounding import RoundingRepair
-    from pymoo.operators.sampling.rnd import IntegerRandomSampling
-    from pymoo.optimize import minimize
-
     horizon = remaining_steps / max(psi_now, _EPS)
     xu = np.array([max_workers, max_ps, C_MAX, C_MAX])
 
@@ -312,26 +305,11 @@ def nsga_candidates(params: Mapping[str, float], now: PSConfig, psi_now: float, 
         tg = delta - lost / max(horizon, _EPS)
         return rc, tg, psi, cores
 
-    class _Problem(Problem):  # type: ignore[misc]
-        def __init__(self) -> None:
-            super().__init__(n_var=4, n_obj=2, n_ieq_constr=1, xl=np.ones(4), xu=xu, vtype=int)
+    def evaluate(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        rc, tg, _, cores = objectives(x)
+        return np.column_stack([rc, -tg]), cores - cpu_quota
 
-        def _evaluate(self, x: np.ndarray, out: dict[str, np.ndarray], *args: object, **kwargs: object) -> None:
-            rc, tg, _, cores = objectives(x)
-            out["F"] = np.column_stack([rc, -tg])
-            out["G"] = (cores - cpu_quota)[:, None]
-
-    algorithm = NSGA2(
-        pop_size=pop_size,
-        sampling=IntegerRandomSampling(),
-        crossover=SBX(prob=0.9, eta=3.0, vtype=float, repair=RoundingRepair()),
-        mutation=PM(prob=0.9, eta=3.0, vtype=float, repair=RoundingRepair()),
-        eliminate_duplicates=True,
-    )
-    res = minimize(_Problem(), algorithm, ("n_gen", generations), seed=seed, verbose=False)
-    if res.X is None:
-        return []
-    xs = np.atleast_2d(np.asarray(res.X)).astype(int)
+    xs = nsga2(evaluate, np.ones(4), xu, pop_size=pop_size, generations=generations, seed=seed)
     rc, tg, psi, cores = objectives(xs)
     now_rc = resource_cost(now, cost)
     out = []
