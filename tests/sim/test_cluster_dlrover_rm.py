@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import random
 from pathlib import Path
 
 import pytest
@@ -137,23 +136,3 @@ def test_users_fit_the_quota_keeping_their_configurations_shape() -> None:
         # the worker share of the pods moves by no more than the last pod taken off either side
         share, asked_share = got.workers / (got.workers + got.ps), asked[0] / sum(asked)
         assert abs(share - asked_share) <= 1 / (got.workers + got.ps) + 0.05, (j.jid, asked, got)
-
-
-def test_dlrover_rm_starts_from_the_history_of_the_jobs_before_the_window() -> None:
-    jobs, nodes = scen.make_jobs(TRACE, 16, 3)
-    earlier, earlier_nodes = scen.make_jobs(TRACE, 16, 3, earlier=True)
-    assert {j.kind for j in earlier} <= set(scen.make_kinds(4, random.Random(3)))  # the same users' models
-    assert not {j.jid for j in earlier} & {j.jid for j in jobs}  # its records never replace the window's
-    assert [j.duration for j in earlier] != [j.duration for j in jobs]  # another stretch of the trace
-    before = scen.Sim("dlrover-rm", earlier, earlier_nodes * scen.NODE_CORES, earlier_nodes * scen.NODE_MEM_GB, 3)
-    before.run()
-    assert before.history is not None and len(before.history.records()) > 0
-
-    def run(history: object) -> list[scen.Job]:
-        window, _ = scen.make_jobs(TRACE, 16, 3)
-        scen.Sim("dlrover-rm", window, nodes * scen.NODE_CORES, nodes * scen.NODE_MEM_GB, 3, history).run()  # type: ignore[arg-type]
-        return window
-
-    cold, warm = run(None), run(before.history)
-    assert not cold[0].warm and warm[0].warm  # the window's first job: nothing had finished yet
-    assert sum(j.warm for j in warm) > sum(j.warm for j in cold)
