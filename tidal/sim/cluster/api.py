@@ -54,13 +54,11 @@ class PhillyJob:
 
 
 def load_philly(path: Path, jobs: int, seed: int, max_gpus: int | None = None,
-                min_duration_s: float = 60.0, before: bool = False) -> list[PhillyJob]:
+                min_duration_s: float = 60.0) -> list[PhillyJob]:
     """A window of ``jobs`` consecutive submissions (sorted by time) starting at a seeded offset.
 
     EasyScale and GoldMiner sample a window of the trace; jobs shorter than ``min_duration_s``
-    (failed at start) and, if given, larger than ``max_gpus`` are skipped. ``before``: the
-    ``jobs`` submissions just before that window instead (the trace's first ones if there are
-    too few): what the cluster ran earlier.
+    (failed at start) and, if given, larger than ``max_gpus`` are skipped.
     """
     try:
         with open(path, newline="") as f:
@@ -80,8 +78,6 @@ def load_philly(path: Path, jobs: int, seed: int, max_gpus: int | None = None,
         raise ConfigError(f"{path} has only {len(parsed)} usable jobs, {jobs} asked")
     parsed.sort()
     start = random.Random(seed).randrange(0, len(parsed) - jobs + 1)
-    if before:
-        start = max(0, start - jobs)
     window = parsed[start:start + jobs]
     t0 = window[0][0]
     return [PhillyJob(t - t0, d, g) for t, d, g in window]

@@ -16,10 +16,6 @@ Where the numbers come from:
   time; the Philly duration is the job's length *at the ideal speed*: ``steps = duration x
   Psi*`` where ``Psi*`` is the best throughput any configuration within the job's quota reaches
   (exhaustive search of the ground truth below). So ``JCT >= duration`` for every policy.
-* History: DLRover-RM's warm start reads the jobs a cluster ran before; its run of a window
-  starts from the history of its own run of the ``jobs`` submissions just before the window (the
-  same users' models, ``make_jobs(earlier=True)``), not from an empty one, under which the
-  window's first ~40% of jobs started cold (none had finished yet).
 * Quota ``C_total``: DLRover 6.1 (200 cores a job, 32 a pod); a job with ``g`` Philly GPUs gets
   ``min(200, 64 g)`` (our mapping: bigger Philly jobs are bigger CPU jobs).
 * Throughput (ground truth): DLRover-RM Eq. 1-6 with the coefficients of section 6.2
@@ -239,11 +235,10 @@ class Job:
 
 
 class Sim:
-    def __init__(self, policy: str, jobs: list[Job], cores: int, mem_gb: float, seed: int,
-                 history: SQLiteHistory | None = None) -> None:
+    def __init__(self, policy: str, jobs: list[Job], cores: int, mem_gb: float, seed: int) -> None:
         self.policy, self.jobs, self.cores, self.mem = policy, jobs, cores, mem_gb
         self.rng = random.Random(f"{seed}-{policy}")
-        self.history = (history if history is not None else SQLiteHistory(":memory:")) if policy == "dlrover-rm" else None
+        self.history = SQLiteHistory(":memory:") if policy == "dlrover-rm" else None
         self.used_cpu = 0.0
         self.used_mem = 0.0
         self.t = 0.0
@@ -645,21 +640,16 @@ class Sim:
         )
 
 
-def make_jobs(trace: Path, n: int, seed: int, load: float = DEFAULT_LOAD,
-              earlier: bool = False) -> tuple[list[Job], int]:
+def make_jobs(trace: Path, n: int, seed: int, load: float = DEFAULT_LOAD) -> tuple[list[Job], int]:
     """The window's jobs (same draws for every policy) and the cluster's server count.
 
     The cluster has as many servers as make the users' requested core-seconds over the
-    arrival window ``load`` of its cores. ``earlier``: the ``n`` jobs submitted before the
-    window instead, of the same users' models (kinds), with draws of their own: what the
-    cluster ran before, whose history DLRover-RM's warm start reads.
+    arrival window ``load`` of its cores.
     """
     check_load(load)
-    philly = load_philly(trace, n, seed, min_duration_s=MIN_DURATION_S, before=earlier)
+    philly = load_philly(trace, n, seed, min_duration_s=MIN_DURATION_S)
     rng = random.Random(seed)
     kinds = make_kinds(max(4, n // 8), rng)
-    if earlier:
-        rng = random.Random(f"{seed}-earlier")
     weights = [1.0 / (i + 1) ** 0.8 for i in range(len(kinds))]  # a few models recur often
     jobs = []
     requested = 0.0
@@ -672,7 +662,7 @@ def make_jobs(trace: Path, n: int, seed: int, load: float = DEFAULT_LOAD,
         for _ in range(8):
             acc += rng.expovariate(1.0)
             draws.append((acc, rng.random()))
-        job = Job(f"{'e' if earlier else 'j'}{i}", pj.submit_s, k, quota, pj.duration_s * best_thp, pj.duration_s,
+        job = Job(f"j{i}", pj.submit_s, k, quota, pj.duration_s * best_thp, pj.duration_s,
                   math.exp(k.mem_growth_mu + rng.gauss(0, 0.4)), straggle, draws)
         jobs.append(job)
         requested += quota * pj.duration_s
@@ -685,15 +675,7 @@ def simulate(trace: Path, jobs: int, seed: int, policy: str, load: float = DEFAU
     if policy not in POLICIES:
         raise ConfigError(f"unknown policy {policy!r} for dlrover-rm; known: {', '.join(POLICIES)}")
     js, nodes = make_jobs(trace, jobs, seed, load)
-    history = None
-    if policy == "dlrover-rm":
-        # the job history a production cluster has: the jobs it ran before the window (an empty
-        # history started the window's first ~40% of jobs cold: none had finished yet)
-        before, before_nodes = make_jobs(trace, jobs, seed, load, earlier=True)
-        earlier = Sim(policy, before, before_nodes * NODE_CORES, before_nodes * NODE_MEM_GB, seed)
-        earlier.run()
-        history = earlier.history
-    return Sim(policy, js, nodes * NODE_CORES, nodes * NODE_MEM_GB, seed, history).run()
+    return Sim(policy, js, nodes * NODE_CORES, nodes * NODE_MEM_GB, seed).run()
 
 
 def run(trace: Path, jobs: int, seed: int, policies: list[str],
