@@ -266,9 +266,9 @@ def summarize_dlrover_rm(rows: list[dict[str, Any]]) -> list[str]:
         for peer, target in (("manual", 0.75), ("es", 0.85), ("optimus", 0.85)):
             vals = [p["dlrover-rm"]["median_jct_s"] / p[peer]["median_jct_s"] for p in pol]
             cells.append(f"{_med_worst(vals, max)} ({_check(statistics.median(vals), target, True)})")
-            if peer == "manual":  # what a policy at the ideal speed from arrival would reach
-                floor = [r.get("floor_median_jct_s", math.nan) / r["policies"]["manual"]["median_jct_s"] for r in sel]
-                cells.append(_med_worst(floor, max))
+        # beside rm/manual: what a policy at the ideal speed from arrival would reach
+        floor = [r.get("floor_median_jct_s", math.nan) / r["policies"]["manual"]["median_jct_s"] for r in sel]
+        cells.insert(1, _med_worst(floor, max))
         comp = [p["dlrover-rm"]["completion_rate"] - p["manual"]["completion_rate"] for p in pol]
         cells.append(f"{_med_worst(comp, min)} ({'met' if statistics.median(comp) > 0 else 'MISSED'})")
         q_rm = [p["dlrover-rm"]["avg_queue_s"] / 3600 for p in pol]

@@ -58,14 +58,14 @@ def ray_job(tmp_path: Path, cluster: RayCluster, workers: str, script_args: list
                run_args=["--backend", "ray", "--ray-address", cluster.address, *run_args])
 
 
-def node_of(cluster: RayCluster, job: Job, worker_id: int, role: str = "worker") -> str:
+def node_of(cluster: RayCluster, job: Job, index: int, role: str = "worker") -> str:
     """The Ray machine (node id) a node's actor runs on."""
     import ray
 
     from tidal.backends.ray import connect
 
     connect(cluster.address)
-    actor = ray.get_actor(f"{role}-{worker_id}", namespace=f"tidal-{job.info()['job_id']}")
+    actor = ray.get_actor(f"{role}-{index}", namespace=f"tidal-{job.info()['job_id']}")
     info: dict[str, Any] = ray.get(actor.describe.remote(), timeout=10)
     return str(info["ray_node"])
 
