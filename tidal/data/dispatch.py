@@ -233,7 +233,10 @@ class Dispatcher:
     def _wait(self, task: _Task) -> Any:
         while True:
             if task.step in self._ready:
-                return self._ready[task.step]
+                batch = self._ready[task.step]
+                if isinstance(batch, BatchError):
+                    raise batch
+                return batch
             if task.address is None:
                 self.built_here += 1
                 return self.build_local(task.step, task.start, task.end)
@@ -303,7 +306,9 @@ class Dispatcher:
             self._redispatch(task, "its data worker serves another loader")
             return
         if "error" in meta:
-            raise BatchError(str(meta["error"]))
+            # raised when the loader reaches this step, not now: the batches before it are good
+            self._ready[step] = BatchError(str(meta["error"]))
+            return
         try:
             batch = unflatten(meta.get("tree"), msg.tensors)
         except BatchError as exc:
