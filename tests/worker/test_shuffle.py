@@ -156,17 +156,17 @@ def test_a_full_queue_stops_accepting_until_it_falls_below_lower(units: tuple[Sh
 
 
 def test_a_reader_goes_past_the_ranges_committed_ahead_of_its_position(tmp_path: Path) -> None:
-    from tidal.worker.stream_loader import StreamLoader
+    from tidal.worker.stream_reader import PartitionReader
 
     source = FileStreamSource(f"file://{tmp_path}/clicks")
     ids = [pack_id(i) for i in source.append(0, [{"n": str(i).encode()} for i in range(10)])]
-    loader = StreamLoader(None, source, batch_size=4, decode=decode)  # type: ignore[arg-type]
+    reader = PartitionReader(source, batch_size=4)
     # committed ahead of the position (nothing): records 2-3 and 6-7 (as [after, last])
-    loader._skips = {0: [[ids[1], ids[3]], [ids[5], ids[7]]]}
+    reader.skips = {0: [[ids[1], ids[3]], [ids[5], ids[7]]]}
     read: list[int] = []
     position = 0
     while True:
-        after, records = loader._read_partition(0, position)
+        after, records = reader.read_partition(0, position)
         if not records:
             break
         assert after == position or (position, after) in [(ids[1], ids[3]), (ids[5], ids[7])]

@@ -34,19 +34,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 from tidal.api.streams import pack_id, parse_id, unpack_id
-from tidal.data.api import StreamRecord, StreamSource
+from tidal.data.api import StreamSource
 from tidal.data.streams import open_source
 from tidal.worker.api import UsageError
 from tidal.worker.shuffle import ShuffleUnit
 from tidal.worker.step import StepRunner
+from tidal.worker.stream_reader import READER_ENV, Decode, PartitionReader, Picked, ReadAhead, Taken
 
 log = logging.getLogger(__name__)
 
 BACKLOG_EVERY_S = 1.0
-
-Decode = Callable[[list[dict[str, bytes]]], tuple[Any, list[int]]]
-Decoded = tuple[Any, list[int]]
-Picked = tuple[int, int, list[StreamRecord]]  # partition, the position read after, the records
 
 
 class StreamHost(Protocol):
@@ -105,16 +102,16 @@ class StreamLoader:
         self.malformed = 0
         self._generation = -1
         self._positions: dict[int, int] = {}  # partition -> packed id read up to (this round)
-        self._skips: dict[int, list[list[int]]] = {}  # partition -> ranges committed ahead, [after, last]
-        self._order: list[int] = []
+        self.reader = PartitionReader(self.source, batch_size)  # its order and skips: this round's
         self._turn = 0
         self._next_discover = 0.0
         self._next_backlog = 0.0
         self._busy_s, self._busy_since = 0.0, clock()
         self.trim = os.environ.get("TIDAL_STREAM_TRIM") == "1"  # tidal run --trim-after-commit
         self._trimmed: dict[int, int] = {}
-        self._pool: ThreadPoolExecutor | None = None
-        self._prefetch: tuple[Any, Future[Any]] | None = None
+        # the next batch is read and decoded while this one trains (tidal.worker.stream_reader)
+        self._ahead = ReadAhead(self.reader, decode, use_process=os.environ.get(READER_ENV, "process") == "process")
+        self._ahead_key: Any = None
         self._backlog0: dict[int, int] = {}  # per partition, at the round's start
         self._appended0: dict[int, int] = {}
         self._taken: dict[int, int] = {}  # records read since the round's start
@@ -163,14 +160,17 @@ class StreamLoader:
                     job.stream_partitions = seen
                     job.leave_for_rendezvous(f"new stream partitions {sorted(set(seen) - set(self._positions))}")
                     continue
+            taken: Taken | None
             if self._unit is not None:  # global shuffling: the local queue, filled by the unit's reader
                 queued = self._unit.take(job.round, self.poll_s, self.batch_size)
-                picked = None if queued is None else (queued.partition, queued.after, queued.records)
-                fetched = None
+                taken = None if queued is None else \
+                    Taken.decoded((queued.partition, queued.after, queued.records), self.decode)
             else:
-                fetched = self._take_prefetched()
-                picked = fetched[0] if fetched is not None else self._read()
-            if picked is None or self.clock() >= self._next_backlog:
+                taken = self._take_ahead()
+                if taken is None:
+                    picked = self._read()
+                    taken = None if picked is None else Taken.decoded(picked, self.decode)
+            if taken is None or self.clock() >= self._next_backlog:
                 # the backlog and the oldest waiting record: at most once a second, and when idle
                 now = self.clock()
                 busy = self._busy_s / (now - self._busy_since) if now > self._busy_since else -1.0
@@ -183,116 +183,67 @@ class StreamLoader:
                     job.note_stream(counted[0], counted[1], min(1.0, busy), self.malformed, shuffle)
                 if self.trim:
                     self._trim(job.stream_committed)
-            if picked is None:
+            if taken is None:
                 steps.empty(0)  # nobody may have a record (nothing is applied then): poll again
                 if steps.idle_reform:  # a drained job still re-forms (a scale-in, say)
                     job.leave_for_rendezvous("re-form requested by the master")
                 continue
-            partition, after, records = picked
-            batch, bad = fetched[1] if fetched is not None else self.decode([r.fields for r in records])
-            if bad:
-                self.malformed += len(bad)
-                log.warning("worker %d: %d malformed records skipped in partition %d: %s", job.worker_id, len(bad),
-                            partition, ", ".join(records[i].id for i in bad[:5]))
-            first, last = pack_id(records[0].id), pack_id(records[-1].id)
+            if taken.bad_ids:
+                self.malformed += len(taken.bad_ids)
+                log.warning("worker %d: %d malformed records skipped in partition %d: %s", job.worker_id,
+                            len(taken.bad_ids), taken.partition, ", ".join(taken.bad_ids[:5]))
             if self._unit is None:
-                self._took(self._positions, partition, after, records)
-                self._start_prefetch()  # the next batch is read and decoded while this one trains
-            pending = steps.begin_stream(partition, after, first, last, len(records))
+                self._took(self._positions, taken.partition, taken.after, taken.last, taken.count)
+                self._start_ahead()
+            pending = steps.begin_stream(taken.partition, taken.after, taken.first, taken.last, taken.count)
             began = self.clock()
-            yield batch
+            yield taken.batch
             # busy for the share of the step's batch it filled: a worker that keeps up trains a few
             # records every step, and counting such a step as busy would read as saturation
-            self._busy_s += (self.clock() - began) * min(1.0, len(records) / self.batch_size)
+            self._busy_s += (self.clock() - began) * min(1.0, taken.count / self.batch_size)
             if steps.pending is pending:
                 raise UsageError("call job.step() once for every batch of the elastic loader")
 
-    # One batch ahead: once a batch is handed out, the next is read and decoded by a background
-    # thread while the script trains on it (the socket read and the C reply parser leave the GIL
-    # to the training thread most of the time). It is taken only if nothing moved meanwhile
-    # (same round, same positions); otherwise it is dropped and read again.
-    def _start_prefetch(self) -> None:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tidal-stream")
-        key = (self._generation, self._turn, tuple(sorted(self._positions.items())))
-        self._prefetch = (key, self._pool.submit(self._read_ahead, dict(self._positions), self._turn))
+    # One batch ahead: once a batch is handed out, the next is read and decoded (by the reader
+    # process, or a thread) while the script trains on it. It is taken only if nothing moved
+    # meanwhile (same round, same positions); otherwise it is dropped and read again.
+    def _ahead_now(self) -> Any:
+        return self._generation, self._turn, tuple(sorted(self._positions.items()))
 
-    def _read_ahead(self, positions: dict[int, int], turn: int) -> tuple[Picked | None, int, Decoded | None]:
-        picked, turn = self._next_records(positions, turn)
-        return picked, turn, (self.decode([r.fields for r in picked[2]]) if picked is not None else None)
+    def _start_ahead(self) -> None:
+        self._ahead_key = self._ahead_now()
+        self._ahead.start(self._positions, self._turn)
 
-    def _take_prefetched(self) -> tuple[Picked, Decoded] | None:
-        """The batch read ahead, with its decoded form, if it still follows what was handed out."""
-        if self._prefetch is None:
+    def _take_ahead(self) -> Taken | None:
+        """The batch read ahead, if it still follows what was handed out."""
+        if self._ahead_key is None:
             return None
-        (key, future), self._prefetch = self._prefetch, None
-        if key != (self._generation, self._turn, tuple(sorted(self._positions.items()))):
-            future.cancel()
+        key, self._ahead_key = self._ahead_key, None
+        if key != self._ahead_now():
+            self._ahead.discard()
             return None
-        try:
-            picked, turn, decoded = future.result()
-        except Exception as exc:  # e.g. the stream unavailable: read again in this thread, which raises
-            log.debug("worker %d: read ahead failed: %s", self.job.worker_id, exc)
+        got = self._ahead.take()
+        if got is None or got[0] is None:
             return None
-        if picked is None or decoded is None:
-            return None
-        self._turn = turn
-        return picked, decoded
-
-    def _next_records(self, positions: dict[int, int], turn: int, block_s: float = 0.0) -> tuple[Picked | None, int]:
-        """The next partition after ``turn`` (round-robin) with records, up to a batch of them
-        and the position they follow, and the turn after it; waiting up to ``block_s`` on the
-        partition of ``turn`` when none has any."""
-        order = self._order
-        for i in range(len(order)):
-            p = order[(turn + i) % len(order)]
-            after, records = self._read_partition(p, positions[p])
-            if records:
-                return (p, after, records), (turn + i + 1) % len(order)
-        if block_s > 0:
-            if not order:
-                time.sleep(block_s)
-                return None, turn
-            p = order[turn % len(order)]
-            after, records = self._read_partition(p, positions[p], block_s)
-            if records:
-                return (p, after, records), (turn + 1) % len(order)
-        return None, turn
-
-    def _read_partition(self, p: int, position: int, block_s: float = 0.0) -> tuple[int, list[StreamRecord]]:
-        """Up to a batch of ``p``'s records after ``position`` that nobody committed, and the
-        position they follow: past the ranges committed ahead of the position (global shuffling,
-        ``tidal.master.streams``), a batch never reaches into one."""
-        for after, last in self._skips.get(p, ()):
-            if last <= position:
-                continue
-            if position == after:  # everything up to the range was read: go on after it
-                position = last
-                continue
-            records = self.source.read(p, unpack_id(position), self.batch_size, block_s=block_s)
-            cut = 0
-            while cut < len(records) and pack_id(records[cut].id) <= after:
-                cut += 1
-            if cut or not records:
-                return position, records[:cut]
-            position = last  # no record left before the range
-        return position, self.source.read(p, unpack_id(position), self.batch_size, block_s=block_s)
+        self._turn = got[1]
+        return got[0]
 
     def _read(self) -> Picked | None:
         """The next partition (round-robin) with records, and up to a batch of them; None when
         none has any (having waited up to ``poll_s`` on one)."""
-        picked, self._turn = self._next_records(self._positions, self._turn, self.poll_s)
+        picked, self._turn = self.reader.next_records(self._positions, self._turn, self.poll_s)
         return picked
 
-    def _took(self, positions: dict[int, int], partition: int, after: int, records: list[StreamRecord]) -> None:
-        """This worker read ``records`` of ``partition`` after ``after``: its position moves to the
-        last, and the backlog it follows counts them (and any committed range it went past)."""
+    def _took(self, positions: dict[int, int], partition: int, after: int, last: int, count: int) -> None:
+        """This worker read ``count`` records of ``partition`` after ``after`` up to ``last``: its
+        position moves there, and the backlog it follows counts them (and any committed range it
+        went past)."""
         skipped = 0
         if after != positions[partition]:  # went past ranges committed ahead: rare (after a re-form)
             skipped = self.source.lag(partition, unpack_id(positions[partition])) - \
                 self.source.lag(partition, unpack_id(after))
-        positions[partition] = pack_id(records[-1].id)
-        self._taken[partition] = self._taken.get(partition, 0) + len(records) + skipped
+        positions[partition] = last
+        self._taken[partition] = self._taken.get(partition, 0) + count + skipped
 
     # ------------------------------------------------------------------ rounds and global shuffling
     def _new_round(self) -> None:
@@ -303,8 +254,8 @@ class StreamLoader:
             self._unit.stop_round()  # its reader must not move the new round's positions
         self._generation = job.generation
         self._positions = dict(job.stream_assignment)
-        self._skips = {p: [list(r) for r in ranges] for p, ranges in job.stream_skip.items()}
-        self._order, self._turn = sorted(self._positions), 0
+        self.reader.skips = {p: [list(r) for r in ranges] for p, ranges in job.stream_skip.items()}
+        self.reader.order, self._turn = sorted(self._positions), 0
         self._count_backlog()
         if self.shuffle is not None:
             if self._unit is None:
@@ -314,11 +265,12 @@ class StreamLoader:
             self._unit.start_round(job.round, job.rank, job.world_size, job.round_store(),
                                    lambda block: self._shuffle_read(positions, block))
 
-    def _shuffle_read(self, positions: dict[int, int], block: bool) -> tuple[int, int, list[StreamRecord]] | None:
+    def _shuffle_read(self, positions: dict[int, int], block: bool) -> Picked | None:
         """The unit's reader (its own thread): the next batch of this worker's partitions."""
-        picked, self._turn = self._next_records(positions, self._turn, self.poll_s if block else 0.0)
+        picked, self._turn = self.reader.next_records(positions, self._turn, self.poll_s if block else 0.0)
         if picked is not None:
-            self._took(positions, *picked)
+            partition, after, records = picked
+            self._took(positions, partition, after, pack_id(records[-1].id), len(records))
         return picked
 
     def close(self) -> None:
@@ -326,11 +278,12 @@ class StreamLoader:
         if self._unit is not None:
             self._unit.close()
             self._unit = None
-        for pool in (self._pool, self._counter):
-            if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
-        self._pool = self._counter = None
-        self._prefetch = self._counting = None
+        self._ahead.close()
+        self._ahead_key = None
+        if self._counter is not None:
+            self._counter.shutdown(wait=False, cancel_futures=True)
+        self._counter = None
+        self._counting = None
 
     def _trim(self, committed: dict[int, int]) -> None:
         """``--trim-after-commit``: delete this worker's partitions' records up to the committed
