@@ -320,7 +320,7 @@ def main() -> int:
             ["  of which the bare XRANGE (hiredis' reply, no records built)", f"{ms['xrange_bare']:.2f}"],
             ["stream: ClickRecords.decode", f"{ms['decode']:.2f}"],
             [f"training step ({args.model_size} model: forward, backward, Adam)", f"{ms['train_step']:.2f}"],
-            [f"stream: source.lag half-way through {args.samples:,} records (<= 1/s)", f"{ms['lag_half']:.1f}"],
+            [f"stream: source.lag half-way through {args.samples:,} records (once a round)", f"{ms['lag_half']:.1f}"],
         ]))
         print(f"interleaved in this process (blocks of 20 steps, alternated): dataset {ms['interleaved_dataset']:.2f} "
               f"ms a step, stream (read and decode ahead on a thread) {ms['interleaved_stream']:.2f} ms: "

@@ -29,6 +29,7 @@ READ_LAG = """(() => {
     hidden: document.getElementById("lag-section").hidden,
     series: [...document.querySelectorAll("#chart-lag polyline.series")].map((p) => p.dataset.series),
     lag: Number(v("lag-now")), slo: Number(v("lag-slo")), violation: Number(v("slo-violation")),
+    partitions: [...document.querySelectorAll("#partitions tr[data-partition]")].map((tr) => ({...tr.dataset})),
   };
 })()"""
 
@@ -75,6 +76,8 @@ def test_kale_is_seeded_and_the_lag_is_scored_against_its_slo(tmp_path: Path) ->
             assert metric(metrics, "tidal_stream_accumulated_lag_minutes_total") > 0
             assert metric(metrics, "tidal_stream_lag_seconds") >= 0
             assert 'tidal_stream_lag_records{partition="1"}' in metrics
+            assert metric(metrics, 'tidal_stream_partition_lag_seconds{partition="1"}') >= 0
+            assert re.search(r"1: committed \S+, worker 0, lag \d+ records / \d+\.\d s", text), text
 
             if chromium.available():  # the dashboard draws the lag against the SLO line
                 with chromium.Browser(timeout=20) as browser:
@@ -85,6 +88,8 @@ def test_kale_is_seeded_and_the_lag_is_scored_against_its_slo(tmp_path: Path) ->
                     assert shown["error"] is None and not shown["hidden"], shown
                     assert set(shown["series"]) == {"lag", "SLO"} and shown["slo"] == 0.5, shown
                     assert 0 < shown["violation"] <= 1 and shown["lag"] >= 0, shown
+                    assert [p["partition"] for p in shown["partitions"]] == ["0", "1"], shown
+                    assert all(float(p["lagS"]) >= 0 and int(p["lag"]) >= 0 for p in shown["partitions"]), shown
                     assert browser.errors() == []
         finally:
             job.kill_all()

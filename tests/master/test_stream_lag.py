@@ -74,7 +74,9 @@ def report_lag(master: JobMaster, worker: int, oldest_s: float) -> None:
     """The worker's report: one partition, its oldest waiting record arrived at ``oldest_s`` (0: none waits)."""
     master.report(ReportRequest(worker_id=worker, round=master.round, applied_step=-1, incarnation=master.incarnation,
                                 stream_backlog=5 if oldest_s else 0, stream_lag={0: 5 if oldest_s else 0},
-                                stream_oldest_ms=int(oldest_s * 1000), stream_busy=1.0))
+                                stream_oldest_ms=int(oldest_s * 1000),
+                                stream_oldest_by_partition={0: int(oldest_s * 1000)} if oldest_s else {},
+                                stream_busy=1.0))
 
 
 def test_the_master_scores_the_lag_shows_it_and_carries_it_through_failover(tmp_path: Path) -> None:
@@ -106,6 +108,9 @@ def test_the_master_scores_the_lag_shows_it_and_carries_it_through_failover(tmp_
     assert "tidal_stream_slo_violation_ratio 0.5" in text
     assert f"tidal_stream_accumulated_lag_minutes_total {st.accumulated_lag_min}" in text
     assert 'tidal_stream_lag_records{partition="0"} 5.0' in text
+    assert 'tidal_stream_partition_lag_seconds{partition="0"} 50.0' in text
+    (partition,) = master.status().stream
+    assert (partition.partition, partition.worker, partition.lag, partition.lag_s) == (0, 0, 5, 50.0)
     master.close()
 
     # the master dies; 2 s later another takes over from the journal and the worker reports to
@@ -125,6 +130,7 @@ def test_the_master_scores_the_lag_shows_it_and_carries_it_through_failover(tmp_
     successor.tick()
     drained = successor.status().stream_lag
     assert drained is not None and drained.lag_s == 0.0 and drained.violation_ratio == pytest.approx(40.0 / 70.0)
+    assert [(s.lag, s.lag_s) for s in successor.status().stream] == [(0, 0.0)]
     successor.close()
 
 

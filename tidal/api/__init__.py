@@ -122,6 +122,7 @@ DATA_ERROR_EXIT = 4  # a training worker's exit status when a batch cannot be bu
 PS_WATERMARK = "tidal.ps"  # the key of the parameter servers' watermark in a worker's ``state.extras``
 MAX_PAUSES_PER_REPORT = 64
 _I64 = 2**63 - 1
+_NonNegI64 = Annotated[int, Field(ge=0, le=_I64)]
 
 
 class _Wire(BaseModel):
@@ -289,6 +290,8 @@ class ReportRequest(_Wire):
     # partitions (0: none waits), and the share of the last second it was busy with records, each
     # step's time weighted by how full its batch was (-1: unknown)
     stream_oldest_ms: int = Field(default=0, ge=0, le=_I64)
+    # the same per partition it reads, where a record waits
+    stream_oldest_by_partition: dict[int, _NonNegI64] = Field(default_factory=dict, max_length=65536)
     stream_busy: float = Field(default=-1.0, ge=-1.0, le=1.0)
     # with global shuffling (tidal.worker.shuffle): records in its local queue (-1: no shuffling),
     # and records it forwarded to others and received from them so far
@@ -495,12 +498,14 @@ class Event(_Wire):
 
 class StreamPartitionStatus(_Wire):
     """One partition of a stream job: the last committed record, its reader and the records
-    waiting after what the reader has read (-1: not reported yet)."""
+    waiting after what the reader has read (-1: not reported yet), and ``lag_s``, the age of the
+    oldest of them in trace time (0: none waits; -1: not reported yet)."""
 
     partition: int
     committed: str
     worker: int | None = None
     lag: int = -1
+    lag_s: float = -1.0
 
 
 class StreamLagStatus(_Wire):

@@ -917,7 +917,7 @@ def _render_status(st: StatusResponse) -> None:
     if st.stream:
         console.print("stream partitions: " + "; ".join(
             f"{s.partition}: committed {s.committed}, worker {s.worker if s.worker is not None else '-'}, "
-            f"lag {s.lag if s.lag >= 0 else '?'}" for s in st.stream)
+            f"lag {f'{s.lag} records / {s.lag_s:.1f} s' if s.lag >= 0 else '?'}" for s in st.stream)
             + (f" (stopping: {st.stream_stop})" if st.stream_stop else ""), markup=False, highlight=False)
     if st.stream_lag is not None:
         console.print(_lag_line(st.stream_lag), markup=False, highlight=False)

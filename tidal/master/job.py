@@ -98,7 +98,7 @@ from tidal.master.events import EventLog
 from tidal.master.fleet import Fleet
 from tidal.master.journal import Journal
 from tidal.master.membership import WorkerRecord
-from tidal.master.planning import Planning, available_cpus, stream_lag_s, worker_observation
+from tidal.master.planning import Planning, available_cpus, partition_lag_s, stream_lag_s, worker_observation
 from tidal.master.progress import MemberProgress
 from tidal.master.roles import LAUNCHING, RETIRING
 from tidal.master.rounds import RoundState
@@ -690,6 +690,7 @@ class JobMaster:
         if req.stream_backlog >= 0:
             rec.stream_backlog, rec.stream_lag = req.stream_backlog, dict(req.stream_lag)
             rec.stream_oldest_ms, rec.stream_busy = req.stream_oldest_ms, req.stream_busy
+            rec.stream_oldest_by_partition = dict(req.stream_oldest_by_partition)
             rec.stream_queued = req.stream_queued
             rec.stream_forwarded_out, rec.stream_forwarded_in = req.stream_forwarded_out, req.stream_forwarded_in
         if req.threads:
@@ -1016,12 +1017,15 @@ class JobMaster:
         if self.streams is None:
             return []
         owners = {p: w for w, a in self.rounds.assignments.items() if a.status == "ready" for p in a.stream}
+        now = self.clock()
         out = []
         for p in sorted(self.streams.partitions):
             owner = owners.get(p)
             rec = self.workers.get(owner) if owner is not None else None
+            lag = rec.stream_lag.get(p, -1) if rec else -1
+            lag_s = partition_lag_s(now, self.spec.time_scale, rec, p) if rec and lag >= 0 else -1.0
             out.append(StreamPartitionStatus(partition=p, committed=unpack_id(self.streams.positions.get(p, 0)),
-                                             worker=owner, lag=rec.stream_lag.get(p, -1) if rec else -1))
+                                             worker=owner, lag=lag, lag_s=lag_s))
         return out
 
     def _track_lag(self, now: float) -> float | None:

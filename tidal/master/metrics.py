@@ -30,6 +30,7 @@ The metrics and where each comes from:
 A stream job adds (``tidal.master.planning.StreamLag``; trace time, as ``tidal sim online`` scores):
 
 * ``tidal_stream_lag_records{partition}``: records waiting in a partition after what its worker read;
+* ``tidal_stream_partition_lag_seconds{partition}``: the age of the oldest of them, trace time;
 * ``tidal_stream_lag_seconds``: the age of the oldest waiting record, and
   ``tidal_stream_lag_slo_seconds`` the SLO it is held to (``--lag-slo``);
 * ``tidal_stream_slo_violation_ratio``: the share of the job's stream time whose lag exceeded the SLO;
@@ -143,10 +144,15 @@ class MasterCollector(Collector):
             lag = GaugeMetricFamily("tidal_stream_lag_records",
                                     "Records waiting in a partition after what its worker has read.",
                                     labels=["partition"])
+            lag_s = GaugeMetricFamily("tidal_stream_partition_lag_seconds",
+                                      "Age of the oldest record waiting in a partition, trace time.",
+                                      labels=["partition"])
             for s in partitions:
                 if s.lag >= 0:
                     lag.add_metric([str(s.partition)], s.lag)
+                    lag_s.add_metric([str(s.partition)], s.lag_s)
             yield lag
+            yield lag_s
             yield from _stream_slo(master)
             yield from _shuffle(active)
         yield from _servers(master)

@@ -43,7 +43,7 @@ from tidal.brain.api import Planner
 from tidal.brain.meter import ThroughputMeter
 from tidal.master.membership import WorkerRecord
 
-__all__ = ["MAX_DECISIONS", "MAX_TIMELINE", "Planning", "StreamLag", "stream_lag_s"]
+__all__ = ["MAX_DECISIONS", "MAX_TIMELINE", "Planning", "StreamLag", "partition_lag_s", "stream_lag_s"]
 
 MAX_DECISIONS = 200  # decisions kept (and journaled); the count of all of them is kept too
 MAX_TIMELINE = 3600  # timeline points kept: an hour at one a second
@@ -59,6 +59,13 @@ def stream_lag_s(now: float, time_scale: float, members: Sequence[WorkerRecord])
         return None
     oldest = [r.stream_oldest_ms for r in members if r.stream_oldest_ms > 0]
     return max(0.0, now - min(oldest) / 1000.0) * time_scale if oldest else 0.0
+
+
+def partition_lag_s(now: float, time_scale: float, reader: WorkerRecord, partition: int) -> float:
+    """The age of the oldest record waiting in ``partition``, in trace time, as its reader
+    reports it (0: nothing waits)."""
+    ms = reader.stream_oldest_by_partition.get(partition, 0)
+    return max(0.0, now - ms / 1000.0) * time_scale if ms > 0 else 0.0
 
 
 @dataclass

@@ -212,15 +212,17 @@ class Job:
         if self._reporter is not None:
             self._reporter.data_feed = feed
 
-    def note_stream(self, lag: dict[int, int], oldest_ms: int, busy: float, malformed: int,
+    def note_stream(self, lag: dict[int, int], oldest_ms: dict[int, int], busy: float, malformed: int,
                     shuffle: tuple[int, int, int] = (-1, 0, 0)) -> None:
-        """A stream loader's records waiting per partition, the arrival of the oldest waiting, its
-        busy share and its malformed records, for the master's next report; with global
-        shuffling, the records in its local queue and those it forwarded and received."""
+        """A stream loader's records waiting per partition, the arrival of the oldest waiting in
+        each (where one waits), its busy share and its malformed records, for the master's next
+        report; with global shuffling, the records in its local queue and those it forwarded and
+        received."""
         if self._reporter is not None:
             r = self._reporter
             r.stream_lag, r.stream_backlog, r.stream_malformed = lag, sum(lag.values()), malformed
-            r.stream_oldest_ms, r.stream_busy = oldest_ms, busy
+            r.stream_oldest_by_partition, r.stream_busy = oldest_ms, busy
+            r.stream_oldest_ms = min(oldest_ms.values(), default=0)
             r.stream_queued, r.stream_forwarded_out, r.stream_forwarded_in = shuffle
 
     def round_store(self) -> Any:

@@ -155,6 +155,7 @@ class Reporter:
         self.stream_backlog = -1
         self.stream_lag: dict[int, int] = {}
         self.stream_oldest_ms = 0
+        self.stream_oldest_by_partition: dict[int, int] = {}
         self.stream_busy = -1.0
         self.stream_malformed = 0
         self.stream_queued, self.stream_forwarded_out, self.stream_forwarded_in = -1, 0, 0  # global shuffling
@@ -295,7 +296,8 @@ class Reporter:
             **self._usage.read(), checkpoint_step=self.checkpoint_step,
             checkpoint_problem=self.checkpoint_problem[:1000], stream_backlog=self.stream_backlog,
             stream_malformed=self.stream_malformed, stream_lag=self.stream_lag,
-            stream_oldest_ms=self.stream_oldest_ms, stream_busy=self.stream_busy,
+            stream_oldest_ms=self.stream_oldest_ms, stream_oldest_by_partition=self.stream_oldest_by_partition,
+            stream_busy=self.stream_busy,
             stream_queued=self.stream_queued, stream_forwarded_out=self.stream_forwarded_out,
             stream_forwarded_in=self.stream_forwarded_in, **self._data_counts(),
         )

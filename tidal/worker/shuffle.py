@@ -221,15 +221,15 @@ class ShuffleUnit:
                     return None
                 self._cond.wait(left)
 
-    def waiting(self) -> tuple[dict[int, int], int]:
-        """Records in the local queue per partition, and the arrival (ms) of the oldest (0: none)."""
+    def waiting(self) -> tuple[dict[int, int], dict[int, int]]:
+        """Records in the local queue per partition, and the arrival (ms) of each one's oldest."""
         with self._cond:
             counts: dict[int, int] = {}
-            oldest = 0
+            oldest: dict[int, int] = {}
             for b in self._queue:
                 counts[b.partition] = counts.get(b.partition, 0) + len(b.records)
                 ms = parse_id(b.records[0].id)[0]
-                oldest = ms if not oldest else min(oldest, ms)
+                oldest[b.partition] = min(oldest.get(b.partition, ms), ms)
             return counts, oldest
 
     def _enqueue(self, batch: Batch) -> bool:

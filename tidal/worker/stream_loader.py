@@ -79,7 +79,7 @@ class StreamHost(Protocol):
 
     def finish(self) -> None: ...
 
-    def note_stream(self, lag: dict[int, int], oldest_ms: int, busy: float, malformed: int,
+    def note_stream(self, lag: dict[int, int], oldest_ms: dict[int, int], busy: float, malformed: int,
                     shuffle: tuple[int, int, int] = (-1, 0, 0)) -> None: ...
 
     @property
@@ -310,10 +310,11 @@ class StreamLoader:
             self._counter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tidal-stream-count")
         self._counting = self._counter.submit(count)
 
-    def _lag(self) -> tuple[dict[int, int], int] | None:
+    def _lag(self) -> tuple[dict[int, int], dict[int, int]] | None:
         """Records waiting after what this worker has read, per partition it reads, and the
-        arrival time (ms, from the id) of the oldest of them (0: none waits); with global
-        shuffling, plus what waits in its local queue; None while the round's first count runs."""
+        arrival time (ms, from the id) of the oldest of them, per partition where one waits; with
+        global shuffling, plus what waits in its local queue; None while the round's first count
+        runs."""
         if self._counting is not None:
             if not self._counting.done():
                 return None
@@ -324,19 +325,19 @@ class StreamLoader:
                 self._count_backlog()
                 return None
             self._counting = None
-        lag, oldest = {}, 0
+        lag: dict[int, int] = {}
+        oldest: dict[int, int] = {}
         for p, pos in self._positions.items():
             arrived = self.source.appended(p) - self._appended0.get(p, 0)
             lag[p] = max(0, self._backlog0.get(p, 0) + arrived - self._taken.get(p, 0))
             if lag[p]:
                 head = self.source.read(p, unpack_id(pos), 1)
                 if head:
-                    ms = parse_id(head[0].id)[0]  # a Redis id's first part: its arrival, ms
-                    oldest = ms if not oldest else min(oldest, ms)
+                    oldest[p] = parse_id(head[0].id)[0]  # a Redis id's first part: its arrival, ms
         if self._unit is not None:  # read, not trained: what waits in the local queue (forwarded too)
             queued, queued_oldest = self._unit.waiting()
             for p, n in queued.items():
                 lag[p] = lag.get(p, 0) + n
-            if queued_oldest:
-                oldest = queued_oldest if not oldest else min(oldest, queued_oldest)
+            for p, ms in queued_oldest.items():
+                oldest[p] = min(oldest.get(p, ms), ms)
         return lag, oldest
