@@ -70,13 +70,39 @@ def stream_master(tmp_path: Path, clock: FakeClock, backend: FakeBackend, **spec
                      store_port=1)
 
 
-def report_lag(master: JobMaster, worker: int, oldest_s: float) -> None:
-    """The worker's report: one partition, its oldest waiting record arrived at ``oldest_s`` (0: none waits)."""
+def report_lag(master: JobMaster, worker: int, oldest_s: float, measured_s: float = 0.0) -> None:
+    """The worker's report: one partition, its oldest waiting record arrived at ``oldest_s`` (0:
+    none waits), as it looked at ``measured_s`` (0: it does not say)."""
     master.report(ReportRequest(worker_id=worker, round=master.round, applied_step=-1, incarnation=master.incarnation,
                                 stream_backlog=5 if oldest_s else 0, stream_lag={0: 5 if oldest_s else 0},
                                 stream_oldest_ms=int(oldest_s * 1000),
                                 stream_oldest_by_partition={0: int(oldest_s * 1000)} if oldest_s else {},
-                                stream_busy=1.0))
+                                stream_measured_ms=int(measured_s * 1000), stream_busy=1.0))
+
+
+def test_the_lag_is_the_age_when_the_worker_looked_until_that_goes_stale(tmp_path: Path) -> None:
+    """A worker measures once a second and reports every 0.25 s: aging each measurement from the
+    master's clock would add that delay to every lag (minutes of trace time under compression).
+    The lag is held at its measured value for LAG_STALE_S, then ages (a worker that stalled)."""
+    clock, backend = FakeClock(), FakeBackend()
+    master = stream_master(tmp_path, clock, backend)  # time scale 10
+    master.start()
+    master.tick()
+    master.join(JoinRequest(worker_id=0, pid=10_000))
+    master.rendezvous(RendezvousRequest(worker_id=0, after_round=-1, applied_step=-1, stream_partitions=[0]))
+    master.tick()
+    looked = clock.now
+    report_lag(master, 0, oldest_s=looked - 0.5, measured_s=looked)  # 0.5 s old when it looked
+    seen = []
+    for _ in range(4):
+        clock.now += 1.0
+        master.tick()
+        lag = master.status().stream_lag
+        assert lag is not None
+        seen.append(lag.lag_s)
+        assert master.status().stream[0].lag_s == lag.lag_s
+    assert seen == [5.0, 5.0, 15.0, 25.0]  # held 2 s, then aging: (0.5 + 1) x 10, (0.5 + 2) x 10
+    master.close()
 
 
 def test_the_master_scores_the_lag_shows_it_and_carries_it_through_failover(tmp_path: Path) -> None:

@@ -290,8 +290,10 @@ class ReportRequest(_Wire):
     # partitions (0: none waits), and the share of the last second it was busy with records, each
     # step's time weighted by how full its batch was (-1: unknown)
     stream_oldest_ms: int = Field(default=0, ge=0, le=_I64)
-    # the same per partition it reads, where a record waits
+    # the same per partition it reads, where a record waits; and when it looked (ms since the
+    # epoch, its clock; 0: not said), so that the master ages the lag from then, not from the report
     stream_oldest_by_partition: dict[int, _NonNegI64] = Field(default_factory=dict, max_length=65536)
+    stream_measured_ms: int = Field(default=0, ge=0, le=_I64)
     stream_busy: float = Field(default=-1.0, ge=-1.0, le=1.0)
     # with global shuffling (tidal.worker.shuffle): records in its local queue (-1: no shuffling),
     # and records it forwarded to others and received from them so far

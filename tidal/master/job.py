@@ -691,6 +691,7 @@ class JobMaster:
             rec.stream_backlog, rec.stream_lag = req.stream_backlog, dict(req.stream_lag)
             rec.stream_oldest_ms, rec.stream_busy = req.stream_oldest_ms, req.stream_busy
             rec.stream_oldest_by_partition = dict(req.stream_oldest_by_partition)
+            rec.stream_measured_ms = req.stream_measured_ms
             rec.stream_queued = req.stream_queued
             rec.stream_forwarded_out, rec.stream_forwarded_in = req.stream_forwarded_out, req.stream_forwarded_in
         if req.threads:

@@ -48,24 +48,39 @@ __all__ = ["MAX_DECISIONS", "MAX_TIMELINE", "Planning", "StreamLag", "partition_
 MAX_DECISIONS = 200  # decisions kept (and journaled); the count of all of them is kept too
 MAX_TIMELINE = 3600  # timeline points kept: an hour at one a second
 MEASURE_UTILIZATION = 0.25  # below it, too few records to extrapolate a stream job's capacity from
+# wall seconds a worker's lag measurement holds before the lag ages on from it: its loader measures
+# once a second (tidal.worker.stream_loader.BACKLOG_EVERY_S), its reporter sends every 0.25 s
+LAG_STALE_S = 2.0
 
 
 def stream_lag_s(now: float, time_scale: float, members: Sequence[WorkerRecord]) -> float | None:
     """The age of the oldest record waiting in the stream, in trace time: from the arrival time
-    (its id) the members report of the oldest record waiting after what they read; 0 when
-    nothing waits; None while no member has reported its partitions (the master never reads the
-    stream: the lag is not known)."""
+    (its id) the members report of the oldest record waiting after what they read, as of when
+    they looked (``_age_s``); 0 when nothing waits; None while no member has reported its
+    partitions (the master never reads the stream: the lag is not known)."""
     if not any(r.stream_backlog >= 0 for r in members):
         return None
-    oldest = [r.stream_oldest_ms for r in members if r.stream_oldest_ms > 0]
-    return max(0.0, now - min(oldest) / 1000.0) * time_scale if oldest else 0.0
+    ages = [_age_s(now, r.stream_oldest_ms, r.stream_measured_ms) for r in members if r.stream_oldest_ms > 0]
+    return max(ages) * time_scale if ages else 0.0
 
 
 def partition_lag_s(now: float, time_scale: float, reader: WorkerRecord, partition: int) -> float:
     """The age of the oldest record waiting in ``partition``, in trace time, as its reader
     reports it (0: nothing waits)."""
     ms = reader.stream_oldest_by_partition.get(partition, 0)
-    return max(0.0, now - ms / 1000.0) * time_scale if ms > 0 else 0.0
+    return _age_s(now, ms, reader.stream_measured_ms) * time_scale if ms > 0 else 0.0
+
+
+def _age_s(now: float, oldest_ms: int, measured_ms: int) -> float:
+    """A waiting record's age (wall seconds): as the worker measured it, and growing from then
+    on only once the measurement is older than ``LAG_STALE_S`` (a worker that stalled or died).
+    Aging every measurement from its report would add up to a measuring period and a report
+    (about 1.25 s) to every lag: under a 96x time compression, two trace minutes that nothing
+    waited. A worker that does not say when it looked is aged from its report."""
+    if measured_ms <= 0:
+        return max(0.0, now - oldest_ms / 1000.0)
+    at = (measured_ms - oldest_ms) / 1000.0
+    return max(0.0, at + max(0.0, now - measured_ms / 1000.0 - LAG_STALE_S))
 
 
 @dataclass

@@ -30,6 +30,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from typing import Any
 
 import torch
@@ -223,6 +224,7 @@ class Job:
             r.stream_lag, r.stream_backlog, r.stream_malformed = lag, sum(lag.values()), malformed
             r.stream_oldest_by_partition, r.stream_busy = oldest_ms, busy
             r.stream_oldest_ms = min(oldest_ms.values(), default=0)
+            r.stream_measured_ms = int(time.time() * 1000)
             r.stream_queued, r.stream_forwarded_out, r.stream_forwarded_in = shuffle
 
     def round_store(self) -> Any:

@@ -156,6 +156,7 @@ class Reporter:
         self.stream_lag: dict[int, int] = {}
         self.stream_oldest_ms = 0
         self.stream_oldest_by_partition: dict[int, int] = {}
+        self.stream_measured_ms = 0
         self.stream_busy = -1.0
         self.stream_malformed = 0
         self.stream_queued, self.stream_forwarded_out, self.stream_forwarded_in = -1, 0, 0  # global shuffling
@@ -297,6 +298,7 @@ class Reporter:
             checkpoint_problem=self.checkpoint_problem[:1000], stream_backlog=self.stream_backlog,
             stream_malformed=self.stream_malformed, stream_lag=self.stream_lag,
             stream_oldest_ms=self.stream_oldest_ms, stream_oldest_by_partition=self.stream_oldest_by_partition,
+            stream_measured_ms=self.stream_measured_ms,
             stream_busy=self.stream_busy,
             stream_queued=self.stream_queued, stream_forwarded_out=self.stream_forwarded_out,
             stream_forwarded_in=self.stream_forwarded_in, **self._data_counts(),
