@@ -33,7 +33,9 @@ model fitted live: Kale's Eq. 6 fitted (NNLS) to the timeline points where recor
 a trace minute or more: the workers were busy) at a steady count, pooled over the live runs (a
 line through the origin at the median per-worker rate when fewer than two counts were measured);
 the cost of an action measured live too (``Migration``: the median time from a decision to the
-pause it caused, and the pause). The lower bound is ``oracle_worker_hours`` on the same arrivals
+pause it caused, and the pause); and the live job's ``--max-workers`` partitions, each worker
+training only those the master assigned it (``SimConfig.partitions``: 8 partitions on 6 workers
+leave two workers with a quarter of the traffic each). The lower bound is ``oracle_worker_hours`` on the same arrivals
 and model (keeping the SLO in every minute).
 
 ``--json`` prints ``{"live": {POLICY: {"slo_violation_rate", "accumulated_lag_min", "worker_min",
@@ -424,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         migration = live_migration(live, scale)
         sim.MIGRATIONS["live"] = migration  # the simulator looks actions up by name (this process only)
         cfg = sim.SimConfig(peak_workers=args.max_workers, migration="live", seed=args.seed, batch_size=1.0,
-                            interval_s=60.0, true_model=model)
+                            interval_s=60.0, true_model=model, partitions=args.max_workers)
         results = sim.simulate(arrivals, [n for n in policies if n in live], cfg, history=past if len(past) else None)
         bound_h = sim.oracle_worker_hours(arrivals, cfg)
     finally:

@@ -93,6 +93,48 @@ def test_peak_needs_exactly_k_workers():
     assert sim.true_throughput(cfg, 19) < peak < sim.true_throughput(cfg, 20)
 
 
+class Fixed:
+    """A planner that keeps ``workers``."""
+
+    name = "fixed"
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+
+    def plan(self, obs: object) -> object:
+        from tidal.api import ResourcePlan
+
+        return ResourcePlan(workers=self.workers, reason="fixed")
+
+
+def test_a_worker_trains_only_its_own_partitions() -> None:
+    # 8 partitions on 6 workers: workers 0 and 1 read two partitions each, the others one
+    served = sim._serve(np.full(8, 100.0), capacity=60.0, workers=6)
+    assert served.tolist() == [5.0, 5.0, 10.0, 10.0, 10.0, 10.0, 5.0, 5.0]
+    # a partition with less than its share gives the rest to its worker's other partition
+    served = sim._serve(np.array([1.0, 100, 100, 100]), capacity=40.0, workers=2)
+    assert served.tolist() == [1.0, 10.0, 19.0, 10.0]  # worker 0 reads 0 and 2, worker 1 reads 1 and 3
+    assert sim._serve(np.array([7.0]), capacity=5.0, workers=None).tolist() == [5.0]  # the pool
+
+
+def test_uneven_partitions_fall_behind_where_a_pool_keeps_up() -> None:
+    """Traffic that 6 pooled workers train with room to spare: with 8 partitions, the two
+    workers reading two partitions each get 25% of it and fall behind; the lag grows."""
+    cfg = sim.SimConfig(peak_workers=8, noise=0.0, true_model=sim.JOBS["t4-sync"]())
+    rate = 0.8 * sim.true_throughput(cfg, 6) * 60.0  # 80% of six workers, per minute
+    arrivals = np.full(180, rate)
+    pooled = sim.simulate(arrivals, {"six": lambda: Fixed(6)}, cfg)["six"]
+    split = sim.simulate(arrivals, {"six": lambda: Fixed(6)}, sim.SimConfig(
+        peak_workers=8, noise=0.0, true_model=sim.JOBS["t4-sync"](), partitions=8))["six"]
+    assert pooled.accumulated_lag_min == 0.0
+    assert split.lag_s[-1] > split.lag_s[60] > 0 and split.slo_violation_rate > 0
+    divides = sim.simulate(arrivals, {"eight": lambda: Fixed(8)}, sim.SimConfig(
+        peak_workers=8, noise=0.0, true_model=sim.JOBS["t4-sync"](), partitions=8))["eight"]
+    assert divides.accumulated_lag_min == 0.0  # one partition each: even again
+    with pytest.raises(ConfigError, match="partitions"):
+        sim.simulate(arrivals, {"six": lambda: Fixed(6)}, sim.SimConfig(partitions=0))
+
+
 def test_load_trace_formats():
     counts, interval = sim.load_trace([["minute", "n"], ["0", "5"], ["1", "7"], ["3", "1"]], None)
     assert interval == 60.0 and list(counts) == [5, 7, 0, 1]
@@ -138,6 +180,14 @@ def test_cli_sim_online(tmp_path: Path):
                                 "--peak-workers", "10", "--policies", "adequate"])
     assert early.exit_code == 0, early.output
     assert runner.invoke(app, ["sim", "online", "--trace", str(trace), "--skip-days", "5"]).exit_code == 2
+    # partitions: 7 on 10 workers leave 3 idle; adequate's lag may grow where the pool's did not
+    split = runner.invoke(app, ["sim", "online", "--trace", str(trace), "--days", "1", "--peak-workers", "10",
+                                "--policies", "adequate", "--partitions", "7", "--json", str(out)])
+    assert split.exit_code == 0, split.output
+    assert json.loads(out.read_text())["policies"]["adequate"]["accumulated_lag_min"] >= \
+        data["policies"]["adequate"]["accumulated_lag_min"]
+    zero = runner.invoke(app, ["sim", "online", "--trace", str(trace), "--partitions", "0"])
+    assert zero.exit_code == 2 and "--partitions must be at least 1" in zero.output
 
 
 def _csv(tmp_path: Path, text: str) -> str:

@@ -43,6 +43,11 @@ def online(
              "lowered so it scales to ~40 workers, nearly linear) | t4-sync (Table 1 T4 sync, unchanged; "
              "faster than linear)"),
     seed: int = typer.Option(0, "--seed"),
+    partitions: int | None = typer.Option(
+        None, "--partitions",
+        help="the stream's partitions, assigned to the workers round-robin, each worker training only its own "
+             "(default: one pool any worker takes from; with P partitions a count that does not divide P leaves "
+             "some workers behind)"),
     policies: str = typer.Option("kale,hpa,autopilot,madu,adequate", "--policies"),
     bound_violations: float = typer.Option(
         0.0, "--bound-violations",
@@ -64,6 +69,8 @@ def online(
         raise fail("--days must be positive")
     if skip_days < 0:
         raise fail("--skip-days must not be negative")
+    if partitions is not None and partitions < 1:
+        raise fail("--partitions must be at least 1")
     if not 0 <= bound_violations < 1:
         raise fail("--bound-violations must be in [0, 1)")
     names = [p.strip() for p in policies.split(",") if p.strip()]
@@ -73,7 +80,7 @@ def online(
     try:
         counts, interval = sim.load_trace(rows, column)
         cfg = sim.SimConfig(peak_workers=peak_workers, migration=migration, seed=seed, interval_s=interval,
-                            true_model=sim.JOBS[job]())
+                            true_model=sim.JOBS[job](), partitions=partitions)
         skip = round(skip_days * 86400 / interval)
         if skip >= len(counts) - 1:
             raise ConfigError(f"--skip-days {skip_days:g} leaves nothing of the trace")

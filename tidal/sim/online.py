@@ -17,6 +17,16 @@ Scaling stops training for its downtime:
   checkpoint through shared memory (about 1 s each way) and the consumer-group rebuild
   (120 s, as in Kale). During an action the job holds ``max(old, new)`` workers.
 
+Partitions (``SimConfig.partitions``; Kale 2.3). By default the workers share one pool of
+waiting samples, as if every worker could take any of them. A live job reads partitions: with
+``partitions`` P the arrivals are spread evenly over P partitions, assigned to the w workers
+round-robin as the master assigns them (worker i reads partitions i, i + w, ...), and each
+worker trains at most ``f(w) / w`` samples/s, shared among its own partitions (water-filling:
+evenly, none given more than it holds). When w does not divide P, the workers holding more
+partitions fall behind while the others idle (8 partitions on 6 workers: two of them carry 25%
+of the traffic each, 1.5x the mean), which a pooled model does not show. The lag is the oldest
+waiting sample over the partitions; the utilization the workers' mean busy share.
+
 Metrics (Kale section 4.1): SLO violation rate (share of minutes whose lag exceeds 20
 minutes), accumulated lag (Eq. 11: the sum of the per-minute lag, in minutes), downtime
 (minutes without training), worker-hours, scaling actions.
@@ -108,6 +118,7 @@ class SimConfig:
     batch_size: float = 16384.0
     interval_s: float = 60.0
     true_model: LinearisedModel = field(default_factory=default_true_model)
+    partitions: int | None = None  # None: one pool every worker takes from (see the module docstring)
 
 
 @dataclass
@@ -182,6 +193,8 @@ def oracle_worker_hours(arrivals: np.ndarray, cfg: SimConfig, *, violations: flo
     makes "lag <= 20 minutes" the same as "no more waiting than arrived in the last 20
     minutes" (arrivals spread evenly within an interval, as the simulator counts them).
     Samples may wait: a peak shorter than the SLO can be trained after it.
+    ``cfg.partitions`` is ignored: a pool trains at least as much as partitions do with the same
+    workers, so the bound holds for a partitioned job too.
 
     With ``violations`` > 0 an interval over the SLO may hold more, but no more than has
     arrived since the last interval within it, at most ``K = violations * n`` intervals
@@ -249,7 +262,7 @@ class _Job:
 
     workers: int
     allocated: int
-    consumed: float = 0.0
+    consumed: np.ndarray  # per partition (one entry: the pool)
     action_new: int | None = None
     action_prep_end: float = 0.0
     action_end: float = 0.0
@@ -270,10 +283,15 @@ def simulate(
     """
     if cfg.migration not in MIGRATIONS:
         raise ConfigError(f"migration must be one of {', '.join(MIGRATIONS)}, got {cfg.migration!r}")
+    if cfg.partitions is not None and cfg.partitions < 1:
+        raise ConfigError(f"partitions must be at least 1, got {cfg.partitions}")
     mig = MIGRATIONS[cfg.migration]
     dt = cfg.interval_s
     n = len(arrivals)
+    parts = cfg.partitions or 1
     cum = np.concatenate([[0.0], np.cumsum(arrivals)])
+    # each partition's share (the pool's: all of it)
+    part_cum, part_arrivals = cum / parts, np.asarray(arrivals, dtype=float) / parts
     noise = throughput_noise(cfg, n)
     max_w = cfg.peak_workers
     f_true = [true_throughput(cfg, w) for w in range(max_w + 1)]
@@ -293,7 +311,7 @@ def simulate(
         planner = make()
         if history is not None and len(history) and hasattr(planner, "observe_history"):
             planner.observe_history(list(map(float, history)), dt)
-        job = _Job(workers=start_w, allocated=start_w)
+        job = _Job(workers=start_w, allocated=start_w, consumed=np.zeros(parts))
         # the first decision sizes the job at launch (not ``ready``: the job is being launched, there
         # are no metrics yet): no action, no downtime. Policies that scale from metrics keep start_w,
         # the count the first hour's traffic needs.
@@ -327,11 +345,14 @@ def simulate(
             w_train = job.workers
             rate = f_true[w_train] * noise[k]
             capacity = rate * train_s
-            available = cum[k + 1] - job.consumed
-            done = min(capacity, available)
-            job.consumed += done
-            backlog = cum[k + 1] - job.consumed
-            lag = _lag(cum, arrivals, job.consumed, t1, dt) if backlog > 1e-6 else 0.0
+            available = part_cum[k + 1] - job.consumed
+            served = _serve(available, capacity, w_train if cfg.partitions is not None else None)
+            job.consumed += served
+            done = float(served.sum())
+            waiting = part_cum[k + 1] - job.consumed
+            backlog = float(waiting.sum())
+            lag = max((_lag(part_cum, part_arrivals, float(c), t1, dt) for c, left in zip(job.consumed, waiting, strict=True)
+                       if left > 1e-6 / parts), default=0.0)
             if train_s > 0 and rate > 0:  # busy share of the time the workers trained
                 last_util = done / (rate * train_s)
             workers_log[k] = allocated
@@ -375,6 +396,22 @@ def simulate(
             lag_s=lag_log,
         )
     return results
+
+
+def _serve(available: np.ndarray, capacity: float, workers: int | None) -> np.ndarray:
+    """What each partition gets trained of ``available`` with ``capacity`` in all: from the pool
+    (``workers`` None), or per worker, each with ``capacity / workers`` over the partitions it
+    reads (i, i + workers, ...), water-filled."""
+    if workers is None or workers <= 0:
+        return np.minimum(available, capacity)
+    served = np.zeros_like(available)
+    for i in range(min(workers, len(available))):
+        mine = np.arange(i, len(available), workers)
+        left = capacity / workers
+        for j, p in enumerate(mine[np.argsort(available[mine], kind="stable")]):
+            served[p] = min(available[p], left / (len(mine) - j))
+            left -= served[p]
+    return served
 
 
 def _lag(cum: np.ndarray, arrivals: np.ndarray, consumed: float, now: float, dt: float) -> float:
