@@ -10,6 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tidal.api import ConfigError
+from tidal.brain.dataparallel import FixedWorkers
 from tidal.cli import _register_commands, app
 from tidal.sim import online as sim
 
@@ -93,20 +94,6 @@ def test_peak_needs_exactly_k_workers():
     assert sim.true_throughput(cfg, 19) < peak < sim.true_throughput(cfg, 20)
 
 
-class Fixed:
-    """A planner that keeps ``workers``."""
-
-    name = "fixed"
-
-    def __init__(self, workers: int) -> None:
-        self.workers = workers
-
-    def plan(self, obs: object) -> object:
-        from tidal.api import ResourcePlan
-
-        return ResourcePlan(workers=self.workers, reason="fixed")
-
-
 def test_a_worker_trains_only_its_own_partitions() -> None:
     # 8 partitions on 6 workers: workers 0 and 1 read two partitions each, the others one
     served = sim._serve(np.full(8, 100.0), capacity=60.0, workers=6)
@@ -123,16 +110,16 @@ def test_uneven_partitions_fall_behind_where_a_pool_keeps_up() -> None:
     cfg = sim.SimConfig(peak_workers=8, noise=0.0, true_model=sim.JOBS["t4-sync"]())
     rate = 0.8 * sim.true_throughput(cfg, 6) * 60.0  # 80% of six workers, per minute
     arrivals = np.full(180, rate)
-    pooled = sim.simulate(arrivals, {"six": lambda: Fixed(6)}, cfg)["six"]
-    split = sim.simulate(arrivals, {"six": lambda: Fixed(6)}, sim.SimConfig(
+    pooled = sim.simulate(arrivals, {"six": lambda: FixedWorkers(6)}, cfg)["six"]
+    split = sim.simulate(arrivals, {"six": lambda: FixedWorkers(6)}, sim.SimConfig(
         peak_workers=8, noise=0.0, true_model=sim.JOBS["t4-sync"](), partitions=8))["six"]
     assert pooled.accumulated_lag_min == 0.0
     assert split.lag_s[-1] > split.lag_s[60] > 0 and split.slo_violation_rate > 0
-    divides = sim.simulate(arrivals, {"eight": lambda: Fixed(8)}, sim.SimConfig(
+    divides = sim.simulate(arrivals, {"eight": lambda: FixedWorkers(8)}, sim.SimConfig(
         peak_workers=8, noise=0.0, true_model=sim.JOBS["t4-sync"](), partitions=8))["eight"]
     assert divides.accumulated_lag_min == 0.0  # one partition each: even again
     with pytest.raises(ConfigError, match="partitions"):
-        sim.simulate(arrivals, {"six": lambda: Fixed(6)}, sim.SimConfig(partitions=0))
+        sim.simulate(arrivals, {"six": lambda: FixedWorkers(6)}, sim.SimConfig(partitions=0))
 
 
 def test_load_trace_formats():
