@@ -122,6 +122,21 @@ def test_uneven_partitions_fall_behind_where_a_pool_keeps_up() -> None:
         sim.simulate(arrivals, {"six": lambda: FixedWorkers(6)}, sim.SimConfig(partitions=0))
 
 
+def test_a_pipeline_latency_is_a_floor_under_the_lag() -> None:
+    """With ample workers the lag is the latency: a sample waits for the read ahead and the
+    step, then is trained; nothing is lost."""
+    cfg = sim.SimConfig(peak_workers=8, noise=0.0, latency_s=90.0)
+    arrivals = np.full(30, 0.3 * sim.true_throughput(cfg, 4) * 60.0)
+    run = sim.simulate(arrivals, {"four": lambda: FixedWorkers(4)}, cfg)["four"]
+    assert run.lag_s[0] == pytest.approx(60.0)  # the first minute: nothing trainable yet
+    assert np.allclose(run.lag_s[2:], 90.0)
+    assert run.accumulated_lag_min == pytest.approx((60.0 + 29 * 90.0) / 60.0)  # minutes of lag x minutes
+    none = sim.simulate(arrivals, {"four": lambda: FixedWorkers(4)}, sim.SimConfig(peak_workers=8, noise=0.0))["four"]
+    assert none.accumulated_lag_min == 0.0
+    with pytest.raises(ConfigError, match="latency_s"):
+        sim.simulate(arrivals, {"four": lambda: FixedWorkers(4)}, sim.SimConfig(latency_s=-1.0))
+
+
 def test_load_trace_formats():
     counts, interval = sim.load_trace([["minute", "n"], ["0", "5"], ["1", "7"], ["3", "1"]], None)
     assert interval == 60.0 and list(counts) == [5, 7, 0, 1]

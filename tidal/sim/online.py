@@ -27,6 +27,11 @@ partitions fall behind while the others idle (8 partitions on 6 workers: two of 
 of the traffic each, 1.5x the mean), which a pooled model does not show. The lag is the oldest
 waiting sample over the partitions; the utilization the workers' mean busy share.
 
+Latency (``SimConfig.latency_s``): by default a sample can be trained in the interval it
+arrives in. A live worker reads a batch ahead and trains it a step later, so a sample waits at
+least a step or two even when the workers keep up; with ``latency_s`` L, only what arrived L
+seconds ago can be trained, and the lag never drops below L while samples arrive.
+
 Metrics (Kale section 4.1): SLO violation rate (share of minutes whose lag exceeds 20
 minutes), accumulated lag (Eq. 11: the sum of the per-minute lag, in minutes), downtime
 (minutes without training), worker-hours, scaling actions.
@@ -119,6 +124,7 @@ class SimConfig:
     interval_s: float = 60.0
     true_model: LinearisedModel = field(default_factory=default_true_model)
     partitions: int | None = None  # None: one pool every worker takes from (see the module docstring)
+    latency_s: float = 0.0  # a sample can be trained this long after it arrives at the earliest (the pipeline)
 
 
 @dataclass
@@ -285,6 +291,8 @@ def simulate(
         raise ConfigError(f"migration must be one of {', '.join(MIGRATIONS)}, got {cfg.migration!r}")
     if cfg.partitions is not None and cfg.partitions < 1:
         raise ConfigError(f"partitions must be at least 1, got {cfg.partitions}")
+    if not 0 <= cfg.latency_s < cfg.interval_s * max(1, len(arrivals)):
+        raise ConfigError(f"latency_s must be at least 0 and shorter than the run, got {cfg.latency_s:g}")
     mig = MIGRATIONS[cfg.migration]
     dt = cfg.interval_s
     n = len(arrivals)
@@ -345,7 +353,8 @@ def simulate(
             w_train = job.workers
             rate = f_true[w_train] * noise[k]
             capacity = rate * train_s
-            available = part_cum[k + 1] - job.consumed
+            reachable = part_cum[k + 1] if cfg.latency_s <= 0 else _cum_at(part_cum, part_arrivals, t1 - cfg.latency_s, dt)
+            available = np.maximum(0.0, reachable - job.consumed)
             served = _serve(available, capacity, w_train if cfg.partitions is not None else None)
             job.consumed += served
             done = float(served.sum())
@@ -412,6 +421,14 @@ def _serve(available: np.ndarray, capacity: float, workers: int | None) -> np.nd
             served[p] = min(available[p], left / (len(mine) - j))
             left -= served[p]
     return served
+
+
+def _cum_at(cum: np.ndarray, arrivals: np.ndarray, t: float, dt: float) -> float:
+    """Samples arrived by time ``t`` (spread evenly within each interval, as ``_lag`` counts)."""
+    if t <= 0:
+        return 0.0
+    j = min(int(t // dt), len(arrivals) - 1)
+    return float(cum[j] + min(1.0, t / dt - j) * arrivals[j])
 
 
 def _lag(cum: np.ndarray, arrivals: np.ndarray, consumed: float, now: float, dt: float) -> float:
