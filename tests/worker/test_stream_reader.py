@@ -142,3 +142,14 @@ def test_closing_ends_the_reader_process(source: FileStreamSource) -> None:
     pid = ahead._process.pid  # type: ignore[union-attr]
     ahead.close()
     assert not alive(pid)
+
+
+def test_a_worker_too_big_to_fork_reads_ahead_in_a_thread(source: FileStreamSource, monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    from tidal.worker import stream_reader
+
+    assert stream_reader.fits_a_copy() == ""  # this test process is small
+    monkeypatch.setattr(stream_reader, "fits_a_copy", lambda: "the worker holds 90 GiB")
+    by_thread, used_process = read_all(source, decode, use_process=True)
+    assert not used_process and len(by_thread) > 2
+    assert "reader process not started (the worker holds 90 GiB)" in caplog.text

@@ -19,6 +19,13 @@ worker's death (``PR_SET_PDEATHSIG``, so a SIGKILLed worker leaves no reader beh
 and answers cross a socket pair as JSON and the data-plane codec of ``tidal.api.frames``: no
 pickle. A batch that is not tensors in dicts, lists and tuples cannot cross it; the loader then
 reads ahead with a thread (logged once).
+
+Memory. A fork shares the worker's pages copy-on-write; every page the worker writes afterwards
+(its parameters and optimizer state, when they live in host memory) is copied, and the reader
+keeps the old one: in the worst case the pair holds the worker's memory twice. Models on an
+accelerator leave little of it in host memory. The reader process is forked only while the
+worker's resident memory is at most a quarter of the memory available (``fits_a_copy``);
+otherwise the loader reads ahead in a thread and says why.
 """
 
 from __future__ import annotations
@@ -145,10 +152,13 @@ class ReadAhead:
 
     def start(self, positions: dict[int, int], turn: int) -> None:
         if self._use_process and self._process is None:
+            why_not = fits_a_copy()
             try:
+                if why_not:
+                    raise OSError(why_not)
                 self._process = _ReaderProcess(self.reader, self.decode)
             except OSError as exc:
-                log.warning("stream reader process could not start (%s): reading ahead in a thread", exc)
+                log.warning("stream reader process not started (%s): reading ahead in a thread", exc)
                 self._use_process = False
         if self._process is not None and self._process.alive:
             self._process.request(self.reader, positions, turn)
@@ -192,6 +202,18 @@ class ReadAhead:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
         self._future = None
+
+
+def fits_a_copy() -> str:
+    """Why a forked reader could not hold a copy of this process's memory ("" if it could: the
+    resident memory is at most a quarter of what is available; see the module docstring)."""
+    import psutil
+
+    rss, available = psutil.Process().memory_info().rss, psutil.virtual_memory().available
+    if 4 * rss > available:
+        return (f"the worker holds {rss / 2**30:.1f} GiB, more than a quarter of the {available / 2**30:.1f} GiB "
+                "available, and a fork may come to hold a copy of it")
+    return ""
 
 
 class _ReaderProcess:
