@@ -30,9 +30,12 @@ counted from the moment production began, and the job is stopped:
 * scaling actions: the planner's decisions.
 
 Then the simulator, on the very arrivals produced (records per trace minute) with the throughput
-model fitted live: Kale's Eq. 6 fitted (NNLS) to the timeline points where records waited (lag of
-a trace minute or more: the workers were busy) at a steady count, pooled over the live runs (a
-line through the origin at the median per-worker rate when fewer than two counts were measured);
+model fitted live: Kale's Eq. 6 fitted (NNLS) to the capacity the workers showed, the rate over
+their busy share (what the master hands a planner as its measurement), at the timeline points
+where they were at least half busy at a steady count, pooled over the live runs (a line through
+the origin at the median per-worker rate when fewer than two counts were measured). The rate
+alone, where records waited, is not a capacity once partitions are uneven: 8 partitions on 5
+workers keep three of them busy and two half idle;
 the cost of an action measured live too (``Migration``: the median time from a decision to the
 pause it caused, and the pause); the pipeline's floor under the lag (``latency_s``: the 10th
 percentile of the live lag, both runs pooled: a worker reads a batch ahead and trains it a step
@@ -85,7 +88,7 @@ from tidal.sim import online as sim
 TRACE = ROOT.parent / "shared" / "traces" / "worldcup98-requests-per-minute.csv"
 EXAMPLE = ROOT / "examples" / "ctr" / "train.py"
 OVERHEAD_S = 0.03  # real CPU of a step beside the emulated device time (forward, backward, read): an estimate
-BUSY_WALL_S = 2.0  # a timeline point measures throughput when a record waited this long (wall seconds) ...
+MIN_BUSY = 0.5  # a timeline point measures the capacity (rate / busy share) when the workers were this busy ...
 MIN_POINTS = 3  # timeline points (seconds) a count needs to enter the fit
 SETTLED_S = 3.0  # ... and the count has held this long since the last pause (wall seconds)
 SLO_S = sim.SLO_LAG_S
@@ -276,9 +279,9 @@ class LiveRun:
             "worker_min": worker_s * self.scale / 60.0,
             "scaling_actions": len(decisions),
             # what the simulator is fitted on
-            "busy_points": [(p["workers"], p["samples_per_s"]) for p in points
-                            if p["lag_s"] is not None and p["lag_s"] >= BUSY_WALL_S * self.scale
-                            and p["workers"] == p["target"] and p["samples_per_s"] > 0 and settled(p["t_s"])],
+            "busy_points": [(p["workers"], p["samples_per_s"] / p["busy"]) for p in points
+                            if (p.get("busy") or 0.0) >= MIN_BUSY and p["workers"] == p["target"]
+                            and p["samples_per_s"] > 0 and settled(p["t_s"])],
             "lags": [p["lag_s"] for p in points if p["lag_s"] is not None],  # trace seconds
             "decision_s": [d["at_s"] / self.scale for d in decisions],
             "pauses": [(p["at_s"], p["seconds"]) for p in pauses],
@@ -298,12 +301,12 @@ def kill_workers(job_id: str) -> None:
 
 # ---------------------------------------------------------------------------- the simulator's inputs
 def fitted_model(busy: list[tuple[int, float]], scale: float) -> tuple[LinearisedModel, str, dict[int, float]]:
-    """Kale's Eq. 6 fitted to the busy points (samples per trace second), or a line through the origin."""
+    """Kale's Eq. 6 fitted to the live capacity points (samples per trace second), or a line through the origin."""
     per_count: dict[int, list[float]] = defaultdict(list)
     for w, rate in busy:
         per_count[int(w)].append(rate / scale)
     if not per_count:
-        raise RuntimeError("no live run measured its throughput (records never waited a trace minute)")
+        raise RuntimeError(f"no live run measured its capacity (workers never {MIN_BUSY:.0%} busy at a steady count)")
     medians = {w: float(np.median(v)) for w, v in per_count.items() if len(v) >= MIN_POINTS}
     if not medians:
         raise RuntimeError(f"no worker count was measured busy {MIN_POINTS} times")
@@ -481,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.device_ms_per_step:g} ms/step, batch {args.batch_size}; simulator: {how}; an action "
               f"{migration.prep_s / 60:.1f} + {migration.pause_s / 60:.1f} trace min (prep + pause, measured live); "
               f"pipeline latency {latency / 60:.1f} trace min (the live lag's 10th percentile)")
-        print("live busy throughput, records/s (wall) per workers: "
+        print("live capacity (rate / busy share), records/s (wall) per workers: "
               + ", ".join(f"{w}: {r}" for w, r in result["model"]["measured_records_per_s"].items())
               + "; fitted: " + ", ".join(f"{w}: {r:.0f}" for w, r in result["model"]["predicted_records_per_s"].items()))
         print(report(result))

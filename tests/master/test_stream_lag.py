@@ -118,6 +118,7 @@ def test_the_master_scores_the_lag_shows_it_and_carries_it_through_failover(tmp_
         clock.now += 1.0
         master.tick()
     assert master.status().stream_lag is None and master.timeline().points[-1].lag_s is None
+    assert master.timeline().points[-1].busy is None
     oldest = clock.now
     report_lag(master, 0, oldest)
     for _ in range(5):  # the oldest record waits on: 10, 20, ... 50 trace seconds old
@@ -129,6 +130,7 @@ def test_the_master_scores_the_lag_shows_it_and_carries_it_through_failover(tmp_
     assert st.accumulated_lag_min == pytest.approx((20 + 30 + 40 + 50) * 10 / 3600)
     tl = master.timeline()
     assert tl.lag_slo_s == 30.0 and [p.lag_s for p in tl.points[-3:]] == [30.0, 40.0, 50.0]
+    assert tl.points[-1].busy == 1.0  # the members' busy share, what a capacity is measured over
     text = render(job_registry(master)).decode()
     assert "tidal_stream_lag_seconds 50.0" in text and "tidal_stream_lag_slo_seconds 30.0" in text
     assert "tidal_stream_slo_violation_ratio 0.5" in text

@@ -584,6 +584,7 @@ class TimelinePoint(_Wire):
     workers: int
     target: int
     lag_s: float | None = None  # a stream job: the lag in trace time (None: not known yet)
+    busy: float | None = None  # a stream job: the members' mean busy share (None: not reported yet)
 
 
 class TimelineResponse(_Wire):

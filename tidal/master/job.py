@@ -98,7 +98,14 @@ from tidal.master.events import EventLog
 from tidal.master.fleet import Fleet
 from tidal.master.journal import Journal
 from tidal.master.membership import WorkerRecord
-from tidal.master.planning import Planning, available_cpus, partition_lag_s, stream_lag_s, worker_observation
+from tidal.master.planning import (
+    Planning,
+    available_cpus,
+    partition_lag_s,
+    stream_busy,
+    stream_lag_s,
+    worker_observation,
+)
 from tidal.master.progress import MemberProgress
 from tidal.master.roles import LAUNCHING, RETIRING
 from tidal.master.rounds import RoundState
@@ -966,7 +973,9 @@ class JobMaster:
                 self._next_timeline = now + TIMELINE_S
                 active = self._active()
                 lag = self._track_lag(now) if self.streams is not None else None
-                self.planning.record(now, sum(r.samples_per_s for r in active), len(active), self.target, lag)
+                busy = stream_busy([self.workers[m] for m in self.rounds.members if m in self.workers]) \
+                    if self.streams is not None else None
+                self.planning.record(now, sum(r.samples_per_s for r in active), len(active), self.target, lag, busy)
             if self.streams is not None and self.spec.stop_when_drained_s is not None:
                 self._check_drained(now)
             if self.spec.ps:

@@ -43,7 +43,7 @@ from tidal.brain.api import Planner
 from tidal.brain.meter import ThroughputMeter
 from tidal.master.membership import WorkerRecord
 
-__all__ = ["MAX_DECISIONS", "MAX_TIMELINE", "Planning", "StreamLag", "partition_lag_s", "stream_lag_s"]
+__all__ = ["MAX_DECISIONS", "MAX_TIMELINE", "Planning", "StreamLag", "partition_lag_s", "stream_busy", "stream_lag_s"]
 
 MAX_DECISIONS = 200  # decisions kept (and journaled); the count of all of them is kept too
 MAX_TIMELINE = 3600  # timeline points kept: an hour at one a second
@@ -62,6 +62,12 @@ def stream_lag_s(now: float, time_scale: float, members: Sequence[WorkerRecord])
         return None
     ages = [_age_s(now, r.stream_oldest_ms, r.stream_measured_ms) for r in members if r.stream_oldest_ms > 0]
     return max(ages) * time_scale if ages else 0.0
+
+
+def stream_busy(members: Sequence[WorkerRecord]) -> float | None:
+    """The members' mean busy share (``tidal.worker.stream_loader``); None: none reported it."""
+    busy = [r.stream_busy for r in members if r.stream_busy >= 0]
+    return min(1.0, sum(busy) / len(busy)) if busy else None
 
 
 def partition_lag_s(now: float, time_scale: float, reader: WorkerRecord, partition: int) -> float:
@@ -176,11 +182,12 @@ class Planning:
         return self.meter.throughput()
 
     def record(self, now: float, samples_per_s: float, workers: int, target: int,
-               lag_s: float | None = None) -> None:
+               lag_s: float | None = None, busy: float | None = None) -> None:
         """One timeline point (the caller calls it once a second)."""
         self.timeline.append(TimelinePoint(t_s=round(now - self.started_at, 3), samples_per_s=round(samples_per_s, 1),
                                            workers=workers, target=target,
-                                           lag_s=None if lag_s is None else round(lag_s, 1)))
+                                           lag_s=None if lag_s is None else round(lag_s, 1),
+                                           busy=None if busy is None else round(busy, 3)))
 
     def seed_history(self, arrivals: Sequence[float], interval_s: float) -> int:
         """Hand the stream's past traffic (records per ``interval_s`` trace seconds, oldest first) to
@@ -207,8 +214,7 @@ class Planning:
         self._stream_seen = (committed, backlog)
         arrived = max(0, (committed - before[0]) + (backlog - before[1]))
         lag_s = stream_lag_s(now, time_scale, members) or 0.0
-        busy = [r.stream_busy for r in members if r.stream_busy >= 0]
-        utilization = sum(busy) / len(busy) if busy else 0.0
+        utilization = stream_busy(members) or 0.0
         rate = sum(r.samples_per_s for r in members) / time_scale
         # the members' capacity: what they trained over the share of their steps' batches they
         # filled (the simulator measures it every minute; live, only a busy job shows it)
