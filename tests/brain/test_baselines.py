@@ -39,6 +39,15 @@ def test_hpa_scale_down_stabilization_window():
     assert hpa.plan(snap(361, 10, util=0.4)).workers == 5
 
 
+def test_hpa_starts_its_recommendations_with_the_current_count():
+    """An idle first sync (nothing arrived yet) does not scale in: the controller seeds its
+    recommendations with the current count, and the down window must pass first."""
+    hpa = HPAPlanner(target=0.8)
+    assert hpa.plan(snap(60, 4, util=0.0)).workers == 4
+    assert hpa.plan(snap(300, 4, util=0.0)).workers == 4
+    assert hpa.plan(snap(361, 4, util=0.0)).workers == 1
+
+
 def test_hpa_lag_metric():
     hpa = HPAPlanner(metric="lag", target=1000.0)
     assert hpa.plan(snap(15, 4, backlog=8000.0)).workers == 8  # 2000 per worker / 1000

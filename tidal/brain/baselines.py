@@ -80,6 +80,9 @@ class HPAPlanner:
        ``floor(start * (1 - value/100))``, Max takes the smallest.
     4. Clamp to ``[min_workers, max_workers]``.
 
+    The recommendations start with the current count at the first sync, as the controller
+    starts them: an idle first sync does not scale in before the down window has passed.
+
     Metric (``metric``): "utilization" (the workers' busy share, target ``target`` = 0.8, the
     GPU-utilization HPA Kale compares with) or "lag" (samples waiting per worker, an
     AverageValue external metric as Kafka-lag autoscalers use, target ``target`` samples).
@@ -147,6 +150,10 @@ class HPAPlanner:
     def plan(self, obs: JobObservation) -> ResourcePlan:
         stream = require_stream(obs, self.name)
         now, current = obs.now_s, obs.current_workers
+        if self._last is None:
+            # the controller starts its recommendations with the current count
+            # (``reconcileAutoscaler``): a scale-down waits out the window from the first sync
+            self._recommendations.append((now, current))
         if self._last is not None and current != self._last:  # a change we asked for took effect
             self._events.append((now, current - self._last))
         self._last = current
