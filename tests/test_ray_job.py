@@ -144,7 +144,9 @@ def test_servers_and_data_workers_are_actors_too_packed_or_spread(tmp_path: Path
         jobs.append(ps.start())
         ps.wait_step(2, 120)
         assert node_of(cluster, ps, 0) == node_of(cluster, ps, 0, "ps") == big.node_id
-        data = ray_job(tmp_path, cluster, "1:1", [*example_args(4000, 1, 128), "--raw-features"],
+        # 0.6 s a step: the job must outlive its data workers' start on a loaded machine (without
+        # it, training was over in 3 s, before the second data worker served)
+        data = ray_job(tmp_path, cluster, "1:1", [*example_args(4000, 1, 128, 0.6), "--raw-features"],
                        "--data-workers", "2", name="data")
         jobs.append(data.start())
         st = data.wait_status(lambda s: sum(d["state"] == "running" for d in s["data_workers"]) == 2, 120,
