@@ -973,8 +973,7 @@ class JobMaster:
                 self._next_timeline = now + TIMELINE_S
                 active = self._active()
                 lag = self._track_lag(now) if self.streams is not None else None
-                busy = stream_busy([self.workers[m] for m in self.rounds.members if m in self.workers]) \
-                    if self.streams is not None else None
+                busy = stream_busy(self._member_records()) if self.streams is not None else None
                 self.planning.record(now, sum(r.samples_per_s for r in active), len(active), self.target, lag, busy)
             if self.streams is not None and self.spec.stop_when_drained_s is not None:
                 self._check_drained(now)
@@ -1038,10 +1037,14 @@ class JobMaster:
                                              worker=owner, lag=lag, lag_s=lag_s))
         return out
 
+    def _member_records(self) -> list[WorkerRecord]:
+        """The records of the round's members (those the master still knows)."""
+        return [self.workers[m] for m in self.rounds.members if m in self.workers]
+
     def _track_lag(self, now: float) -> float | None:
         """The stream's lag now (trace time; None: no member reported yet), added to the SLO
         bookkeeping, which is journaled (a master that takes over carries on from it)."""
-        members = [self.workers[m] for m in self.rounds.members if m in self.workers]
+        members = self._member_records()
         lag = stream_lag_s(now, self.spec.time_scale, members)
         if lag is not None:
             self.planning.lag.observe(now, lag, self.spec.time_scale)
@@ -1196,7 +1199,7 @@ class JobMaster:
         cfg = self.shards.config
         stream = None
         if self.streams is not None:
-            members = [self.workers[m] for m in self.rounds.members if m in self.workers]
+            members = self._member_records()
             stream = self.planning.observe_stream(
                 now, self.spec.planner_interval_s, self.spec.time_scale, self.committed_samples(), members, ready)
         return self.planning.observe(

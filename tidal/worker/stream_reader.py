@@ -173,10 +173,7 @@ class ReadAhead:
 
     def take(self) -> tuple[Taken | None, int] | None:
         if self._process is not None and self._process.waiting:
-            got = self._process.answer()
-            if self._process.unsupported:
-                self._use_process = False
-            return got
+            return self._process.answer()  # a reader that gave up stays closed: a thread reads next
         future, self._future = self._future, None
         if future is None:
             return None
@@ -237,7 +234,6 @@ class _ReaderProcess:
         self.conn = Connection(parent.detach())
         self.alive = True
         self.waiting = False
-        self.unsupported = False
 
     def request(self, reader: PartitionReader, positions: dict[int, int], turn: int) -> None:
         msg = {"positions": [[p, v] for p, v in positions.items()], "turn": turn, "order": reader.order,
@@ -267,7 +263,6 @@ class _ReaderProcess:
         if "unsupported" in meta:
             log.warning("the stream's batches cannot leave the reader process (%s): reading ahead in a thread",
                         meta["unsupported"])
-            self.unsupported = True
             self.close()
             return None
         if meta.get("taken") is None:
