@@ -26,6 +26,9 @@ class PolicyMetrics:
     completion_rate: float  # jobs that did not fail, 0..1
     scaling_actions: int = 0
     extra: dict[str, float] = field(default_factory=dict)  # scenario-specific numbers
+    #: mean over every job of its duration at the ideal speed: no policy that completes every
+    #: job has a lower average JCT (a bound on any policy's average-JCT gain over another)
+    avg_ideal_s: float = math.nan
     # for --plot: (time_s, gpu_util, cpu_util) samples and per-job JCTs
     timeline: list[tuple[float, float, float]] = field(default_factory=list, repr=False)
     jcts: list[float] = field(default_factory=list, repr=False)
@@ -183,6 +186,7 @@ def policy_metrics(outcomes: list[JobOutcome], usage: list[tuple[float, float, f
         completion_rate=n / len(outcomes) if outcomes else 1.0,
         scaling_actions=scaling_actions,
         extra=dict(extra or {}),
+        avg_ideal_s=sum(o.ideal_s for o in outcomes) / len(outcomes) if outcomes else math.nan,
         timeline=timeline,
         jcts=jcts,
     )
