@@ -11,6 +11,7 @@ from tidal.brain.easyscale import (
     GpuGrant,
     InterJobAllocator,
     IntraJobPlanner,
+    PlanDatabase,
     estimated_throughput,
     map_ests,
     waste,
@@ -117,3 +118,45 @@ def test_heterogeneous_job_can_move_all_its_slow_gpus():
     job = ElasticJob("a", 0, 8, {"V100": 2.5, "T4": 1.0}, {"V100": 1, "T4": 6})
     props = IntraJobPlanner(top_k=8).propose(job, {"V100": 8})
     assert ("V100", 6) in [p.add for p in props if p.release == ("T4", 6)]
+
+
+def test_the_plan_database_corrects_eq1_by_what_was_measured():
+    # maxP 8 on 4 V100: Eq. 1d says 16 mini-batches/s (2 steps/s); measured 1.0 step/s (bias 0.5)
+    cap = {"V100": 4.0, "T4": 2.0}
+    held = (("V100", 4),)
+    mix = (("T4", 4), ("V100", 4))
+    job = ElasticJob("a", 0, 8, cap, {"V100": 4}, measured_plans={held: 1.0, (("T4", 2), ("V100", 2)): 0.25})
+    db = PlanDatabase(job)
+    assert db.held_bias == pytest.approx(0.5)
+    assert db.estimate({"V100": 4}).throughput == pytest.approx(8.0)  # measured: 1 step/s x 8
+    # a plan over V100 alone: the nearest measured V100 plan's bias (the held one)
+    assert db.estimate({"V100": 8}).throughput == pytest.approx(0.5 * map_ests(8, {"V100": 8}, cap).throughput)
+    # a mix: the bias of the measured mix over the same types (0.25 x 8 / Eq. 1d of {T4 2, V100 2})
+    mix_bias = 0.25 * 8 / map_ests(8, {"T4": 2, "V100": 2}, cap).throughput
+    assert db.estimate(dict(mix)).throughput == pytest.approx(mix_bias * map_ests(8, dict(mix), cap).throughput)
+    # nothing measured: Eq. 1d as printed
+    fresh = ElasticJob("b", 0, 8, cap, {"V100": 4})
+    assert PlanDatabase(fresh).estimate({"V100": 4}).throughput == pytest.approx(16.0)
+
+
+def test_a_job_returns_to_a_faster_plan_it_has_measured():
+    # the job ran 4 V100 at 1.0 step/s; its V100s were reclaimed and it regrew onto 1 V100 + 6 T4
+    # (spread over servers: measured 0.4). Once 3 V100 are free, it goes back to 4 V100 and
+    # gives the T4 back, which no incremental or upgrade plan (they only add to the held plan)
+    # would do
+    cap = {"V100": 2.5, "T4": 1.0}
+    job = ElasticJob("a", 0, 8, cap, {"V100": 1, "T4": 6},
+                     measured_plans={(("V100", 4),): 1.0, (("T4", 6), ("V100", 1)): 0.4})
+    props = IntraJobPlanner(top_k=8).propose(job, {"V100": 3})
+    back = [p for p in props if p.plan.counts == (("V100", 4),)]
+    assert back and back[0].speedup == pytest.approx(2.5)
+    assert back[0].add == ("V100", 3) and back[0].release == ("T4", 6)
+    grants = InterJobAllocator(IntraJobPlanner()).allocate([job], free(V100=3, T4=0))
+    assert grants == [GpuGrant("a", {"V100": 4})]
+    # a homogeneous-only planner never proposes the measured mix, and a banned plan is not a return
+    homo_job = ElasticJob("h", 0, 8, cap, {"V100": 4}, heterogeneous=False,
+                          measured_plans={(("V100", 4),): 1.0, (("T4", 6), ("V100", 1)): 9.0})
+    assert all(len(p.plan.counts) == 1 for p in IntraJobPlanner().propose(homo_job, {"T4": 6}))
+    banned = ElasticJob("a", 0, 8, cap, {"V100": 1, "T4": 6}, banned=frozenset({(("V100", 4),)}),
+                        measured_plans=job.measured_plans)
+    assert all(p.plan.counts != (("V100", 4),) for p in IntraJobPlanner(top_k=8).propose(banned, {"V100": 3}))

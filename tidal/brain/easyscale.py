@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tidal.api import ConfigError
 from tidal.brain.yarn import Machine
@@ -37,6 +37,7 @@ __all__ = [
     "GpuGrant",
     "InterJobAllocator",
     "IntraJobPlanner",
+    "PlanDatabase",
     "Proposal",
     "estimated_throughput",
     "map_ests",
@@ -151,6 +152,9 @@ class ElasticJob:
         measured_previous: throughput measured on ``previous``.
         banned: plans (sorted ``(type, N_i)`` pairs) measured slower than the plan before
             them; never proposed again (the companion module's database update on a bias).
+        measured_plans: throughput (steps/s) measured on each plan the job has run, keyed like
+            ``banned``: the companion module's database of plans, corrected by what the
+            framework reported. Estimates use it (``IntraJobPlanner.estimate``).
     """
 
     job_id: str
@@ -163,6 +167,7 @@ class ElasticJob:
     measured: float | None = None
     measured_previous: float | None = None
     banned: frozenset[tuple[tuple[str, int], ...]] = frozenset()
+    measured_plans: Mapping[tuple[tuple[str, int], ...], float] = field(default_factory=dict)
 
     @property
     def gpus(self) -> int:
@@ -174,7 +179,10 @@ class Proposal:
     """Role-2: ``add`` GPUs (one type) would take the job from ``current`` to ``plan``.
 
     ``speedup`` is the estimated throughput ratio new / current (``inf`` from zero GPUs).
-    An *upgrade* also gives ``release`` GPUs back (same count, a slower type).
+    An *upgrade* also gives ``release`` GPUs back (same count, a slower type). A *return* to a
+    plan the job has run (``IntraJobPlanner.propose``) may add and release several types:
+    ``add`` then names the type with the largest increase and counts every GPU added, and
+    ``release`` likewise; ``plan`` is what the allocator applies in every case.
     """
 
     job_id: str
@@ -189,8 +197,54 @@ class Proposal:
 
     @property
     def speedup_per_gpu(self) -> float:
-        """Relative throughput gain per added GPU, ``(speedup - 1) / added``."""
-        return (self.speedup - 1.0) / self.add[1]
+        """Relative throughput gain per added GPU, ``(speedup - 1) / added`` (``inf`` when a
+        return to a measured plan adds none)."""
+        return (self.speedup - 1.0) / self.add[1] if self.add[1] else math.inf
+
+
+class PlanDatabase:
+    """The companion module's database of one job's plans (section 3.4), from a snapshot.
+
+    The paper's module estimates each plan from performance models and updates the database
+    "once it has monitored significant biases between the estimated throughput and the
+    reported throughput". Here a plan's throughput (mini-batches/s) is
+
+    * what was measured on it, where the job has run it (``ElasticJob.measured_plans``);
+    * else Eq. 1d times the bias (measured over Eq. 1d) of the measured plan over the same
+      GPU types nearest in GPU count: plans over the same types share what Eq. 1 leaves out
+      (a mix spread over servers pays synchronisation a one-server plan does not);
+    * else Eq. 1d times ``held_bias``: the bias measured on the plan the job holds (given,
+      or from the snapshot; where that was not measured, the median over its measured plans).
+
+    Without the measurements a job that left a fast one-server plan for a slow mix would be
+    told that going back gains little and stay on the mix, and every other mix it was offered
+    would be tried, measured slower and fallen back from, one by one.
+    """
+
+    def __init__(self, job: ElasticJob, held_bias: float | None = None) -> None:
+        self.job = job
+        self._by_types: dict[tuple[str, ...], list[tuple[int, float]]] = {}
+        ratios: dict[tuple[tuple[str, int], ...], float] = {}
+        for counts, rate in job.measured_plans.items():
+            ratios[counts] = rate * job.max_p / map_ests(job.max_p, dict(counts), job.capability).throughput
+            self._by_types.setdefault(tuple(t for t, _ in counts), []).append(
+                (sum(n for _, n in counts), ratios[counts]))
+        if held_bias is None:
+            held = tuple(sorted(_used(job.allocation).items()))
+            ordered = sorted(ratios.values())
+            held_bias = ratios.get(held, ordered[len(ordered) // 2] if ordered else 1.0)
+        self.held_bias = held_bias
+
+    def estimate(self, counts: Mapping[str, int]) -> EstPlan:
+        """The least-waste mapping of ``counts`` (Role-1) with its throughput as above."""
+        job = self.job
+        plan = map_ests(job.max_p, _used(counts), job.capability)
+        measured = job.measured_plans.get(plan.counts)
+        if measured is not None:
+            return replace(plan, throughput=measured * job.max_p)
+        same = self._by_types.get(tuple(t for t, _ in plan.counts))
+        bias = min(same, key=lambda g: (abs(g[0] - plan.gpus), g[0]))[1] if same else self.held_bias
+        return replace(plan, throughput=plan.throughput * bias)
 
 
 class IntraJobPlanner:
@@ -213,8 +267,19 @@ class IntraJobPlanner:
         self.heterogeneous = heterogeneous
 
     def plan(self, job: ElasticJob) -> EstPlan | None:
-        """Role-1: the best mapping on the GPUs the job holds (``None`` without GPUs)."""
-        return map_ests(job.max_p, job.allocation, job.capability) if job.gpus else None
+        """Role-1: the best mapping on the GPUs the job holds (``None`` without GPUs), with
+        its throughput as ``estimate`` gives it."""
+        return self.estimate(job, job.allocation) if job.gpus else None
+
+    @staticmethod
+    def bias(job: ElasticJob) -> float:
+        """Measured over estimated (Eq. 1d) throughput on the plan the job holds; where that
+        plan was not measured, the median over the job's measured plans; 1 before any."""
+        return PlanDatabase(job).held_bias
+
+    def estimate(self, job: ElasticJob, counts: Mapping[str, int], bias: float | None = None) -> EstPlan:
+        """``PlanDatabase(job, bias).estimate(counts)``: measured, or Eq. 1d corrected."""
+        return PlanDatabase(job, bias).estimate(counts)
 
     def _types(self, job: ElasticJob) -> list[str]:
         held = [t for t, n in job.allocation.items() if n > 0]
@@ -222,13 +287,16 @@ class IntraJobPlanner:
             return held
         return sorted(job.capability)
 
-    def propose(self, job: ElasticJob, free: Mapping[str, int]) -> list[Proposal]:
-        """Role-2: the top-k ``+d`` GPUs of one type that fit ``free``, by estimated gain.
+    def propose(self, job: ElasticJob, free: Mapping[str, int], bias: float | None = None) -> list[Proposal]:
+        """Role-2: the top-k ``+d`` GPUs of one type that fit ``free``, by estimated gain
+        (``PlanDatabase``; ``bias`` overrides the held plan's), with the upgrades and returns
+        below competing for the same k.
 
         Plans with no estimated gain, above ``max_p`` GPUs or in the job's ``banned`` set
         are not proposed.
         """
-        current = self.plan(job)
+        db = PlanDatabase(job, bias)
+        current = db.estimate(job.allocation) if job.gpus else None
         base = current.throughput if current else 0.0
         out: list[Proposal] = []
         for t in self._types(job):
@@ -237,13 +305,14 @@ class IntraJobPlanner:
                     break
                 counts = dict(job.allocation)
                 counts[t] = counts.get(t, 0) + d
-                plan = map_ests(job.max_p, counts, job.capability)
+                plan = db.estimate(counts)
                 if plan.throughput <= base * (1 + 1e-9) or plan.counts in job.banned:
                     continue
                 speedup = math.inf if base == 0 else plan.throughput / base
                 out.append(Proposal(job.job_id, (t, d), plan, speedup))
         if current is not None:
-            out.extend(self._upgrades(job, free, base))
+            out.extend(self._upgrades(job, free, base, db))
+            out.extend(self._returns(job, free, base, current))
         # a plan that another proposal matches with fewer GPUs is dominated (lower speedup per
         # GPU): never the allocator's pick, it would only take a top-k slot from its dominator
         out = [p for p in out if not any(q.plan.gpus < p.plan.gpus
@@ -252,7 +321,7 @@ class IntraJobPlanner:
         out.sort(key=lambda p: (-(p.plan.throughput - base), p.add[0]))  # equal gain: equal GPUs now
         return out[:self.top_k]
 
-    def _upgrades(self, job: ElasticJob, free: Mapping[str, int], base: float) -> list[Proposal]:
+    def _upgrades(self, job: ElasticJob, free: Mapping[str, int], base: float, db: PlanDatabase) -> list[Proposal]:
         """Plans of the same size on faster GPUs: a job that started on a slow type moves up.
 
         Our extension of Role-2's "explore new configurations" (the paper's proposals are
@@ -278,9 +347,34 @@ class IntraJobPlanner:
                 counts = dict(held)
                 counts[slow] -= d
                 counts[t] = counts.get(t, 0) + d
-                plan = map_ests(job.max_p, _used(counts), job.capability)
+                plan = db.estimate(counts)
                 if plan.throughput > base * (1 + 1e-9) and plan.counts not in job.banned:
                     out.append(Proposal(job.job_id, (t, d), plan, plan.throughput / base, (slow, d)))
+        return out
+
+    def _returns(self, job: ElasticJob, free: Mapping[str, int], base: float, current: EstPlan) -> list[Proposal]:
+        """Plans the job has run and measured faster than its estimate of the plan it holds,
+        reachable with its GPUs and the free ones (our extension, with ``_upgrades``): a job
+        that grew from a fast plan into a slower one (GPUs reclaimed from it, then regrown on
+        other types) goes back when the GPUs it needs are free again. Incremental and upgrade
+        plans only ever add to the plan held, so none of them leads back."""
+        held = current.count_of()
+        mixes = self.heterogeneous and job.heterogeneous
+        out = []
+        for counts, rate in job.measured_plans.items():
+            if counts == current.counts or counts in job.banned or (len(counts) > 1 and not mixes):
+                continue
+            target = dict(counts)
+            delta = {t: target.get(t, 0) - held.get(t, 0) for t in set(target) | set(held)}
+            if any(n > free.get(t, 0) for t, n in delta.items()) or rate * job.max_p <= base * (1 + 1e-9):
+                continue
+            plan = replace(map_ests(job.max_p, target, job.capability), throughput=rate * job.max_p)
+            gain = max(delta, key=lambda t: (delta[t], t))
+            loss = min(delta, key=lambda t: (delta[t], t))
+            added = sum(n for n in delta.values() if n > 0)
+            released = -sum(n for n in delta.values() if n < 0)
+            out.append(Proposal(job.job_id, (gain, added), plan, plan.throughput / base,
+                                (loss, released) if released else None))
         return out
 
     def fallback(self, job: ElasticJob) -> dict[str, int] | None:
@@ -343,6 +437,8 @@ class InterJobAllocator:
         elastic = sorted((j for j in jobs if isinstance(j, ElasticJob)), key=lambda j: j.order)
         gangs = sorted((j for j in jobs if isinstance(j, GangJob)), key=lambda j: j.order)
         by_id = {j.job_id: j for j in elastic}
+        # each job's estimates are corrected by the bias measured on the plan it holds now
+        bias = {e.job_id: self.planner.bias(e) for e in elastic}
 
         # 1. non-elastic jobs first, FIFO, reclaiming from the newest elastic jobs
         for g in gangs:
@@ -389,23 +485,21 @@ class InterJobAllocator:
                 if not counts:
                     continue
                 snap = ElasticJob(e.job_id, e.order, e.max_p, e.capability, counts,
-                                  e.heterogeneous, banned=e.banned)
-                proposals.extend(self.planner.propose(snap, avail))
+                                  e.heterogeneous, banned=e.banned, measured_plans=e.measured_plans)
+                proposals.extend(self.planner.propose(snap, avail, bias[e.job_id]))
             if not proposals:
                 break
             proposals.sort(key=lambda p: (-p.speedup_per_gpu, -p.gpus, by_id[p.job_id].order))
             accepted: set[str] = set()
             for p in proposals:
-                t, d = p.add
-                if p.job_id in accepted or avail.get(t, 0) < d:
+                holding, new = alloc[p.job_id], p.plan.count_of()
+                delta = {t: new.get(t, 0) - holding.get(t, 0) for t in set(new) | set(holding)}
+                if p.job_id in accepted or any(n > avail.get(t, 0) for t, n in delta.items()):
                     continue
                 # a proposal computed before another acceptance may no longer be the job's best
-                alloc[p.job_id][t] = alloc[p.job_id].get(t, 0) + d
-                avail[t] -= d
-                if p.release is not None:
-                    rt, rd = p.release
-                    alloc[p.job_id][rt] -= rd
-                    avail[rt] = avail.get(rt, 0) + rd
+                for t, n in delta.items():
+                    avail[t] = avail.get(t, 0) - n
+                alloc[p.job_id] = _used(new)
                 accepted.add(p.job_id)
             if not accepted:
                 break

@@ -148,6 +148,7 @@ class _Job:
     previous: dict[str, int] | None = None
     rate_previous: float | None = None
     banned: frozenset[tuple[tuple[str, int], ...]] = frozenset()
+    measured_plans: dict[tuple[tuple[str, int], ...], float] = field(default_factory=dict)
 
     def capability(self) -> dict[str, float]:
         return {t: SPEED[t] / self.app.compute_s for t in SPEED}
@@ -282,6 +283,7 @@ def _simulate(jobs: list[_Job], policy: str) -> PolicyMetrics:
                 if back is not None:
                     j.banned = j.banned | {tuple(sorted(j.alloc.items()))}
                     j.alloc, j.rate = back, true_rate(j, back)
+                    j.measured_plans[tuple(sorted(back.items()))] = j.rate
                     j.pause_until = now + RESCALE_PAUSE_S
                     fallbacks += 1
                     actions += 1
@@ -291,7 +293,8 @@ def _simulate(jobs: list[_Job], policy: str) -> PolicyMetrics:
                 for t, n in j.alloc.items():
                     free[t] -= n
             snaps = [ElasticJob(j.job_id, j.order, j.max_p, j.capability(), j.alloc,
-                                heter and j.heterogeneous, banned=j.banned)
+                                heter and j.heterogeneous, banned=j.banned,
+                                measured_plans=dict(j.measured_plans))
                      for j in running + waiting]
             by_id = {j.job_id: j for j in running + waiting}
             # the inter-job scheduler shares GPUs by type: one pooled "machine" per type
@@ -310,6 +313,8 @@ def _simulate(jobs: list[_Job], policy: str) -> PolicyMetrics:
                     next_round = min(next_round, now + MEASURE_AFTER_S)
                 j.alloc = new
                 j.rate = true_rate(j, new)
+                if new:  # the framework reports it: the companion module's database keeps it
+                    j.measured_plans[tuple(sorted(new.items()))] = j.rate
                 if not new:  # reclaimed to zero by a non-elastic job: back to the queue
                     running.remove(j)
                     waiting.append(j)
