@@ -7,8 +7,9 @@ from tidal.brain import planners
 from tidal.brain.baselines import AutopilotPlanner, HPAPlanner, MaduPlanner
 
 
-def snap(now: float, workers: int, util: float = 0.5, backlog: float = 0.0, **stream) -> JobObservation:
-    return JobObservation(job_id="j", min_workers=1, max_workers=40, current_workers=workers, now_s=now,
+def snap(now: float, workers: int, util: float = 0.5, backlog: float = 0.0, ready: bool = True,
+         **stream) -> JobObservation:
+    return JobObservation(job_id="j", min_workers=1, max_workers=40, current_workers=workers, now_s=now, ready=ready,
                           stream=StreamObservation(utilization=util, backlog=backlog, **stream))
 
 
@@ -46,6 +47,19 @@ def test_hpa_starts_its_recommendations_with_the_current_count():
     assert hpa.plan(snap(60, 4, util=0.0)).workers == 4
     assert hpa.plan(snap(300, 4, util=0.0)).workers == 4
     assert hpa.plan(snap(361, 4, util=0.0)).workers == 1
+
+
+def test_hpa_keeps_its_recommendations_while_a_scaling_action_runs():
+    """The controller syncs on while pods start, recommending the count it asked for: an action
+    longer than the down window does not leave the window empty, so the first (idle) reading
+    after it cannot scale in alone."""
+    hpa = HPAPlanner(target=0.8)
+    assert hpa.plan(snap(0, 10, util=0.96)).workers == 12  # ceil(1.2 * 10): the action starts
+    for t in range(60, 540, 60):  # 8 minutes of scaling (a restart, say)
+        assert hpa.plan(snap(t, 12, util=0.0, ready=False)).workers == 12
+    # the pause's idle minute: desired ceil(0.3 / 0.8 * 12) = 5, but the window holds 12s
+    assert hpa.plan(snap(540, 12, util=0.3)).workers == 12
+    assert hpa.plan(snap(841, 12, util=0.3)).workers == 5  # once five minutes of low readings passed
 
 
 def test_hpa_lag_metric():

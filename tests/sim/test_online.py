@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from tidal.api import ConfigError
+from tidal.api import ConfigError, JobObservation, ResourcePlan
 from tidal.brain.dataparallel import FixedWorkers
 from tidal.cli import _register_commands, app
 from tidal.sim import online as sim
@@ -120,6 +120,35 @@ def test_uneven_partitions_fall_behind_where_a_pool_keeps_up() -> None:
     assert divides.accumulated_lag_min == 0.0  # one partition each: even again
     with pytest.raises(ConfigError, match="partitions"):
         sim.simulate(arrivals, {"six": lambda: FixedWorkers(6)}, sim.SimConfig(partitions=0))
+
+
+def test_a_pause_reads_as_idle_in_the_utilization() -> None:
+    """The busy share a planner sees is over the whole minute, as a live worker counts it: a
+    minute spent in a scaling action's pause is idle, and the minute the workers catch up is
+    busy. (Counting only the trained part of a paused minute read a short catch-up as
+    saturation, and the simulated HPA scaled out again after every scale-in.)"""
+
+    class Once:
+        name = "once"
+
+        def __init__(self) -> None:
+            self.seen: list[tuple[bool, float]] = []
+
+        def plan(self, obs: JobObservation) -> ResourcePlan:
+            assert obs.stream is not None
+            self.seen.append((obs.ready, obs.stream.utilization))
+            return ResourcePlan(workers=5 if obs.now_s >= 600 else 4)
+
+    cfg = sim.SimConfig(peak_workers=8, noise=0.0, migration="seamless")
+    arrivals = np.full(30, 0.5 * sim.true_throughput(cfg, 4) * 60.0)
+    planner = Once()
+    sim.simulate(arrivals, {"once": lambda: planner}, cfg)
+    util = [u for _, u in planner.seen[1:]]  # the first call sizes the job at launch
+    assert util[5] == pytest.approx(0.5, rel=1e-6)  # steady: half busy
+    # decided at the end of minute 9: minute 10 trains (prep), 11 and 12 are paused, 13 is paused 2 s
+    assert util[11] == 0.0 and util[12] == 0.0
+    assert util[13] > util[5]  # the catch-up
+    assert not planner.seen[1 + 11][0] and planner.seen[1 + 14][0]
 
 
 def test_a_pipeline_latency_is_a_floor_under_the_lag() -> None:

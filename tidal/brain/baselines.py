@@ -158,6 +158,12 @@ class HPAPlanner:
             self._events.append((now, current - self._last))
         self._last = current
         if not obs.ready:
+            # the controller keeps syncing while pods start: its recommendation then is the count
+            # it already asked for (unready pods' samples do not count), and that recommendation
+            # stays in the scale-down window. Skipping it left the window empty after any action
+            # longer than the window, so the first reading after it (a pause's catch-up, or its
+            # idle minute) decided alone
+            self._recommendations.append((now, current))
             return ResourcePlan(workers=current, reason="scaling in progress")
         desired = self.desired(current, self._metric(obs, stream))
         # 2. stabilization

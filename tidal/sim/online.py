@@ -25,7 +25,8 @@ worker trains at most ``f(w) / w`` samples/s, shared among its own partitions (w
 evenly, none given more than it holds). When w does not divide P, the workers holding more
 partitions fall behind while the others idle (8 partitions on 6 workers: two of them carry 25%
 of the traffic each, 1.5x the mean), which a pooled model does not show. The lag is the oldest
-waiting sample over the partitions; the utilization the workers' mean busy share.
+waiting sample over the partitions; the utilization the workers' mean busy share over the
+whole interval (time in a scaling action's pause is idle, as a live worker counts it).
 
 Latency (``SimConfig.latency_s``): by default a sample can be trained in the interval it
 arrives in. A live worker reads a batch ahead and trains it a step later, so a sample waits at
@@ -362,8 +363,8 @@ def simulate(
             backlog = float(waiting.sum())
             lag = max((_lag(part_cum, part_arrivals, float(c), t1, dt) for c, left in zip(job.consumed, waiting, strict=True)
                        if left > 1e-6 / parts), default=0.0)
-            if train_s > 0 and rate > 0:  # busy share of the time the workers trained
-                last_util = done / (rate * train_s)
+            if rate > 0:  # busy share of the interval: a pause counts as idle, as a live worker counts it
+                last_util = done / (rate * dt)
             workers_log[k] = allocated
             lag_log[k] = lag
             measured = [(float(w_train), rate)] if train_s >= dt and w_train > 0 else []
