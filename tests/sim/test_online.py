@@ -123,9 +123,9 @@ def test_uneven_partitions_fall_behind_where_a_pool_keeps_up() -> None:
 
 
 def test_a_pause_reads_as_idle_in_the_utilization() -> None:
-    """The busy share a planner sees is over the whole minute, as a live worker counts it: a
-    minute spent in a scaling action's pause is idle, and the minute the workers catch up is
-    busy. (Counting only the trained part of a paused minute read a short catch-up as
+    """The busy share a planner sees is over the whole minute, as a live worker counts it: the
+    part of a minute spent in a scaling action's pause is idle; a minute paused throughout
+    reports nothing new. (Counting only the trained part of a minute read a short catch-up as
     saturation, and the simulated HPA scaled out again after every scale-in.)"""
 
     class Once:
@@ -145,9 +145,10 @@ def test_a_pause_reads_as_idle_in_the_utilization() -> None:
     sim.simulate(arrivals, {"once": lambda: planner}, cfg)
     util = [u for _, u in planner.seen[1:]]  # the first call sizes the job at launch
     assert util[5] == pytest.approx(0.5, rel=1e-6)  # steady: half busy
-    # decided at the end of minute 9: minute 10 trains (prep), 11 and 12 are paused, 13 is paused 2 s
-    assert util[11] == 0.0 and util[12] == 0.0
-    assert util[13] > util[5]  # the catch-up
+    # decided at the end of minute 9: minute 10 trains (prep), 11 and 12 are paused throughout
+    # (no report: the reading before stands), 13 is paused 2 s and catches up
+    assert util[11] == util[12] == util[10] == pytest.approx(0.5, rel=1e-6)
+    assert util[13] == pytest.approx(58 / 60)  # busy for the 58 s it trained, idle for the 2 s paused
     assert not planner.seen[1 + 11][0] and planner.seen[1 + 14][0]
 
 

@@ -26,7 +26,8 @@ evenly, none given more than it holds). When w does not divide P, the workers ho
 partitions fall behind while the others idle (8 partitions on 6 workers: two of them carry 25%
 of the traffic each, 1.5x the mean), which a pooled model does not show. The lag is the oldest
 waiting sample over the partitions; the utilization the workers' mean busy share over the
-whole interval (time in a scaling action's pause is idle, as a live worker counts it).
+whole interval (time in a scaling action's pause is idle, as a live worker counts it; an
+interval paused throughout reports nothing new).
 
 Latency (``SimConfig.latency_s``): by default a sample can be trained in the interval it
 arrives in. A live worker reads a batch ahead and trains it a step later, so a sample waits at
@@ -363,7 +364,10 @@ def simulate(
             backlog = float(waiting.sum())
             lag = max((_lag(part_cum, part_arrivals, float(c), t1, dt) for c, left in zip(job.consumed, waiting, strict=True)
                        if left > 1e-6 / parts), default=0.0)
-            if rate > 0:  # busy share of the interval: a pause counts as idle, as a live worker counts it
+            if train_s > 0 and rate > 0:
+                # the busy share of the interval: the part of it spent in a pause is idle, as a live
+                # worker counts it; an interval paused throughout reports nothing (a live worker in
+                # a pause sends no report), so the reading before the action stands
                 last_util = done / (rate * dt)
             workers_log[k] = allocated
             lag_log[k] = lag
