@@ -149,7 +149,8 @@ def test_a_pause_reads_as_idle_in_the_utilization() -> None:
     # (no report: the reading before stands), 13 is paused 2 s and catches up
     assert util[11] == util[12] == util[10] == pytest.approx(0.5, rel=1e-6)
     assert util[13] == pytest.approx(58 / 60)  # busy for the 58 s it trained, idle for the 2 s paused
-    assert not planner.seen[1 + 11][0] and planner.seen[1 + 14][0]
+    # not ready until the interval after the one the action ended in
+    assert [ready for ready, _ in planner.seen[1 + 9 : 1 + 15]] == [True, False, False, False, False, True]
 
 
 def test_a_pipeline_latency_is_a_floor_under_the_lag() -> None:

@@ -4,7 +4,8 @@ A job trains on a stream whose arrivals follow a trace. It has a *true* throughp
 (samples/s as a function of workers) with per-minute noise that no planner sees. Every
 simulated minute each policy gets a ``JobObservation`` with what a live master would report
 (its ``stream`` part: the arrivals of that minute, the throughput measured while training,
-backlog, lag, utilization; ``ready`` False while a scaling action is under way) and answers
+backlog, lag, utilization; ``ready`` False while a scaling action is under way and in the
+interval it ends in) and answers
 with a ``ResourcePlan``; the very planners of ``tidal.brain`` are used.
 
 Scaling stops training for its downtime:
@@ -342,6 +343,7 @@ def simulate(
             t0, t1 = k * dt, (k + 1) * dt
             # -- carry out a scaling action in progress
             train_s = dt
+            ended = False
             if job.action_new is not None:
                 pause_lo, pause_hi = max(t0, job.action_prep_end), min(t1, job.action_end)
                 paused = max(0.0, pause_hi - pause_lo)
@@ -350,6 +352,7 @@ def simulate(
                 if job.action_end <= t1:
                     job.workers = job.action_new
                     job.action_new = None
+                    ended = True
             allocated = job.workers if job.action_new is None else max(job.workers, job.action_new)
             # workers during the trained part: the old ones until the pause, the new ones after
             w_train = job.workers
@@ -381,7 +384,10 @@ def simulate(
                 applied_step=-1,
                 stragglers=0,
                 now_s=t1,
-                ready=job.action_new is None,  # not ready while a scaling action is under way
+                # not ready while a scaling action is under way, nor in the interval it ends in: its
+                # workers have just started and its busy share mixes the pause with the catch-up
+                # after it (Kubernetes' HPA samples no pod before it is ready)
+                ready=job.action_new is None and not ended,
                 throughput=[], workers=[], pauses=[],  # given: pydantic's default factories are slow
                 stream=StreamObservation.model_construct(
                     interval_s=dt,
