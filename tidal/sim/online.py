@@ -5,8 +5,8 @@ A job trains on a stream whose arrivals follow a trace. It has a *true* throughp
 simulated minute each policy gets a ``JobObservation`` with what a live master would report
 (its ``stream`` part: the arrivals of that minute, the throughput measured while training,
 backlog, lag, utilization; ``ready`` False while a scaling action is under way and in the
-interval it ends in) and answers
-with a ``ResourcePlan``; the very planners of ``tidal.brain`` are used.
+interval it ends in) and answers with a ``ResourcePlan``; the very planners of ``tidal.brain``
+are used.
 
 Scaling stops training for its downtime:
 
