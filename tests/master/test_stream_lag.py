@@ -18,6 +18,7 @@ from tidal.api import (
     ResourcePlan,
 )
 from tidal.backends.fake import FakeBackend
+from tidal.brain.dataparallel import FixedWorkers
 from tidal.brain.kale import KalePlanner
 from tidal.brain.planners import MaxWorkersPlanner
 from tidal.master.api import JobSpec
@@ -29,12 +30,13 @@ from tidal.sim.online import SLO_LAG_S, SimConfig, simulate
 
 
 def test_the_live_score_is_the_simulators_on_the_same_lags() -> None:
-    """One simulated day-part of HPA (lag at the end of each minute), replayed through the live
-    bookkeeping at a 60x time scale (a minute of trace is a second of wall time): the same SLO
-    violation rate and accumulated lag as the simulator reports."""
+    """One simulated day-part of a job held at 9 workers, too few for its peaks (lag at the end of
+    each minute), replayed through the live bookkeeping at a 60x time scale (a minute of trace is
+    a second of wall time): the same SLO violation rate and accumulated lag as the simulator
+    reports."""
     rng = np.random.default_rng(3)
     arrivals = 2e6 * (1.0 + np.sin(np.linspace(0, 3 * np.pi, 360)) ** 2 + rng.uniform(0, 0.3, 360))
-    result = simulate(arrivals, ["hpa"], SimConfig(peak_workers=12))["hpa"]
+    result = simulate(arrivals, {"nine": lambda: FixedWorkers(9)}, SimConfig(peak_workers=12))["nine"]
     assert 0.0 < result.slo_violation_rate < 1.0  # the run has both sides of the SLO to score
     book = StreamLag(slo_s=SLO_LAG_S)
     book.observe(0.0, 0.0, time_scale=60.0)  # the clock starts here: nothing is scored yet
