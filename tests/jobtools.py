@@ -110,6 +110,12 @@ class Job:
         wait_for(check, timeout, what, self)
         return box["st"]
 
+    def wait_active(self, timeout: float = 60) -> list[dict[str, Any]]:
+        """The active workers, once there is one (``active()`` is empty while a status read times
+        out on a loaded machine, or while the workers re-form)."""
+        st = self.wait_status(lambda s: any(w["state"] == "active" for w in s["workers"]), timeout, "an active worker")
+        return [w for w in st["workers"] if w["state"] == "active"]
+
     def wait_step(self, step: int, timeout: float = 90) -> dict[str, Any]:
         return self.wait_status(lambda s: s["finalized_step"] >= step, timeout, f"step {step}")
 

@@ -54,7 +54,7 @@ def test_a_stream_job_trains_every_record_once_through_sigkills(tmp_path: Path) 
         try:
             job.wait_step(5, 120)
             for kill in range(3):
-                victim = rng.choice(job.active())
+                victim = rng.choice(job.wait_active())
                 os.kill(victim["pid"], signal.SIGKILL)
                 step = job.status()["finalized_step"]
                 job.wait_step(step + 5, 120)

@@ -74,7 +74,7 @@ def test_sigkills_of_workers_and_the_master_lose_and_repeat_nothing(tmp_path: Pa
             assert 'tidal_stream_forwarded_records_total{direction="out",worker="0"}' in metrics, metrics
             assert "tidal_stream_queued_records{" in metrics
             for _ in range(2):
-                victim = rng.choice(job.active())
+                victim = rng.choice(job.wait_active())
                 os.kill(victim["pid"], signal.SIGKILL)
                 job.wait_step(job.status()["finalized_step"] + 5, 120)
             # and the master: the positions and the ranges committed beyond them come back from its journal
