@@ -49,6 +49,11 @@ def _used(counts: Mapping[str, int]) -> dict[str, int]:
     return {t: n for t, n in counts.items() if n > 0}
 
 
+def _delta(held: Mapping[str, int], target: Mapping[str, int]) -> dict[str, int]:
+    """GPUs of each type that going from ``held`` to ``target`` adds (> 0) or gives back (< 0)."""
+    return {t: target.get(t, 0) - held.get(t, 0) for t in set(target) | set(held)}
+
+
 def waste(max_p: int, counts: Mapping[str, int], ests_per_gpu: Mapping[str, int],
           capability: Mapping[str, float]) -> float:
     """Wasted computing capability of an EST-to-GPU mapping, in mini-batches/s (Eq. 1a-1c).
@@ -154,7 +159,7 @@ class ElasticJob:
             them; never proposed again (the companion module's database update on a bias).
         measured_plans: throughput (steps/s) measured on each plan the job has run, keyed like
             ``banned``: the companion module's database of plans, corrected by what the
-            framework reported. Estimates use it (``IntraJobPlanner.estimate``).
+            framework reported. Estimates use it (``PlanDatabase``).
     """
 
     job_id: str
@@ -268,18 +273,14 @@ class IntraJobPlanner:
 
     def plan(self, job: ElasticJob) -> EstPlan | None:
         """Role-1: the best mapping on the GPUs the job holds (``None`` without GPUs), with
-        its throughput as ``estimate`` gives it."""
-        return self.estimate(job, job.allocation) if job.gpus else None
+        its throughput as ``PlanDatabase`` rates it."""
+        return PlanDatabase(job).estimate(job.allocation) if job.gpus else None
 
     @staticmethod
     def bias(job: ElasticJob) -> float:
         """Measured over estimated (Eq. 1d) throughput on the plan the job holds; where that
         plan was not measured, the median over the job's measured plans; 1 before any."""
         return PlanDatabase(job).held_bias
-
-    def estimate(self, job: ElasticJob, counts: Mapping[str, int], bias: float | None = None) -> EstPlan:
-        """``PlanDatabase(job, bias).estimate(counts)``: measured, or Eq. 1d corrected."""
-        return PlanDatabase(job, bias).estimate(counts)
 
     def _types(self, job: ElasticJob) -> list[str]:
         held = [t for t, n in job.allocation.items() if n > 0]
@@ -312,7 +313,7 @@ class IntraJobPlanner:
                 out.append(Proposal(job.job_id, (t, d), plan, speedup))
         if current is not None:
             out.extend(self._upgrades(job, free, base, db))
-            out.extend(self._returns(job, free, base, current))
+            out.extend(self._returns(job, free, base, current, db))
         # a plan that another proposal matches with fewer GPUs is dominated (lower speedup per
         # GPU): never the allocator's pick, it would only take a top-k slot from its dominator
         out = [p for p in out if not any(q.plan.gpus < p.plan.gpus
@@ -352,7 +353,8 @@ class IntraJobPlanner:
                     out.append(Proposal(job.job_id, (t, d), plan, plan.throughput / base, (slow, d)))
         return out
 
-    def _returns(self, job: ElasticJob, free: Mapping[str, int], base: float, current: EstPlan) -> list[Proposal]:
+    def _returns(self, job: ElasticJob, free: Mapping[str, int], base: float, current: EstPlan,
+                 db: PlanDatabase) -> list[Proposal]:
         """Plans the job has run and measured faster than its estimate of the plan it holds,
         reachable with its GPUs and the free ones (our extension, with ``_upgrades``): a job
         that grew from a fast plan into a slower one (GPUs reclaimed from it, then regrown on
@@ -364,11 +366,10 @@ class IntraJobPlanner:
         for counts, rate in job.measured_plans.items():
             if counts == current.counts or counts in job.banned or (len(counts) > 1 and not mixes):
                 continue
-            target = dict(counts)
-            delta = {t: target.get(t, 0) - held.get(t, 0) for t in set(target) | set(held)}
+            delta = _delta(held, dict(counts))
             if any(n > free.get(t, 0) for t, n in delta.items()) or rate * job.max_p <= base * (1 + 1e-9):
                 continue
-            plan = replace(map_ests(job.max_p, target, job.capability), throughput=rate * job.max_p)
+            plan = db.estimate(dict(counts))  # measured: the rate above
             gain = max(delta, key=lambda t: (delta[t], t))
             loss = min(delta, key=lambda t: (delta[t], t))
             added = sum(n for n in delta.values() if n > 0)
@@ -492,8 +493,8 @@ class InterJobAllocator:
             proposals.sort(key=lambda p: (-p.speedup_per_gpu, -p.gpus, by_id[p.job_id].order))
             accepted: set[str] = set()
             for p in proposals:
-                holding, new = alloc[p.job_id], p.plan.count_of()
-                delta = {t: new.get(t, 0) - holding.get(t, 0) for t in set(new) | set(holding)}
+                new = p.plan.count_of()
+                delta = _delta(alloc[p.job_id], new)
                 if p.job_id in accepted or any(n > avail.get(t, 0) for t, n in delta.items()):
                     continue
                 # a proposal computed before another acceptance may no longer be the job's best

@@ -315,7 +315,7 @@ def _simulate(jobs: list[_Job], policy: str) -> PolicyMetrics:
                 j.rate = true_rate(j, new)
                 if new:  # the framework reports it: the companion module's database keeps it
                     j.measured_plans[tuple(sorted(new.items()))] = j.rate
-                if not new:  # reclaimed to zero by a non-elastic job: back to the queue
+                else:  # reclaimed to zero by a non-elastic job: back to the queue
                     running.remove(j)
                     waiting.append(j)
         usage.record(now, sum(sum(j.alloc.values()) for j in running))
