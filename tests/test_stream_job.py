@@ -187,7 +187,8 @@ def test_trim_after_commit_deletes_only_committed_records(tmp_path: Path) -> Non
 def test_a_stream_planner_scales_a_live_job_from_its_backlog_and_busy_share(tmp_path: Path) -> None:
     """HPA on the workers' busy share (Kale's baseline): handed the job at 1 worker with a backlog,
     it scales out; once the stream is drained and the workers idle, it scales in (its windows in
-    trace time: --time-scale 60 makes the 5-minute scale-down window 5 real seconds)."""
+    trace time: --time-scale 60 makes the 5-minute scale-down window 5 real seconds). The workers
+    report the rate they train at while busy, which a 0.1-second step bounds."""
     with redis_server(tmp_path / "redis") as server:
         url = server.url("clicks")
         produce(url, 2, [10_000, 10_000])
@@ -197,6 +198,10 @@ def test_a_stream_planner_scales_a_live_job_from_its_backlog_and_busy_share(tmp_
             "--stop-when-drained", "12"]).start()
         try:
             job.wait_step(3, 120)
+            # each worker's rate while busy: a step sleeps 0.1 s, so no more than 1,280 records/s
+            st = job.wait_status(lambda s: any(w["stream_capacity"] > 0 for w in s["workers"]), 60, "a capacity")
+            capacities = [w["stream_capacity"] for w in st["workers"] if w["stream_capacity"] > 0]
+            assert all(c <= 128 / 0.1 * 1.01 for c in capacities), capacities
             job.scale(1)  # the user holds it at 1 ...
             job.wait_status(lambda s: len([w for w in s["workers"] if w["state"] == "active"]) == 1, 60, "1 worker")
             info = job.info()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tidal.api import ConfigError, JobObservation, StreamObservation
+from tidal.api import ConfigError, JobObservation, PauseObservation, StreamObservation
 from tidal.brain import models
 from tidal.brain.baselines import AutopilotPlanner, HPAPlanner, MaduPlanner
 from tidal.brain.kale import KalePlanner, ThresholdFallback, minimal_workers, stabilize
@@ -52,14 +52,14 @@ def test_fallback_triggers_only_when_falling_behind():
     fb = ThresholdFallback(lag_bound_s=900, growing_intervals=3, drain_s=1800)
     for backlog in (100, 200, 300):
         fb.observe(backlog, scaling=False)
-    assert fb.drain_rate(1000.0, 300.0, lag_s=1000, utilization=1.0, lead_s=600) == pytest.approx(
+    assert fb.drain_rate(1000.0, 300.0, lag_s=1000, utilization=1.0, pause_s=600) == pytest.approx(
         1000 + (300 + 600_000) / 1800
     )
     fb.observe(250, scaling=False)  # draining: no reaction
-    assert fb.drain_rate(1000.0, 250.0, lag_s=1000, utilization=1.0, lead_s=600) is None
+    assert fb.drain_rate(1000.0, 250.0, lag_s=1000, utilization=1.0, pause_s=600) is None
     for backlog in (300, 400, 500):
         fb.observe(backlog, scaling=False)
-    assert fb.drain_rate(1000.0, 500.0, lag_s=10, utilization=0.5, lead_s=600) is None  # under bounds
+    assert fb.drain_rate(1000.0, 500.0, lag_s=10, utilization=0.5, pause_s=600) is None  # under bounds
 
 
 def _snap(now: float, arrivals: list[float], workers: int, measured, *, scaling: bool = False,
@@ -111,7 +111,7 @@ def test_fallback_releases_once_lag_is_drained():
     fb = ThresholdFallback(lag_bound_s=900, growing_intervals=2, drain_s=1800, release_lag_s=60)
     for backlog in (100, 200):
         fb.observe(backlog, scaling=False, lag_s=1000)
-    assert fb.drain_rate(1000.0, 200.0, lag_s=1000, utilization=1.0, lead_s=600) is not None
+    assert fb.drain_rate(1000.0, 200.0, lag_s=1000, utilization=1.0, pause_s=600) is not None
     assert fb.active
     fb.observe(150, scaling=False, lag_s=300)  # draining, still behind: stays active
     assert fb.active
@@ -140,3 +140,54 @@ def test_planner_does_not_read_a_restarts_own_backlog_as_a_shortfall():
     plan = _flat_planner(rate, truth).plan(_snap(60.0, [rate * 60.0], w, [(w, f(w))], backlog=rate * 60.0, lag_s=60.0))
     assert plan.workers > w, plan.reason
     assert f(plan.workers) > rate
+
+
+def test_fallback_releases_at_the_pipelines_own_lag():
+    """A live job's oldest waiting record is never younger than a step or two (90 s here): the
+    fallback releases once the lag is back near that floor, not only under 60 s, which such a
+    job never reaches (it then held the fallback's workers to the end of the run)."""
+    fb = ThresholdFallback(lag_bound_s=900, growing_intervals=2, drain_s=1800, release_lag_s=60)
+    for i in range(120):
+        fb.observe(1000.0, scaling=False, lag_s=90.0 + (i % 3))  # keeping up: the pipeline's lag
+    assert fb.floor_s() == pytest.approx(90.0, abs=1.0)
+    for backlog in (2000.0, 3000.0):
+        fb.observe(backlog, scaling=False, lag_s=1000)
+    assert fb.drain_rate(1000.0, 3000.0, lag_s=1000, utilization=1.0, pause_s=60) is not None
+    fb.observe(2000, scaling=False, lag_s=400)  # draining, still behind
+    assert fb.active
+    fb.observe(1000, scaling=False, lag_s=120)  # back within 60 s of the floor
+    assert not fb.active
+
+
+def test_planner_measures_what_its_actions_cost():
+    """lead_s and pause_s are priors: the time from a decision to the next ready observation and
+    the scaling pauses the job reports replace them (tau follows the lead)."""
+    truth = models.KaleSyncModel([0.00035, 2.5726, 0.9824, 0.0016])
+    f = lambda w: truth.predict(models.ThroughputConfig(w, batch_size=16384))  # noqa: E731
+    planner = _flat_planner(f(12) / 1.3, truth)
+    assert (planner.lead_s, planner.pause_s, planner.tau_s) == (600.0, 600.0, 3600.0)
+    planner._action_since = 60.0  # a decision at 60 s ...
+    obs = _snap(300.0, [0.0], 12, [], scaling=True)
+    planner._measure_action(obs)
+    assert planner.lead_s == 600.0  # not ready yet: nothing measured
+    obs = _snap(360.0, [0.0], 12, [])
+    obs.pauses = [PauseObservation(at_s=350.0, seconds=48.0, cause="scale-out to 12"),
+                  PauseObservation(at_s=20.0, seconds=5.0, cause="worker 3 failed")]
+    planner._measure_action(obs)  # ... ready at 360 s, after a 48-second pause
+    assert (planner.lead_s, planner.pause_s, planner.tau_s) == (300.0, 48.0, 1800.0)
+    fixed = KalePlanner(lead_s=600.0, pause_s=100.0, measure_actions=False)
+    fixed._action_since = 60.0
+    fixed._measure_action(obs)
+    assert (fixed.lead_s, fixed.pause_s) == (600.0, 100.0)
+
+
+def test_the_master_builds_kale_with_the_runtimes_action_cost():
+    """The registry hands kale the action cost the master expects (trace time); without one,
+    kale keeps its own prior, a 10-minute restart."""
+    from tidal.brain import planners
+    from tidal.brain.planners import PlannerContext
+
+    built = planners.get("kale", PlannerContext(action_lead_s=384.0, action_pause_s=48.0))
+    assert (built.lead_s, built.pause_s, built.tau_s) == (384.0, 48.0, 6 * 384.0)
+    default = planners.get("kale", PlannerContext())
+    assert (default.lead_s, default.pause_s) == (600.0, 600.0)

@@ -233,3 +233,9 @@ def test_a_stream_jobs_capacity_is_measured_from_its_busy_share() -> None:
     assert half.measured == [(2.0, 600.0)] and half.utilization == 0.5  # 600 trace records/s at 2x
     assert planning.observe_stream(11.0, 1.0, 2.0, 0, members(MEASURE_UTILIZATION / 2), ready=True).measured == []
     assert planning.observe_stream(12.0, 1.0, 2.0, 0, members(1.0), ready=False).measured == []  # re-forming
+    # workers that report the rate they trained at while busy (over the same steps as their busy
+    # share): that is the capacity, whatever their smoothed rate says (it lags a ramp)
+    ramp = members(0.5)
+    for r in ramp:
+        r.samples_per_s, r.stream_capacity = 120.0, 640.0
+    assert planning.observe_stream(13.0, 1.0, 2.0, 0, ramp, ready=True).measured == [(2.0, 640.0)]

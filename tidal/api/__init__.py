@@ -295,6 +295,8 @@ class ReportRequest(_Wire):
     stream_oldest_by_partition: dict[int, _NonNegI64] = Field(default_factory=dict, max_length=65536)
     stream_measured_ms: int = Field(default=0, ge=0, le=_I64)
     stream_busy: float = Field(default=-1.0, ge=-1.0, le=1.0)
+    # records per second its steps trained while busy (the same steps as stream_busy; -1: unknown)
+    stream_capacity: float = Field(default=-1.0, ge=-1.0, le=1e12)
     # with global shuffling (tidal.worker.shuffle): records in its local queue (-1: no shuffling),
     # and records it forwarded to others and received from them so far
     stream_queued: int = Field(default=-1, ge=-1, le=_I64)
@@ -393,9 +395,12 @@ class WorkerInfo(_Wire):
     straggler: bool
     exit_code: int | None = None
     # a stream job: records waiting for it (in its partitions after what it read, and in its local
-    # queue; -1: not reported); with global shuffling (--global-shuffle): records in its local
-    # queue (-1: none), forwarded to other workers and received from them
+    # queue; -1: not reported); the share of its last second busy with records and the records/s
+    # it trained while busy (-1: not reported); with global shuffling (--global-shuffle): records
+    # in its local queue (-1: none), forwarded to other workers and received from them
     stream_backlog: int = -1
+    stream_busy: float = -1.0
+    stream_capacity: float = -1.0
     stream_queued: int = -1
     stream_forwarded_out: int = 0
     stream_forwarded_in: int = 0

@@ -14,8 +14,9 @@
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -25,6 +26,7 @@ from tidal.brain.api import FitError, Forecaster, ThroughputConfig, ThroughputSa
 from tidal.brain.models import KaleSyncModel, LinearisedModel
 
 __all__ = [
+    "DEFAULT_LEAD_S",
     "KalePlanner",
     "ThresholdFallback",
     "WorkerChoice",
@@ -153,10 +155,20 @@ class ThresholdFallback:
       training for another action,
 
     and asks for enough throughput to absorb the arrival rate plus, within ``drain_s``, the
-    backlog and the samples that will arrive during the action's own downtime (``lead_s``):
-    ``L_fallback = rate + (backlog + rate * lead_s) / drain_s``. Once triggered it stays
-    *active* until the lag is back under ``release_lag_s``; then it releases, and the
-    proactive plan (which may scale the extra workers away) takes over again.
+    backlog and the samples that will arrive during the action's own pause of training:
+    ``L_fallback = rate + (backlog + rate * pause_s) / drain_s`` (``pause_s``: the part of the
+    action that stops training; the whole action for a restart). Once triggered it stays
+    *active* until the lag is back within ``release_lag_s`` of the lag's floor; then it
+    releases, and the proactive plan (which may scale the extra workers away) takes over again.
+
+    The floor is what the pipeline itself adds to the lag even when the job keeps up: a
+    worker reads a batch ahead and trains it a step later, so a live job's oldest waiting
+    record is never younger than a step or two (66 s of trace time at a 96x compressed day).
+    It is the ``FLOOR_QUANTILE`` of the lags observed over the last ``floor_window``
+    intervals (0 until ``FLOOR_MIN_INTERVALS`` are), never more than ``lag_bound_s / 3``.
+    Released at a fixed 60 s, a fallback on such a job never released: its extra workers
+    stayed to the end of the run and the plan could never scale in (a live WorldCup98 day
+    held 8 workers for the last 9 hours of it).
     """
 
     lag_bound_s: float = 900.0
@@ -164,9 +176,17 @@ class ThresholdFallback:
     growing_intervals: int = 5
     drain_s: float = 1800.0
     release_lag_s: float = 60.0
+    floor_window: int = 1440
     active: bool = False
     _growing: int = 0
     _last_backlog: float = 0.0
+    _lags: deque[float] = field(default_factory=deque)
+
+    def floor_s(self) -> float:
+        """The lag the pipeline shows when the job keeps up (see the class docstring)."""
+        if len(self._lags) < FLOOR_MIN_INTERVALS:
+            return 0.0
+        return min(float(np.quantile(np.fromiter(self._lags, float), FLOOR_QUANTILE)), self.lag_bound_s / 3)
 
     def observe(self, backlog: float, scaling: bool, lag_s: float = 0.0) -> None:
         """Track whether the backlog keeps growing (reset by scaling actions), and release
@@ -178,17 +198,31 @@ class ThresholdFallback:
         else:
             self._growing = 0
         self._last_backlog = backlog
-        if self.active and not scaling and lag_s <= self.release_lag_s:
+        if not scaling:
+            self._lags.append(lag_s)
+            if len(self._lags) > self.floor_window:
+                self._lags.popleft()
+        if self.active and not scaling and lag_s <= self.floor_s() + self.release_lag_s:
             self.active = False
 
-    def drain_rate(self, rate: float, backlog: float, lag_s: float, utilization: float, lead_s: float) -> float | None:
+    def drain_rate(self, rate: float, backlog: float, lag_s: float, utilization: float, pause_s: float) -> float | None:
         """The throughput needed to catch up, while a threshold is passed; else None."""
         over = lag_s > self.lag_bound_s or utilization > self.utilization_bound
         if not (over and self._growing >= self.growing_intervals):
             return None
         self.active = True
-        return rate + (backlog + rate * lead_s) / self.drain_s
+        return rate + (backlog + rate * pause_s) / self.drain_s
 
+
+#: a scaling action's length before any is measured: a restart of about 10 minutes (Kale 4.3)
+DEFAULT_LEAD_S = 600.0
+
+#: the actions whose length and pause ``KalePlanner`` takes the median of
+ACTIONS_KEPT = 20
+
+#: the quantile of the recent lags taken as the pipeline's floor (``ThresholdFallback.floor_s``)
+FLOOR_QUANTILE = 0.1
+FLOOR_MIN_INTERVALS = 60
 
 #: Algorithm 1's tau by default, in multiples of one scaling action's length (``lead_s``)
 TAU_PER_LEAD = 6.0
@@ -223,8 +257,14 @@ class KalePlanner:
        there when the traffic is. This is the plan followed bin by bin, up and down
        (``last_plan`` keeps the latest, the "moved" one below).
 
-    Every action stops training (a restart for about ``lead_s``), so a *change* is sized with
-    the samples that arrive during it added to the waiting ones (the "moved" plan). The planner
+    An action stops training for ``pause_s`` (all of ``lead_s`` for a restart; a seamless move
+    pauses only for the hand-over while the new workers start beside the old), so a *change* is
+    sized with the samples that arrive during that pause added to the waiting ones (the "moved"
+    plan). Sized with the whole lead of a seamless move, every plan asked for a third more
+    than the forecast (10 minutes of arrivals over the 30-minute drain) and a live job held a
+    worker more than it needed all day. ``lead_s`` and ``pause_s`` are priors: with
+    ``measure_actions`` (the default) the planner measures them on the job's own actions
+    (``_measure_action``), as the paper's planner is given the cost it observes. The planner
     scales up when, as things are, the lag would grow past ``planned_lag_s`` (5 minutes, a
     quarter of the 20-minute SLO) and past the lag now within the lead window
     (``projected_lag``: the forecast in, the believed F(current) out), to what the moved plan
@@ -273,7 +313,9 @@ class KalePlanner:
         horizon_bins: int = 12,
         tau_s: float | None = None,
         rho: int = 1,
-        lead_s: float = 600.0,
+        lead_s: float = DEFAULT_LEAD_S,
+        pause_s: float | None = None,
+        measure_actions: bool = True,
         headroom: float = 1.0,
         margin_quantile: float | None = None,
         max_margin: float = 0.3,
@@ -290,8 +332,14 @@ class KalePlanner:
         self.plan_interval_s = plan_interval_s
         self.horizon_bins = horizon_bins
         self.tau_s = tau_s if tau_s is not None else max(plan_interval_s, TAU_PER_LEAD * lead_s)
+        self._tau_given = tau_s is not None
         self.rho = rho
         self.lead_s = lead_s
+        self.pause_s = lead_s if pause_s is None else pause_s
+        self.measure_actions = measure_actions
+        self._action_since: float | None = None  # now_s of the decision whose action is under way
+        self._leads: deque[float] = deque(maxlen=ACTIONS_KEPT)
+        self._pauses: deque[float] = deque(maxlen=ACTIONS_KEPT)
         self.headroom = headroom
         self.margin_quantile = margin_quantile
         self.max_margin = max_margin
@@ -419,6 +467,29 @@ class KalePlanner:
             return min(per_worker * w, self._model.predict(ThroughputConfig(workers=w, batch_size=self.batch_size)))
         return per_worker * w
 
+    # -- what an action costs --------------------------------------------------------------
+
+    def _measure_action(self, obs: JobObservation) -> None:
+        """Learn ``lead_s`` and ``pause_s`` from the job's own actions: the time from a decision
+        to the first ready observation after it, and the pauses of training the job reports
+        for its scaling rounds (``obs.pauses``, trace time). With ``measure_actions`` the medians
+        of the last ``ACTIONS_KEPT`` replace the values given (then only priors), and ``tau_s``,
+        unless given, follows ``lead_s``."""
+        for p in obs.pauses:
+            if p.cause.startswith("scale"):
+                self._pauses.append(p.seconds)
+        if self._action_since is not None and obs.ready:
+            self._leads.append(obs.now_s - self._action_since)
+            self._action_since = None
+        if not self.measure_actions:
+            return
+        if self._leads:
+            self.lead_s = float(np.median(self._leads))
+            if not self._tau_given:
+                self.tau_s = max(self.plan_interval_s, TAU_PER_LEAD * self.lead_s)
+        if self._pauses:
+            self.pause_s = min(self.lead_s, float(np.median(self._pauses)))
+
     # -- decision -------------------------------------------------------------------------
 
     def _load_factor(self) -> float:
@@ -462,6 +533,7 @@ class KalePlanner:
         self._add_measured(stream.measured)
         self._maybe_refit_forecaster()
         self.fallback.observe(stream.backlog, scaling, stream.lag_s)
+        self._measure_action(obs)
         lo, hi = max(1, obs.min_workers), obs.max_workers
         current = obs.current_workers
         if self._target is None:
@@ -481,7 +553,7 @@ class KalePlanner:
             hold = max(window, lead_bins + math.ceil(self.tau_s / self.plan_interval_s))
             # after an action: it stops training for up to lead_s, and what arrives meanwhile
             # must be drained too; a change is sized for that
-            moved = self._stabilized_plan(fc, stream.backlog + float(fc[0]) * self.lead_s, current, lo, hi)
+            moved = self._stabilized_plan(fc, stream.backlog + float(fc[0]) * self.pause_s, current, lo, hi)
             self.last_plan = moved
             # the workers must be there when the traffic is: act when, as things are, the lag
             # would pass planned_lag_s and keep growing within the lead window
@@ -494,7 +566,7 @@ class KalePlanner:
                 self._planned = current
             reason = f"plan: forecast {max(fc[:window]):.0f} samples/s"
         target = self._planned if self._planned is not None else self._target
-        drain = self.fallback.drain_rate(rate, stream.backlog, stream.lag_s, stream.utilization, self.lead_s)
+        drain = self.fallback.drain_rate(rate, stream.backlog, stream.lag_s, stream.utilization, self.pause_s)
         if self.fallback.active:
             target = max(target, current)  # never scale in while behind: it would stop training again
             if drain is not None and self.throughput(current) < drain:
@@ -508,4 +580,5 @@ class KalePlanner:
         self._target = max(lo, min(hi, target))
         if self._target != current:
             self._last_change_s = obs.now_s
+            self._action_since = obs.now_s
         return ResourcePlan(workers=self._target, reason=reason)

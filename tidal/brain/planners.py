@@ -44,6 +44,10 @@ class PlannerContext:
         cpus: cores the job's workers may use (0: not known).
         lag_slo_s: an online-training job's lag SLO in trace time (Kale's 20 minutes); kale
             plans for a quarter of it and falls back to reacting at three quarters.
+        action_lead_s, action_pause_s: what a scaling action is expected to cost, on the
+            planner's clock (trace time): the time until the new count trains, and the pause
+            of training within it; priors a planner may refine on the job's own actions
+            (kale does). None: the planner's own default (kale's: a 10-minute restart).
     """
 
     job_id: str = ""
@@ -51,6 +55,8 @@ class PlannerContext:
     history: HistoryStore | None = None
     cpus: float = 0.0
     lag_slo_s: float = 1200.0
+    action_lead_s: float | None = None
+    action_pause_s: float | None = None
 
 
 class MaxWorkersPlanner:
@@ -72,7 +78,7 @@ def _builtin() -> dict[str, Callable[[PlannerContext], Planner]]:
         FixedWorkers,
         OptimusWorkers,
     )
-    from tidal.brain.kale import KalePlanner, ThresholdFallback
+    from tidal.brain.kale import DEFAULT_LEAD_S, KalePlanner, ThresholdFallback
 
     return {
         "max": lambda _: MaxWorkersPlanner(),
@@ -83,7 +89,9 @@ def _builtin() -> dict[str, Callable[[PlannerContext], Planner]]:
         "dlrover-rm": lambda ctx: DLRoverRMWorkers(features=ctx.features, history=ctx.history),
         # at the default SLO (20 min) these are KalePlanner's own defaults: 5 and 15 minutes
         "kale": lambda ctx: KalePlanner(planned_lag_s=ctx.lag_slo_s / 4,
-                                        fallback=ThresholdFallback(lag_bound_s=ctx.lag_slo_s * 3 / 4)),
+                                        fallback=ThresholdFallback(lag_bound_s=ctx.lag_slo_s * 3 / 4),
+                                        lead_s=DEFAULT_LEAD_S if ctx.action_lead_s is None else ctx.action_lead_s,
+                                        pause_s=ctx.action_pause_s),
         "hpa": lambda _: HPAPlanner(),
         "autopilot": lambda _: AutopilotPlanner(),
         "madu": lambda _: MaduPlanner(),

@@ -697,6 +697,7 @@ class JobMaster:
         if req.stream_backlog >= 0:
             rec.stream_backlog, rec.stream_lag = req.stream_backlog, dict(req.stream_lag)
             rec.stream_oldest_ms, rec.stream_busy = req.stream_oldest_ms, req.stream_busy
+            rec.stream_capacity = req.stream_capacity
             rec.stream_oldest_by_partition = dict(req.stream_oldest_by_partition)
             rec.stream_measured_ms = req.stream_measured_ms
             rec.stream_queued = req.stream_queued
@@ -1463,6 +1464,7 @@ class JobMaster:
                     worker_id=r.worker_id, pid=r.pid, state=r.state, rank=r.rank if r.state is W.ACTIVE else -1,
                     applied_step=r.applied_step, samples_per_s=round(r.samples_per_s, 1),
                     straggler=r.straggler, exit_code=r.exit_code, stream_backlog=r.stream_backlog,
+                    stream_busy=round(r.stream_busy, 3), stream_capacity=round(r.stream_capacity, 1),
                     stream_queued=r.stream_queued,
                     stream_forwarded_out=r.stream_forwarded_out, stream_forwarded_in=r.stream_forwarded_in,
                 )

@@ -47,6 +47,12 @@ __all__ = ["MAX_DECISIONS", "MAX_TIMELINE", "Planning", "StreamLag", "partition_
 
 MAX_DECISIONS = 200  # decisions kept (and journaled); the count of all of them is kept too
 MAX_TIMELINE = 3600  # timeline points kept: an hour at one a second
+# What a change of the worker count costs this runtime (wall seconds), a planner's prior until it
+# has measured the job's own actions (kale does): the new workers start while the old ones train
+# (a process importing torch and joining: 3-5 s on the 2-core VM, bench/online_live.py measured
+# 3.2 s from decision to hand-over), then training pauses for the re-form (0.05-0.9 s measured).
+ACTION_LEAD_S = 4.0
+ACTION_PAUSE_S = 0.5
 MEASURE_UTILIZATION = 0.25  # below it, too few records to extrapolate a stream job's capacity from
 # wall seconds a worker's lag measurement holds before the lag ages on from it: its loader measures
 # once a second (tidal.worker.stream_loader.BACKLOG_EVERY_S), its reporter sends every 0.25 s
@@ -207,8 +213,10 @@ class Planning:
         records that arrived since the previous call (those committed since, plus the growth of
         what waits), the backlog the members report, the age of the oldest waiting record (from
         its id), the members' busy share (the share of their step time, weighted by how full their
-        batches were: ``tidal.worker.stream_loader``), and their capacity, the rate they trained
-        at over that share, once it is at least ``MEASURE_UTILIZATION``."""
+        batches were: ``tidal.worker.stream_loader``), and their capacity once that share is at
+        least ``MEASURE_UTILIZATION``: the sum of the rates each trained at while busy, measured
+        over the same steps as its busy share (from a worker that does not report it: the rate
+        over the busy share)."""
         backlog = sum(max(0, r.stream_backlog) for r in members)
         before = self._stream_seen or (committed, backlog)
         self._stream_seen = (committed, backlog)
@@ -218,8 +226,11 @@ class Planning:
         rate = sum(r.samples_per_s for r in members) / time_scale
         # the members' capacity: what they trained over the share of their steps' batches they
         # filled (the simulator measures it every minute; live, only a busy job shows it)
-        measured = ([(float(len(members)), rate / min(1.0, utilization))]
-                    if ready and members and utilization >= MEASURE_UTILIZATION and rate > 0 else [])
+        capacities = [r.stream_capacity for r in members]
+        capacity = (sum(capacities) / time_scale if members and min(capacities) > 0
+                    else rate / min(1.0, utilization) if utilization > 0 else 0.0)
+        measured = ([(float(len(members)), capacity)]
+                    if ready and members and utilization >= MEASURE_UTILIZATION and capacity > 0 else [])
         return StreamObservation(interval_s=interval_s * time_scale, arrivals=[float(arrived)], measured=measured,
                                  backlog=float(backlog), lag_s=lag_s, utilization=min(1.0, utilization))
 
@@ -241,8 +252,9 @@ class Planning:
             stragglers=sum(r.straggler for r in active), throughput=self.throughput(),
             batch_size=batch_size, committed_samples=committed, total_samples=total,
             workers=[worker_observation(r) for r in active],
-            pauses=[PauseObservation(at_s=p.time - self.started_at, seconds=p.seconds or 0.0, cause=p.cause or "")
-                    for p in new_pauses],
+            # on the observation's clock, as now_s: trace time for a replayed stream
+            pauses=[PauseObservation(at_s=(p.time - self.started_at) * time_scale, seconds=(p.seconds or 0.0) * time_scale,
+                                     cause=p.cause or "") for p in new_pauses],
             cpus_available=self.cpus, stream=stream, ps=ps, data=data,
         )
 

@@ -45,7 +45,7 @@ from tidal.master.connections import (
 from tidal.master.job import JobMaster
 from tidal.master.journal import SqliteJournal
 from tidal.master.logs import LogFollower
-from tidal.master.planning import available_cpus
+from tidal.master.planning import ACTION_LEAD_S, ACTION_PAUSE_S, available_cpus
 from tidal.master.service import ChangeNotifier, create_app
 
 log = logging.getLogger(__name__)
@@ -226,7 +226,8 @@ def planner_for(spec: JobSpec) -> tuple[Planner, str]:
             log.warning("job %s: %s", spec.job_id, note)
     planner = planners.get(spec.planner, PlannerContext(
         job_id=spec.job_id, features=job_features(spec), history=history, cpus=available_cpus(),
-        lag_slo_s=spec.lag_slo_s))
+        lag_slo_s=spec.lag_slo_s, action_lead_s=ACTION_LEAD_S * spec.time_scale,
+        action_pause_s=ACTION_PAUSE_S * spec.time_scale))
     warm = getattr(planner, "warm_from", "")
     return planner, (f"from {warm}" if warm else note)
 

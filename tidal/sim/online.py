@@ -457,7 +457,7 @@ def _factory(name: str, cfg: SimConfig, mig: Migration) -> Callable[[], Planner]
 
     lead = mig.prep_s + mig.pause_s
     if name == "kale":
-        return lambda: KalePlanner(lead_s=lead, batch_size=cfg.batch_size)
+        return lambda: KalePlanner(lead_s=lead, pause_s=mig.pause_s, measure_actions=False, batch_size=cfg.batch_size)
     if name == "madu":
         return lambda: MaduPlanner(lead_s=lead)
     return lambda: planners.get(name)

@@ -158,6 +158,7 @@ class Reporter:
         self.stream_oldest_by_partition: dict[int, int] = {}
         self.stream_measured_ms = 0
         self.stream_busy = -1.0
+        self.stream_capacity = -1.0
         self.stream_malformed = 0
         self.stream_queued, self.stream_forwarded_out, self.stream_forwarded_in = -1, 0, 0  # global shuffling
         self.stream_stop = False
@@ -300,6 +301,7 @@ class Reporter:
             stream_oldest_ms=self.stream_oldest_ms, stream_oldest_by_partition=self.stream_oldest_by_partition,
             stream_measured_ms=self.stream_measured_ms,
             stream_busy=self.stream_busy,
+            stream_capacity=self.stream_capacity,
             stream_queued=self.stream_queued, stream_forwarded_out=self.stream_forwarded_out,
             stream_forwarded_in=self.stream_forwarded_in, **self._data_counts(),
         )

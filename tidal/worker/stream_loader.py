@@ -80,7 +80,7 @@ class StreamHost(Protocol):
     def finish(self) -> None: ...
 
     def note_stream(self, lag: dict[int, int], oldest_ms: dict[int, int], busy: float, malformed: int,
-                    shuffle: tuple[int, int, int] = (-1, 0, 0)) -> None: ...
+                    shuffle: tuple[int, int, int] = (-1, 0, 0), capacity: float = -1.0) -> None: ...
 
     @property
     def stream_committed(self) -> dict[int, int]: ...
@@ -107,6 +107,7 @@ class StreamLoader:
         self._next_discover = 0.0
         self._next_backlog = 0.0
         self._busy_s, self._busy_since = 0.0, clock()
+        self._busy_records = 0  # records trained in the steps counted in _busy_s
         self.trim = os.environ.get("TIDAL_STREAM_TRIM") == "1"  # tidal run --trim-after-commit
         self._trimmed: dict[int, int] = {}
         # the next batch is read and decoded while this one trains (tidal.worker.stream_reader)
@@ -174,13 +175,17 @@ class StreamLoader:
                 # the backlog and the oldest waiting record: at most once a second, and when idle
                 now = self.clock()
                 busy = self._busy_s / (now - self._busy_since) if now > self._busy_since else -1.0
-                self._busy_s, self._busy_since = 0.0, now
+                # the rate while busy, from the same steps as the busy share: the rate over busy
+                # share from the report's smoothed rate lagged a ramp (the first seconds of a
+                # stream read its capacity a fifth low, and kale sized for that all day)
+                capacity = self._busy_records / self._busy_s if self._busy_s > 0 else -1.0
+                self._busy_s, self._busy_since, self._busy_records = 0.0, now, 0
                 self._next_backlog = now + BACKLOG_EVERY_S
                 counted = self._lag()
                 if counted is not None:
                     unit = self._unit
                     shuffle = (-1, 0, 0) if unit is None else (unit.queued, unit.forwarded_out, unit.forwarded_in)
-                    job.note_stream(counted[0], counted[1], min(1.0, busy), self.malformed, shuffle)
+                    job.note_stream(counted[0], counted[1], min(1.0, busy), self.malformed, shuffle, capacity)
                 if self.trim:
                     self._trim(job.stream_committed)
             if taken is None:
@@ -201,6 +206,7 @@ class StreamLoader:
             # busy for the share of the step's batch it filled: a worker that keeps up trains a few
             # records every step, and counting such a step as busy would read as saturation
             self._busy_s += (self.clock() - began) * min(1.0, taken.count / self.batch_size)
+            self._busy_records += taken.count
             if steps.pending is pending:
                 raise UsageError("call job.step() once for every batch of the elastic loader")
 
