@@ -39,10 +39,18 @@ workers keep three of them busy and two half idle;
 the cost of an action measured live too (``Migration``: the median time from a decision to the
 pause it caused, and the pause); the pipeline's floor under the lag (``latency_s``: the 10th
 percentile of the live lag, both runs pooled: a worker reads a batch ahead and trains it a step
-later); and the live job's ``--max-workers`` partitions, each worker
-training only those the master assigned it (``SimConfig.partitions``: 8 partitions on 6 workers
-leave two workers with a quarter of the traffic each). The lower bound is ``oracle_worker_hours`` on the same arrivals
-and model (keeping the SLO in every minute).
+later); and how records reach the workers. The jobs run with Kale's global shuffling
+(``--shuffle``, default ``128:384``): a worker over its upper threshold forwards what it reads to
+those under the lower one, so the workers train as one pool (the simulator's pool). With
+``--shuffle none`` each worker trains only the partitions the master assigned it, and the
+simulator does the same (``SimConfig.partitions``: 8 partitions on 6 workers leave two workers
+with a quarter of the traffic each, so 5-7 workers are no faster than 4). The lower bound is
+``oracle_worker_hours`` on the same arrivals and model (keeping the SLO in every minute).
+
+Live kale is built as the master builds it (``tidal.brain.planners``): its action cost starts
+from the runtime's prior (``tidal.master.planning.ACTION_LEAD_S`` / ``ACTION_PAUSE_S`` times the
+time scale) and is then measured on its own actions; the simulated kale is given the cost
+measured live. With ``--keep DIR`` each policy's timeline is kept in ``DIR/POLICY/timeline.json``.
 
 ``--json`` prints ``{"live": {POLICY: {"slo_violation_rate", "accumulated_lag_min", "worker_min",
 "scaling_actions"}}, "sim": {POLICY: {...}}, "lower_bound_worker_min": x, ...}``. Targets (marked
@@ -107,6 +115,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--device-ms-per-step", type=float, default=300.0)
     p.add_argument("--trace", type=Path, default=TRACE)
+    p.add_argument("--shuffle", default="128:384",
+                   help="the jobs' --global-shuffle LOWER:UPPER (Kale 3.5), or 'none': partitions stay where "
+                        "the master assigned them, and 8 partitions make 5-7 workers no faster than 4")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     p.add_argument("--keep", type=Path, default=None,
@@ -205,6 +216,8 @@ class LiveRun:
                     "--heartbeat-timeout", "30"]
             if self.history_csv is not None:
                 opts += ["--traffic-history", str(self.history_csv)]
+            if a.shuffle != "none":
+                opts += ["--global-shuffle", a.shuffle]
             argv = [TIDAL, "run", "-q", "--workers", f"1:{a.max_workers}", "--initial", str(self.initial),
                     "--job-dir", str(job_dir), *opts, str(EXAMPLE), "--batch-size", str(a.batch_size),
                     "--device-ms-per-step", f"{a.device_ms_per_step:g}", "--log-every", "0", "--seed", str(a.seed)]
@@ -243,6 +256,7 @@ class LiveRun:
             if producer.returncode != 0:
                 raise RuntimeError(f"{self.policy}: tidal produce failed; see {self.work / 'produce.log'}")
             after, timeline = self.get("/v1/status"), self.get("/v1/timeline")
+            (self.work / "timeline.json").write_text(json.dumps(timeline))  # for a look afterwards (--keep)
             return self.figures(before, after, timeline, t0)
         finally:
             if producer is not None:
@@ -449,7 +463,8 @@ def main(argv: list[str] | None = None) -> int:
         sim.MIGRATIONS["live"] = migration  # the simulator looks actions up by name (this process only)
         latency = live_latency(live)
         cfg = sim.SimConfig(peak_workers=args.max_workers, migration="live", seed=args.seed, batch_size=1.0,
-                            interval_s=60.0, true_model=model, partitions=args.max_workers, latency_s=latency)
+                            interval_s=60.0, true_model=model, latency_s=latency,
+                            partitions=args.max_workers if args.shuffle == "none" else None)
         results = sim.simulate(arrivals, [n for n in policies if n in live], cfg, history=past if len(past) else None)
         bound_h = sim.oracle_worker_hours(arrivals, cfg)
     finally:
@@ -471,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         "migration": {"prep_s": migration.prep_s, "pause_s": migration.pause_s},
         "latency_s": latency,
         "setup": {"day": args.day, "minutes": args.minutes, "time_scale": scale, "peak_records_per_s": peak_rate,
-                  "initial_workers": initial, "max_workers": args.max_workers,
+                  "initial_workers": initial, "max_workers": args.max_workers, "global_shuffle": args.shuffle,
                   "history_bins": {n: r["history_bins"] for n, r in live.items()},
                   "emulated_device_ms_per_step": args.device_ms_per_step, "batch_size": args.batch_size},
         "errors": errors,
