@@ -109,7 +109,11 @@ def test_overflow_goes_to_the_idle_worker_and_every_record_is_taken_once(
     forwarded = [x for x in taken_b if x.forwarded]
     assert forwarded and all(x.partition == 0 for x in forwarded)
     assert b.forwarded_in == sum(len(x.records) for x in forwarded) == a.forwarded_out
-    assert b.forwarded_out == 0 and not any(x.forwarded for x in taken_a)  # never forwarded again
+    # never forwarded again: what b received it trains itself. Once its queue of received records
+    # passes its upper threshold it may forward what it reads next, its own partition's one record
+    back = [x for x in taken_a if x.forwarded]
+    assert all(x.partition == 1 for x in back), back
+    assert b.forwarded_out == sum(len(x.records) for x in back) <= 1
     source.close()
 
 
