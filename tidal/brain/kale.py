@@ -26,7 +26,6 @@ from tidal.brain.api import FitError, Forecaster, ThroughputConfig, ThroughputSa
 from tidal.brain.models import KaleSyncModel, LinearisedModel
 
 __all__ = [
-    "DEFAULT_LEAD_S",
     "KalePlanner",
     "ThresholdFallback",
     "WorkerChoice",
@@ -164,7 +163,7 @@ class ThresholdFallback:
     The floor is what the pipeline itself adds to the lag even when the job keeps up: a
     worker reads a batch ahead and trains it a step later, so a live job's oldest waiting
     record is never younger than a step or two (66 s of trace time at a 96x compressed day).
-    It is the ``FLOOR_QUANTILE`` of the lags observed over the last ``floor_window``
+    It is the ``FLOOR_QUANTILE`` of the lags observed over the last ``FLOOR_WINDOW``
     intervals (0 until ``FLOOR_MIN_INTERVALS`` are), never more than ``lag_bound_s / 3``.
     Released at a fixed 60 s, a fallback on such a job never released: its extra workers
     stayed to the end of the run and the plan could never scale in (a live WorldCup98 day
@@ -176,11 +175,10 @@ class ThresholdFallback:
     growing_intervals: int = 5
     drain_s: float = 1800.0
     release_lag_s: float = 60.0
-    floor_window: int = 1440
     active: bool = False
     _growing: int = 0
     _last_backlog: float = 0.0
-    _lags: deque[float] = field(default_factory=deque)
+    _lags: deque[float] = field(default_factory=lambda: deque(maxlen=FLOOR_WINDOW))
 
     def floor_s(self) -> float:
         """The lag the pipeline shows when the job keeps up (see the class docstring)."""
@@ -200,8 +198,6 @@ class ThresholdFallback:
         self._last_backlog = backlog
         if not scaling:
             self._lags.append(lag_s)
-            if len(self._lags) > self.floor_window:
-                self._lags.popleft()
         if self.active and not scaling and lag_s <= self.floor_s() + self.release_lag_s:
             self.active = False
 
@@ -223,6 +219,7 @@ ACTIONS_KEPT = 20
 #: the quantile of the recent lags taken as the pipeline's floor (``ThresholdFallback.floor_s``)
 FLOOR_QUANTILE = 0.1
 FLOOR_MIN_INTERVALS = 60
+FLOOR_WINDOW = 1440
 
 #: Algorithm 1's tau by default, in multiples of one scaling action's length (``lead_s``)
 TAU_PER_LEAD = 6.0
@@ -313,7 +310,7 @@ class KalePlanner:
         horizon_bins: int = 12,
         tau_s: float | None = None,
         rho: int = 1,
-        lead_s: float = DEFAULT_LEAD_S,
+        lead_s: float | None = None,
         pause_s: float | None = None,
         measure_actions: bool = True,
         headroom: float = 1.0,
@@ -331,6 +328,7 @@ class KalePlanner:
         self.forecaster_name = forecaster
         self.plan_interval_s = plan_interval_s
         self.horizon_bins = horizon_bins
+        lead_s = DEFAULT_LEAD_S if lead_s is None else lead_s
         self.tau_s = tau_s if tau_s is not None else max(plan_interval_s, TAU_PER_LEAD * lead_s)
         self._tau_given = tau_s is not None
         self.rho = rho
@@ -551,8 +549,8 @@ class KalePlanner:
             lead_bins = max(1, math.ceil(self.lead_s / self.plan_interval_s))
             window = lead_bins + 1
             hold = max(window, lead_bins + math.ceil(self.tau_s / self.plan_interval_s))
-            # after an action: it stops training for up to lead_s, and what arrives meanwhile
-            # must be drained too; a change is sized for that
+            # after an action: it stops training for pause_s, and what arrives meanwhile must be
+            # drained too; a change is sized for that
             moved = self._stabilized_plan(fc, stream.backlog + float(fc[0]) * self.pause_s, current, lo, hi)
             self.last_plan = moved
             # the workers must be there when the traffic is: act when, as things are, the lag

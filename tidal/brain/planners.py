@@ -78,7 +78,7 @@ def _builtin() -> dict[str, Callable[[PlannerContext], Planner]]:
         FixedWorkers,
         OptimusWorkers,
     )
-    from tidal.brain.kale import DEFAULT_LEAD_S, KalePlanner, ThresholdFallback
+    from tidal.brain.kale import KalePlanner, ThresholdFallback
 
     return {
         "max": lambda _: MaxWorkersPlanner(),
@@ -90,8 +90,7 @@ def _builtin() -> dict[str, Callable[[PlannerContext], Planner]]:
         # at the default SLO (20 min) these are KalePlanner's own defaults: 5 and 15 minutes
         "kale": lambda ctx: KalePlanner(planned_lag_s=ctx.lag_slo_s / 4,
                                         fallback=ThresholdFallback(lag_bound_s=ctx.lag_slo_s * 3 / 4),
-                                        lead_s=DEFAULT_LEAD_S if ctx.action_lead_s is None else ctx.action_lead_s,
-                                        pause_s=ctx.action_pause_s),
+                                        lead_s=ctx.action_lead_s, pause_s=ctx.action_pause_s),
         "hpa": lambda _: HPAPlanner(),
         "autopilot": lambda _: AutopilotPlanner(),
         "madu": lambda _: MaduPlanner(),

@@ -226,9 +226,10 @@ class Planning:
         rate = sum(r.samples_per_s for r in members) / time_scale
         # the members' capacity: what they trained over the share of their steps' batches they
         # filled (the simulator measures it every minute; live, only a busy job shows it)
-        capacities = [r.stream_capacity for r in members]
-        capacity = (sum(capacities) / time_scale if members and min(capacities) > 0
-                    else rate / min(1.0, utilization) if utilization > 0 else 0.0)
+        if members and all(r.stream_capacity > 0 for r in members):
+            capacity = sum(r.stream_capacity for r in members) / time_scale
+        else:
+            capacity = rate / min(1.0, utilization) if utilization > 0 else 0.0
         measured = ([(float(len(members)), capacity)]
                     if ready and members and utilization >= MEASURE_UTILIZATION and capacity > 0 else [])
         return StreamObservation(interval_s=interval_s * time_scale, arrivals=[float(arrived)], measured=measured,
