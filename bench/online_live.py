@@ -41,10 +41,13 @@ pause it caused, and the pause); the pipeline's floor under the lag (``latency_s
 percentile of the live lag, both runs pooled: a worker reads a batch ahead and trains it a step
 later); and how records reach the workers. The jobs run with Kale's global shuffling
 (``--shuffle``, default ``128:384``): a worker over its upper threshold forwards what it reads to
-those under the lower one, so the workers train as one pool (the simulator's pool). With
-``--shuffle none`` each worker trains only the partitions the master assigned it, and the
-simulator does the same (``SimConfig.partitions``: 8 partitions on 6 workers leave two workers
-with a quarter of the traffic each, so 5-7 workers are no faster than 4). The lower bound is
+those under the lower one, so the workers train as one pool, and the simulator pools them too
+(``SimConfig.shuffle_upper``); but a worker whose partitions bring more than it trains (two of 8
+partitions on 5-7 workers) keeps its queue at the upper threshold, and its records wait behind
+it: 384 records at 400 records/s is a second, 96 trace seconds at 96x. With ``--shuffle none``
+each worker trains only the partitions the master assigned it, and the simulator does the same
+(``SimConfig.partitions``: 8 partitions on 6 workers leave two workers with a quarter of the
+traffic each, so 5-7 workers are no faster than 4). The lower bound is
 ``oracle_worker_hours`` on the same arrivals and model (keeping the SLO in every minute).
 
 Live kale is built as the master builds it (``tidal.brain.planners``): its action cost starts
@@ -336,6 +339,12 @@ def fitted_model(busy: list[tuple[int, float]], scale: float) -> tuple[Linearise
             f"linear, {per_worker * scale:.0f} records/s per worker (wall)", medians)
 
 
+def shuffle_upper(shuffle: str) -> float | None:
+    """The upper threshold of ``--shuffle LOWER:UPPER`` (records; the simulator's local queue), or
+    None for ``none``."""
+    return None if shuffle == "none" else float(shuffle.partition(":")[2])
+
+
 def live_latency(runs: dict[str, dict[str, Any]]) -> float:
     """The pipeline's floor under the lag (trace seconds): the 10th percentile of the live lag
     over the day, the runs pooled. A worker reads a batch ahead and trains it a step later, so
@@ -464,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         latency = live_latency(live)
         cfg = sim.SimConfig(peak_workers=args.max_workers, migration="live", seed=args.seed, batch_size=1.0,
                             interval_s=60.0, true_model=model, latency_s=latency,
-                            partitions=args.max_workers if args.shuffle == "none" else None)
+                            partitions=args.max_workers, shuffle_upper=shuffle_upper(args.shuffle))
         results = sim.simulate(arrivals, [n for n in policies if n in live], cfg, history=past if len(past) else None)
         bound_h = sim.oracle_worker_hours(arrivals, cfg)
     finally:

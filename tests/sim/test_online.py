@@ -122,6 +122,26 @@ def test_uneven_partitions_fall_behind_where_a_pool_keeps_up() -> None:
         sim.simulate(arrivals, {"six": lambda: FixedWorkers(6)}, sim.SimConfig(partitions=0))
 
 
+def test_global_shuffling_pools_uneven_partitions_but_their_queue_waits() -> None:
+    """The traffic above with global shuffling: the six workers train as a pool (no backlog,
+    no SLO violation), but the two that read two partitions each keep their local queue full,
+    so a sample waits ``UPPER / (f(6) / 6)`` behind it on top of the pipeline. On eight workers
+    no partition set is over its worker's share: the lag is the pipeline's alone."""
+    model = sim.JOBS["t4-sync"]()
+    base = sim.SimConfig(peak_workers=8, noise=0.0, true_model=model)
+    rate = 0.8 * sim.true_throughput(base, 6) * 60.0
+    arrivals = np.full(180, rate)
+    cfg = sim.SimConfig(peak_workers=8, noise=0.0, true_model=model, partitions=8, shuffle_upper=1e5, latency_s=30.0)
+    six = sim.simulate(arrivals, {"six": lambda: FixedWorkers(6)}, cfg)["six"]
+    wait = 1e5 / (sim.true_throughput(cfg, 6) / 6)
+    assert six.slo_violation_rate == 0.0
+    assert np.allclose(six.lag_s[2:], 30.0 + wait)
+    eight = sim.simulate(arrivals, {"eight": lambda: FixedWorkers(8)}, cfg)["eight"]
+    assert np.allclose(eight.lag_s[2:], 30.0)
+    with pytest.raises(ConfigError, match="shuffle_upper"):
+        sim.simulate(arrivals, {"six": lambda: FixedWorkers(6)}, sim.SimConfig(shuffle_upper=384.0))
+
+
 def test_a_pause_reads_as_idle_in_the_utilization() -> None:
     """The busy share a planner sees is over the whole minute, as a live worker counts it: the
     part of a minute spent in a scaling action's pause is idle; a minute paused throughout
@@ -217,8 +237,17 @@ def test_cli_sim_online(tmp_path: Path):
     split = runner.invoke(app, ["sim", "online", "--trace", str(trace), "--days", "1", "--peak-workers", "10",
                                 "--policies", "adequate", "--partitions", "7", "--json", str(out)])
     assert split.exit_code == 0, split.output
-    assert json.loads(out.read_text())["policies"]["adequate"]["accumulated_lag_min"] >= \
-        data["policies"]["adequate"]["accumulated_lag_min"]
+    split_lag = json.loads(out.read_text())["policies"]["adequate"]["accumulated_lag_min"]
+    assert split_lag >= data["policies"]["adequate"]["accumulated_lag_min"]
+    shuffled = runner.invoke(app, ["sim", "online", "--trace", str(trace), "--days", "1", "--peak-workers", "10",
+                                   "--policies", "adequate", "--partitions", "7", "--global-shuffle", "128:384",
+                                   "--json", str(out)])
+    assert shuffled.exit_code == 0, shuffled.output
+    # the workers train as a pool again: a queue of 384 samples waits under a second at this job's rate
+    assert json.loads(out.read_text())["policies"]["adequate"]["accumulated_lag_min"] < split_lag
+    assert runner.invoke(app, ["sim", "online", "--trace", str(trace), "--global-shuffle", "128:384"]).exit_code == 2
+    assert runner.invoke(app, ["sim", "online", "--trace", str(trace), "--partitions", "7",
+                               "--global-shuffle", "384:128"]).exit_code == 2
     zero = runner.invoke(app, ["sim", "online", "--trace", str(trace), "--partitions", "0"])
     assert zero.exit_code == 2 and "--partitions must be at least 1" in zero.output
 

@@ -48,6 +48,11 @@ def online(
         help="the stream's partitions, assigned to the workers round-robin, each worker training only its own "
              "(default: one pool any worker takes from; with P partitions a count that does not divide P leaves "
              "some workers behind)"),
+    global_shuffle: str | None = typer.Option(
+        None, "--global-shuffle", metavar="LOWER:UPPER",
+        help="with --partitions: the job runs with Kale's global shuffling (tidal run --global-shuffle): the "
+             "workers train as one pool, but one whose partitions bring more than it trains keeps UPPER samples "
+             "queued, and a sample waits behind them"),
     policies: str = typer.Option("kale,hpa,autopilot,madu,adequate", "--policies"),
     bound_violations: float = typer.Option(
         0.0, "--bound-violations",
@@ -71,6 +76,13 @@ def online(
         raise fail("--skip-days must not be negative")
     if partitions is not None and partitions < 1:
         raise fail("--partitions must be at least 1")
+    upper = None
+    if global_shuffle is not None:
+        from tidal.cli.job import shuffle_thresholds
+
+        if partitions is None:
+            raise fail("--global-shuffle needs --partitions")
+        upper = float(shuffle_thresholds(global_shuffle)[1])
     if not 0 <= bound_violations < 1:
         raise fail("--bound-violations must be in [0, 1)")
     names = [p.strip() for p in policies.split(",") if p.strip()]
@@ -80,7 +92,8 @@ def online(
     try:
         counts, interval = sim.load_trace(rows, column)
         cfg = sim.SimConfig(peak_workers=peak_workers, migration=migration, seed=seed, interval_s=interval,
-                            true_model=sim.JOBS[job](), partitions=partitions)
+                            true_model=sim.JOBS[job](), partitions=partitions,
+                            shuffle_upper=upper)
         skip = round(skip_days * 86400 / interval)
         if skip >= len(counts) - 1:
             raise ConfigError(f"--skip-days {skip_days:g} leaves nothing of the trace")

@@ -30,6 +30,16 @@ waiting sample over the partitions; the utilization the workers' mean busy share
 whole interval (time in a scaling action's pause is idle, as a live worker counts it; an
 interval paused throughout reports nothing new).
 
+Global shuffling (``SimConfig.shuffle_upper``, with ``partitions``; Kale 3.5, ``tidal run
+--global-shuffle LOWER:UPPER``). A worker forwards what it reads beyond ``UPPER`` queued samples
+to workers with room, so the workers train as one pool again; but a worker whose partitions bring
+more than it trains (``ceil(P / w)`` of P partitions on w workers: 8 on 6 bring 25% to a worker
+with a sixth of the capacity) keeps its local queue at ``UPPER`` and forwards the rest. The
+samples at the head of that queue wait ``UPPER / (f(w) / w)`` on top of the pipeline, while the
+pool keeps up: the lag is then at least ``latency_s`` plus that wait. Live, at 96x time
+compression, a queue of 384 records on a worker training 400 records/s holds a record back a
+second, 96 trace seconds.
+
 Latency (``SimConfig.latency_s``): by default a sample can be trained in the interval it
 arrives in. A live worker reads a batch ahead and trains it a step later, so a sample waits at
 least a step or two even when the workers keep up; with ``latency_s`` L, only what arrived L
@@ -128,6 +138,7 @@ class SimConfig:
     true_model: LinearisedModel = field(default_factory=default_true_model)
     partitions: int | None = None  # None: one pool every worker takes from (see the module docstring)
     latency_s: float = 0.0  # a sample can be trained this long after it arrives at the earliest (the pipeline)
+    shuffle_upper: float | None = None  # with partitions: global shuffling, a local queue of this many samples
 
 
 @dataclass
@@ -294,6 +305,8 @@ def simulate(
         raise ConfigError(f"migration must be one of {', '.join(MIGRATIONS)}, got {cfg.migration!r}")
     if cfg.partitions is not None and cfg.partitions < 1:
         raise ConfigError(f"partitions must be at least 1, got {cfg.partitions}")
+    if cfg.shuffle_upper is not None and (cfg.partitions is None or cfg.shuffle_upper < 0):
+        raise ConfigError("shuffle_upper needs partitions and must not be negative")
     if not 0 <= cfg.latency_s < cfg.interval_s * max(1, len(arrivals)):
         raise ConfigError(f"latency_s must be at least 0 and shorter than the run, got {cfg.latency_s:g}")
     mig = MIGRATIONS[cfg.migration]
@@ -360,13 +373,16 @@ def simulate(
             capacity = rate * train_s
             reachable = part_cum[k + 1] if cfg.latency_s <= 0 else _cum_at(part_cum, part_arrivals, t1 - cfg.latency_s, dt)
             available = np.maximum(0.0, reachable - job.consumed)
-            served = _serve(available, capacity, w_train if cfg.partitions is not None else None)
+            shuffled = cfg.shuffle_upper is not None
+            served = _serve(available, capacity, None if cfg.partitions is None else 1 if shuffled else w_train)
             job.consumed += served
             done = float(served.sum())
             waiting = part_cum[k + 1] - job.consumed
             backlog = float(waiting.sum())
             lag = max((_lag(part_cum, part_arrivals, float(c), t1, dt) for c, left in zip(job.consumed, waiting, strict=True)
                        if left > 1e-6 / parts), default=0.0)
+            if shuffled and w_train > 0 and rate > 0:
+                lag = max(lag, _shuffle_wait(part_arrivals[k], w_train, rate, cfg, dt))
             if train_s > 0 and rate > 0:
                 # the busy share of the interval: the part of it spent in a pause is idle, as a live
                 # worker counts it; an interval paused throughout reports nothing (a live worker in
@@ -432,6 +448,18 @@ def _serve(available: np.ndarray, capacity: float, workers: int | None) -> np.nd
             served[p] = min(available[p], left / (len(mine) - j))
             left -= served[p]
     return served
+
+
+def _shuffle_wait(per_partition: float, workers: int, rate: float, cfg: SimConfig, dt: float) -> float:
+    """The lag under global shuffling while the pool keeps up (module docstring): the pipeline,
+    plus ``UPPER`` samples queued ahead at the busiest worker if its partitions bring more than it
+    trains; 0 with nothing arriving."""
+    assert cfg.partitions is not None and cfg.shuffle_upper is not None
+    if per_partition <= 0:
+        return 0.0
+    own = -(-cfg.partitions // workers) * per_partition / dt  # the busiest worker's partitions, samples/s
+    per_worker = rate / workers
+    return cfg.latency_s + (cfg.shuffle_upper / per_worker if own > per_worker else 0.0)
 
 
 def _cum_at(cum: np.ndarray, arrivals: np.ndarray, t: float, dt: float) -> float:
