@@ -196,3 +196,24 @@ def test_small_batches_that_continue_each_other_are_taken_as_one(units: tuple[Sh
     assert second is not None and second.partition == 1 and len(second.records) == 1
     third = a.take(1, 1, 12)
     assert third is not None and (third.after, third.last, len(third.records)) == (pack_id("1-10"), pack_id("1-20"), 10)
+
+
+def test_a_step_takes_several_partitions_runs_up_to_its_batch(units: tuple[ShuffleUnit, ShuffleUnit]) -> None:
+    """``take_runs``: the queue's batches in order, each joined to the run it continues or
+    starting a new one, while they fit the batch and the runs allowed."""
+    a, _ = units
+    p0 = [StreamRecord(0, f"1-{i}", {"n": b"0"}) for i in range(1, 9)]
+    p1 = [StreamRecord(1, f"2-{i}", {"n": b"1"}) for i in range(1, 4)]
+    p2 = [StreamRecord(2, f"3-{i}", {"n": b"2"}) for i in range(1, 3)]
+    fed = iter([(0, 0, p0[:4]), (1, 0, p1), (0, pack_id("1-4"), p0[4:]), (2, 0, p2)] + [None] * 10**6)
+    a.start_round(1, 0, 1, None, lambda block: next(fed))
+    deadline = time.monotonic() + 10
+    while a.queued < 17 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    runs = a.take_runs(1, 1, 12, 2)  # 4 of p0, 3 of p1, 4 of p0 joined to the first; p2 is a third run
+    assert [(r.partition, r.after, r.last, len(r.records)) for r in runs] == \
+        [(0, 0, pack_id("1-8"), 8), (1, 0, pack_id("2-3"), 3)]
+    assert a.queued == 2
+    [rest] = a.take_runs(1, 1, 12, 2)
+    assert (rest.partition, len(rest.records)) == (2, 2) and a.queued == 0
+    assert a.take_runs(1, 0.05, 12, 2) == []

@@ -186,6 +186,27 @@ def test_two_workers_apply_the_mean_gradient_over_both_batches() -> None:
     assert torch.equal(a.model.weight, b.model.weight)
 
 
+def test_a_stream_step_commits_every_partition_it_trained_on_every_worker() -> None:
+    """A stream step of several partitions: the header carries each range (partition, read
+    after, first, last, records), so every member makes the same records of everyone's ranges,
+    the samples each range held, and the mean over all of them."""
+    a, b = pair(3, 5)
+    x, y = data(6)
+    want_w, _ = sgd_by_hand(a.model, x, y)
+    a.steps.begin_stream([(0, 10, 11, 14, 3), (4, 20, 21, 21, 1), (6, 7, 9, 9, 1)])
+    a.backward(x[:5], y[:5])
+    b.steps.begin_stream([(1, 0, 1, 1, 1)])
+    b.backward(x[5:], y[5:])
+    assert together(a.steps.apply, b.steps.apply) == [StepOutcome.APPLIED] * 2
+    for w in (a, b):
+        assert torch.allclose(w.model.weight, want_w, rtol=0, atol=1e-12)
+        records = [(r.worker, r.epoch, r.start, r.first, r.end, r.samples) for r in w.host.applied[0].records]
+        assert records == [(3, 0, 10, 11, 14, 3), (3, 4, 20, 21, 21, 1), (3, 6, 7, 9, 9, 1), (5, 1, 0, 1, 1, 1)]
+    assert (a.host.applied[0].mine, a.host.applied[0].total) == (5, 6)
+    with pytest.raises(UsageError, match="1 to 8 ranges"):
+        a.steps.begin_stream([(p, 0, 1, 1, 1) for p in range(9)])
+
+
 def test_a_worker_without_data_takes_part_and_the_epoch_ends_when_nobody_has_any() -> None:
     a, b = pair()
     x, y = data(2)

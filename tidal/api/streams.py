@@ -12,6 +12,9 @@ from tidal.api.errors import ConfigError
 
 SEQ_BITS = 20
 _MAX_MS = (1 << (63 - SEQ_BITS)) - 1
+# A step of a stream job trains at most this many ranges per worker (each of one partition, its
+# ids in ``(after, last]``): the step header has a slot for each (``tidal.worker.comm``).
+STEP_RANGES = 8
 
 
 def parse_id(record_id: str) -> tuple[int, int]:

@@ -48,8 +48,9 @@ class Commits:
         self.events = events
         self.ledger_path = ledger_path
         self.finalized_step = -1
-        # step -> (worker, start) -> record: reported, not yet final
-        self.tentative: dict[int, dict[tuple[int, int], StepRecord]] = {}
+        # step -> (worker, epoch, start) -> record: reported, not yet final (a stream step may
+        # hold several ranges of one worker, one per partition)
+        self.tentative: dict[int, dict[tuple[int, int, int], StepRecord]] = {}
         self.progress = MemberProgress()
         self._ledger: TextIO | None = None
         self._rollback_to: int | None = None  # journaled and written to the ledger by the next ``write``
@@ -81,7 +82,7 @@ class Commits:
     def add_reported(self, record: StepRecord) -> None:
         """A member's record of a step it applied: tentative until every member has the step."""
         if record.step > self.finalized_step:
-            self.tentative.setdefault(record.step, {})[(record.worker, record.start)] = record
+            self.tentative.setdefault(record.step, {})[(record.worker, record.epoch, record.start)] = record
         elif not self._is_committed(record):
             # a step was finalized without this record: a protocol bug, never silent
             self.events.add("error", f"late record of final step {record.step} from worker {record.worker}")

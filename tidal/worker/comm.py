@@ -19,6 +19,7 @@ import torch.distributed as dist
 from tidal.api import FrameError
 from tidal.api.frames import MAX_HEADER_BYTES
 from tidal.api.rpc import node_address
+from tidal.api.streams import STEP_RANGES
 from tidal.worker.api import CollectiveError
 from tidal.worker.logical import Grads, flatten, param_grads, set_grads, sum_and_scale, unflatten
 from tidal.worker.state import MAX_STATE_BYTES, pack_state, unpack_state
@@ -27,9 +28,12 @@ from tidal.worker.store import MasterStore
 log = logging.getLogger(__name__)
 
 # Step header, one row per worker: samples, reform flag, epoch, start, end, worker id, and a
-# stream job's first record (tidal.api.StepRecord: the range's fields in a stream job).
-HEADER_FIELDS = 7
-N, REFORM, EPOCH, START, END, WORKER, FIRST = range(HEADER_FIELDS)
+# stream job's first record (tidal.api.StepRecord: the range's fields in a stream job); then a
+# stream step's further ranges (``STEP_RANGES - 1`` slots of partition, after, first, last,
+# records; zeros where unused): the first range holds the samples the others do not.
+N, REFORM, EPOCH, START, END, WORKER, FIRST = range(7)
+EXTRA, RANGE_FIELDS = 7, 5
+HEADER_FIELDS = EXTRA + RANGE_FIELDS * (STEP_RANGES - 1)
 FORM_TIMEOUT_S = 10.0
 _CHUNKS, _CHUNK_BITS = 3, 21  # a header value in float32: three exact 21-bit pieces (< 2**63)
 _CHUNK_MASK = (1 << _CHUNK_BITS) - 1

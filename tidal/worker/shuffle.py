@@ -13,9 +13,10 @@ or more, the next batches it reads are *overflow* and go to another worker that 
 * A sender picks a receiver at random from that set. A forwarded batch is written to the
   receiver's local queue and is never forwarded again (no cascades, no cycles). With nobody
   accepting, the sender stops reading until its queue has room: the records wait in the stream.
-* Each step takes the next batch of the local queue, with the queued batches that continue it
-  up to the step's batch size (``take``): a worker that keeps up reads a few records at a time,
-  and the reader waits for a step after such a read rather than read again at once.
+* Each step takes the next batch of the local queue, then the queued batches after it up to the
+  step's batch size, joining those that continue each other (``take_runs``: up to
+  ``STEP_RANGES`` partitions a step): a worker that keeps up reads a few records at a time, and
+  the reader waits for a step after such a read rather than read again at once.
 * Messages go through a *forwarding unit* thread that owns the sending sockets (ZeroMQ PUSH to
   each peer's PULL socket); a batch it cannot hand to ZeroMQ within ``SEND_TIMEOUT_S``
   comes back to the sender's own queue, so no batch is stranded while its round lasts.
@@ -194,32 +195,47 @@ class ShuffleUnit:
         queued batches that continue it (same partition, read right after it) up to
         ``max_records``: a worker that keeps up reads small batches, and a step should not train
         one of them at a time."""
+        runs = self.take_runs(round_, timeout_s, max_records, 1)
+        return runs[0] if runs else None
+
+    def take_runs(self, round_: int, timeout_s: float, max_records: int, runs: int) -> list[Batch]:
+        """A step's records: the next batch of ``round_`` in the local queue (waiting up to
+        ``timeout_s``; [] if none came), then the queued batches after it in order while they
+        fit in ``max_records``, each joined to the run it continues (same partition, read right
+        after it) or starting one of at most ``runs`` runs. A step that took one partition's
+        batches at a time would leave the others' waiting a step each."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while True:
                 while self._queue and self._queue[0].round != round_:
                     self.queued -= len(self._queue.popleft().records)
                 if self._queue:
-                    batch = self._queue.popleft()
-                    records = list(batch.records)
-                    for later in list(self._queue):
-                        if len(records) >= max_records:
-                            break
-                        if (later.round == round_ and later.partition == batch.partition
-                                and later.after == pack_id(records[-1].id)
-                                and len(records) + len(later.records) <= max_records):
-                            self._queue.remove(later)
-                            records += later.records
-                            batch.forwarded = batch.forwarded or later.forwarded
-                    batch.records = records
-                    self.queued -= len(records)
-                    self._note_state()
-                    self._cond.notify_all()  # the reader may have room again
-                    return batch
+                    break
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    return None
+                    return []
                 self._cond.wait(left)
+            taken: list[Batch] = []
+            total = 0
+            for batch in list(self._queue):
+                if total >= max_records:
+                    break
+                if batch.round != round_ or (taken and total + len(batch.records) > max_records):
+                    continue
+                run = next((t for t in taken if t.partition == batch.partition and t.last == batch.after), None)
+                if run is not None:
+                    run.records = run.records + batch.records
+                    run.forwarded = run.forwarded or batch.forwarded
+                elif len(taken) < runs:
+                    taken.append(Batch(batch.round, batch.partition, batch.after, list(batch.records), batch.forwarded))
+                else:
+                    continue
+                self._queue.remove(batch)
+                total += len(batch.records)
+            self.queued -= total
+            self._note_state()
+            self._cond.notify_all()  # the reader may have room again
+            return taken
 
     def waiting(self) -> tuple[dict[int, int], dict[int, int]]:
         """Records in the local queue per partition, and the arrival (ms) of each one's oldest."""

@@ -39,7 +39,7 @@ import torch
 
 from tidal.api import RetryableError, StepRecord
 from tidal.worker.api import CollectiveError, StepHook, UsageError
-from tidal.worker.comm import END, EPOCH, FIRST, REFORM, START, WORKER, N
+from tidal.worker.comm import END, EPOCH, EXTRA, FIRST, HEADER_FIELDS, RANGE_FIELDS, REFORM, START, WORKER, N
 from tidal.worker.logical import (
     GradientStash,
     Grads,
@@ -152,6 +152,8 @@ class PendingStep:
     mine: int
     started: float
     first: int = 0  # a stream job's first record (``begin_stream``)
+    # a stream step's further ranges: (partition, after, first, last, records) each
+    more: list[tuple[int, int, int, int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -277,15 +279,22 @@ class StepRunner:
         self._pending = self._new_pending(epoch, start, end, end - start)
         return self._pending
 
-    def begin_stream(self, partition: int, after: int, first: int, last: int, count: int) -> PendingStep:
-        """The step this worker is about to compute on ``count`` records of ``partition``: the
-        packed ids ``first`` to ``last`` (both included), read after ``after`` (tidal.api.streams).
+    def begin_stream(self, spans: list[tuple[int, int, int, int, int]]) -> PendingStep:
+        """The step this worker is about to compute on the records of ``spans``, each
+        ``(partition, after, first, last, records)``: the packed ids ``first`` to ``last`` (both
+        included) of one partition, read after ``after`` (tidal.api.streams); at most
+        ``STEP_RANGES`` of them, each a range the master commits with the step.
 
         Raises:
-            UsageError: the previous batch's ``job.step()`` was never called.
+            UsageError: the previous batch's ``job.step()`` was never called, or no span, or more
+                than the step header holds.
         """
+        if not 1 <= len(spans) <= 1 + (HEADER_FIELDS - EXTRA) // RANGE_FIELDS:
+            raise UsageError(f"a stream step trains 1 to {1 + (HEADER_FIELDS - EXTRA) // RANGE_FIELDS} ranges, "
+                             f"got {len(spans)}")
+        partition, after, first, last, _ = spans[0]
         pending = self.begin(partition, after, last)
-        pending.mine, pending.first = count, first
+        pending.mine, pending.first, pending.more = sum(s[4] for s in spans), first, list(spans[1:])
         return pending
 
     def apply(self) -> StepOutcome:
@@ -336,8 +345,7 @@ class StepRunner:
         state = self.state
         params = state.trainable()
         self.idle_reform = False
-        row = [pending.mine, int(self._host.reform_notice), pending.epoch, pending.start, pending.end,
-               self._worker_id, pending.first]
+        row = self._header_row(pending, pending.start, pending.end, pending.first)
         self._before_reduce(pending.step, self._rank, pending.mine)
         t0 = self._clock()
         try:
@@ -358,9 +366,7 @@ class StepRunner:
         comm.apply_reduced(params, 1.0 / total)
         if state.optimizer is not None:
             state.optimizer.step()
-        records = [StepRecord(step=pending.step, worker=h[WORKER], epoch=h[EPOCH], start=h[START], end=h[END],
-                              first=h[FIRST], samples=h[N])
-                   for h in rows if h[N] > 0] if self._ledger else []
+        records = [r for h in rows if h[N] > 0 for r in _header_records(pending.step, h)] if self._ledger else []
         for hook in self.hooks:
             hook.after_apply(pending.step, total)
         self._publish(pending, total, records, t0, comm_s)
@@ -444,7 +450,7 @@ class StepRunner:
             if e <= s:  # no data for this EST at this step
                 self._stash.put_zeros(r, params)
         pending = lstep.pending
-        row = [pending.mine, int(self._host.reform_notice), pending.epoch, 0, 0, self._worker_id, 0]
+        row = self._header_row(pending, 0, 0, 0)
         t0 = self._clock()
         try:
             self._raise_if_hook_broke()
@@ -504,6 +510,13 @@ class StepRunner:
             raise RuntimeError("a step outside a round (the host calls enter_round first)")
         return self._comm
 
+    def _header_row(self, pending: PendingStep, start: int, end: int, first: int) -> list[int]:
+        """This worker's row of the step header (``tidal.worker.comm``), every slot filled."""
+        row = [pending.mine, int(self._host.reform_notice), pending.epoch, start, end, self._worker_id, first]
+        for span in pending.more:
+            row += span
+        return row + [0] * (HEADER_FIELDS - len(row))
+
     def _publish(self, pending: PendingStep, total: int, records: list[StepRecord], t0: float,
                  comm_s: float) -> None:
         finished = self._clock()
@@ -514,3 +527,14 @@ class StepRunner:
             self.state.applied_step = pending.step
             self._host.step_applied(applied)
         self.state.commit()
+
+
+def _header_records(step: int, h: list[int]) -> list[StepRecord]:
+    """The records of one worker's header row: its first range (the samples the further ranges do
+    not hold), then each further range that holds records."""
+    more = [h[i:i + RANGE_FIELDS] for i in range(EXTRA, HEADER_FIELDS, RANGE_FIELDS) if h[i + RANGE_FIELDS - 1] > 0]
+    first = h[N] - sum(m[4] for m in more)
+    records = [StepRecord(step=step, worker=h[WORKER], epoch=h[EPOCH], start=h[START], end=h[END], first=h[FIRST],
+                          samples=first)] if first > 0 else []
+    return records + [StepRecord(step=step, worker=h[WORKER], epoch=p, start=after, end=last, first=first_id,
+                                 samples=count) for p, after, first_id, last, count in more]

@@ -2,11 +2,12 @@
 
 ``job.loader(stream=URL, batch_size=B, decode=fn)`` in a job run with ``tidal run --stream URL``.
 Each round the master gives this worker some partitions and, for each, the last committed record
-(``Job.stream_assignment``); the loader reads after it. Every step takes up to B records of one
-partition (the next of its partitions, round-robin, that has records), decodes them with the
-script's ``decode(list of field dicts) -> (batch, malformed positions)`` and yields the batch; the
-step's header carries the partition, the position read after and the first and last record
-(``StepRunner.begin_stream``), so the master commits exactly what the step trained. A re-form
+(``Job.stream_assignment``); the loader reads after it. Every step takes up to B records of its
+partitions (in turn, round-robin, up to ``STEP_RANGES`` partitions a step;
+``tidal.worker.stream_reader``), decodes them with the script's ``decode(list of field dicts) ->
+(batch, malformed positions)`` and yields the batch; the step's header carries, per partition, the
+position read after and the first and last record (``StepRunner.begin_stream``), so the master
+commits exactly what the step trained. A re-form
 drops what was read and not committed: the next round reads again from the committed positions,
 going past the ranges committed beyond them (``Job.stream_skip``; see global shuffling below).
 
@@ -33,13 +34,13 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
-from tidal.api.streams import pack_id, parse_id, unpack_id
+from tidal.api.streams import STEP_RANGES, pack_id, parse_id, unpack_id
 from tidal.data.api import StreamSource
 from tidal.data.streams import open_source
 from tidal.worker.api import UsageError
 from tidal.worker.shuffle import ShuffleUnit
 from tidal.worker.step import StepRunner
-from tidal.worker.stream_reader import READER_ENV, Decode, PartitionReader, Picked, ReadAhead, Taken
+from tidal.worker.stream_reader import READER_ENV, Decode, PartitionReader, Picked, ReadAhead, Run, Taken
 
 log = logging.getLogger(__name__)
 
@@ -163,9 +164,9 @@ class StreamLoader:
                     continue
             taken: Taken | None
             if self._unit is not None:  # global shuffling: the local queue, filled by the unit's reader
-                queued = self._unit.take(job.round, self.poll_s, self.batch_size)
-                taken = None if queued is None else \
-                    Taken.decoded((queued.partition, queued.after, queued.records), self.decode)
+                queued = self._unit.take_runs(job.round, self.poll_s, self.batch_size, STEP_RANGES)
+                taken = None if not queued else \
+                    Taken.decoded([(b.partition, b.after, b.records) for b in queued], self.decode)
             else:
                 taken = self._take_ahead()
                 if taken is None:
@@ -195,12 +196,13 @@ class StreamLoader:
                 continue
             if taken.bad_ids:
                 self.malformed += len(taken.bad_ids)
-                log.warning("worker %d: %d malformed records skipped in partition %d: %s", job.worker_id,
-                            len(taken.bad_ids), taken.partition, ", ".join(taken.bad_ids[:5]))
+                log.warning("worker %d: %d malformed records skipped in partitions %s: %s", job.worker_id,
+                            len(taken.bad_ids), sorted({s[0] for s in taken.spans}), ", ".join(taken.bad_ids[:5]))
             if self._unit is None:
-                self._took(self._positions, taken.partition, taken.after, taken.last, taken.count)
+                for partition, after, _, last, count in taken.spans:
+                    self._took(self._positions, partition, after, last, count)
                 self._start_ahead()
-            pending = steps.begin_stream(taken.partition, taken.after, taken.first, taken.last, taken.count)
+            pending = steps.begin_stream(taken.spans)
             began = self.clock()
             yield taken.batch
             # busy for the share of the step's batch it filled: a worker that keeps up trains a few
@@ -235,8 +237,8 @@ class StreamLoader:
         return got[0]
 
     def _read(self) -> Picked | None:
-        """The next partition (round-robin) with records, and up to a batch of them; None when
-        none has any (having waited up to ``poll_s`` on one)."""
+        """Up to a batch of records of the partitions, in turn; None when none has any (having
+        waited up to ``poll_s`` on one)."""
         picked, self._turn = self.reader.next_records(self._positions, self._turn, self.poll_s)
         return picked
 
@@ -271,13 +273,15 @@ class StreamLoader:
             self._unit.start_round(job.round, job.rank, job.world_size, job.round_store(),
                                    lambda block: self._shuffle_read(positions, block))
 
-    def _shuffle_read(self, positions: dict[int, int], block: bool) -> Picked | None:
-        """The unit's reader (its own thread): the next batch of this worker's partitions."""
-        picked, self._turn = self.reader.next_records(positions, self._turn, self.poll_s if block else 0.0)
-        if picked is not None:
-            partition, after, records = picked
-            self._took(positions, partition, after, pack_id(records[-1].id), len(records))
-        return picked
+    def _shuffle_read(self, positions: dict[int, int], block: bool) -> Run | None:
+        """The unit's reader (its own thread): the next batch of one of this worker's partitions
+        (the unit's local queue holds batches of one partition; its ``take`` joins them)."""
+        picked, self._turn = self.reader.next_records(positions, self._turn, self.poll_s if block else 0.0, runs=1)
+        if picked is None:
+            return None
+        partition, after, records = picked[0]
+        self._took(positions, partition, after, pack_id(records[-1].id), len(records))
+        return picked[0]
 
     def close(self) -> None:
         """Stop the background threads and close the shuffle unit's sockets (once the loop ends)."""

@@ -1,8 +1,11 @@
 """Reading a worker's stream partitions: which records a step takes, and reading them ahead.
 
-``PartitionReader`` picks a step's records: the next of the worker's partitions (round-robin)
-that has records, up to a batch of them after the position the worker has read to, never into a
-range committed ahead of that position (global shuffling, ``tidal.master.streams``).
+``PartitionReader`` picks a step's records: up to a batch of them from the worker's partitions,
+taken in turn (round-robin from where the previous step stopped), each after the position the
+worker has read to and never into a range committed ahead of it (global shuffling,
+``tidal.master.streams``). A step trains up to ``STEP_RANGES`` partitions' ranges: a worker that
+reads k partitions and trains a partition a step would hold each record back for up to k steps
+(bench/RESULTS.md: 3.1 s against 0.6 s at 8 partitions and 0.3 s a step).
 
 While a step trains, the next batch is read and decoded ahead (``ReadAhead``), either by a thread
 of the training process or by a reader process forked from it (``TIDAL_STREAM_READER=process``,
@@ -43,13 +46,15 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from tidal.api.streams import pack_id, unpack_id
+from tidal.api.streams import STEP_RANGES, pack_id, unpack_id
 from tidal.data.api import StreamRecord, StreamSource
 
 log = logging.getLogger(__name__)
 
 Decode = Callable[[list[dict[str, bytes]]], tuple[Any, list[int]]]
-Picked = tuple[int, int, list[StreamRecord]]  # partition, the position read after, the records
+Run = tuple[int, int, list[StreamRecord]]  # partition, the position read after, the records
+Picked = list[Run]  # a step's records: at most STEP_RANGES runs, each of one partition
+Span = tuple[int, int, int, int, int]  # a run as the step header has it: partition, after, first, last, records
 
 _PR_SET_PDEATHSIG = 1
 READER_ENV = "TIDAL_STREAM_READER"  # "process" (default) or "thread"
@@ -59,20 +64,20 @@ READER_ENV = "TIDAL_STREAM_READER"  # "process" (default) or "thread"
 class Taken:
     """A step's records, decoded: what the loader needs of them besides the batch."""
 
-    partition: int
-    after: int  # the packed id the records follow
-    first: int  # packed ids of the first and last record
-    last: int
-    count: int
+    spans: list[Span]  # per run: partition, the packed id it follows, its first and last, its records
     batch: Any
     bad_ids: list[str]  # ids of the malformed records (skipped by decode)
 
+    @property
+    def count(self) -> int:
+        return sum(s[4] for s in self.spans)
+
     @classmethod
     def decoded(cls, picked: Picked, decode: Decode) -> Taken:
-        partition, after, records = picked
+        records = [r for _, _, run in picked for r in run]
         batch, bad = decode([r.fields for r in records])
-        return cls(partition, after, pack_id(records[0].id), pack_id(records[-1].id), len(records), batch,
-                   [records[i].id for i in bad])
+        spans = [(p, after, pack_id(run[0].id), pack_id(run[-1].id), len(run)) for p, after, run in picked]
+        return cls(spans, batch, [records[i].id for i in bad])
 
 
 class PartitionReader:
@@ -88,16 +93,26 @@ class PartitionReader:
         self.order: list[int] = []
         self.skips: dict[int, list[list[int]]] = {}
 
-    def next_records(self, positions: dict[int, int], turn: int, block_s: float = 0.0) -> tuple[Picked | None, int]:
-        """The next partition after ``turn`` (round-robin) with records, up to a batch of them
-        and the position they follow, and the turn after it; waiting up to ``block_s`` on the
-        partition of ``turn`` when none has any."""
+    def next_records(self, positions: dict[int, int], turn: int, block_s: float = 0.0,
+                     runs: int = STEP_RANGES) -> tuple[Picked | None, int]:
+        """Up to a batch of records from the partitions, in turn from ``turn`` (round-robin), at
+        most ``runs`` of them with records, each run with the position it follows; and the turn
+        after the last partition read. Waits up to ``block_s`` on the partition of ``turn`` when
+        none has any."""
         order = self.order
+        picked: Picked = []
+        want, next_turn = self.batch_size, turn
         for i in range(len(order)):
             p = order[(turn + i) % len(order)]
-            after, records = self.read_partition(p, positions[p])
+            after, records = self.read_partition(p, positions[p], limit=want)
             if records:
-                return (p, after, records), (turn + i + 1) % len(order)
+                picked.append((p, after, records))
+                want -= len(records)
+                next_turn = (turn + i + 1) % len(order)
+                if want <= 0 or len(picked) >= runs:
+                    break
+        if picked:
+            return picked, next_turn
         if block_s > 0:
             if not order:
                 time.sleep(block_s)
@@ -105,27 +120,29 @@ class PartitionReader:
             p = order[turn % len(order)]
             after, records = self.read_partition(p, positions[p], block_s)
             if records:
-                return (p, after, records), (turn + 1) % len(order)
+                return [(p, after, records)], (turn + 1) % len(order)
         return None, turn
 
-    def read_partition(self, p: int, position: int, block_s: float = 0.0) -> tuple[int, list[StreamRecord]]:
-        """Up to a batch of ``p``'s records after ``position`` that nobody committed, and the
-        position they follow: past the ranges committed ahead of the position, a batch never
-        reaches into one."""
+    def read_partition(self, p: int, position: int, block_s: float = 0.0,
+                       limit: int | None = None) -> tuple[int, list[StreamRecord]]:
+        """Up to a batch (or ``limit``) of ``p``'s records after ``position`` that nobody
+        committed, and the position they follow: past the ranges committed ahead of the position,
+        a batch never reaches into one."""
+        count = self.batch_size if limit is None else min(limit, self.batch_size)
         for after, last in self.skips.get(p, ()):
             if last <= position:
                 continue
             if position == after:  # everything up to the range was read: go on after it
                 position = last
                 continue
-            records = self.source.read(p, unpack_id(position), self.batch_size, block_s=block_s)
+            records = self.source.read(p, unpack_id(position), count, block_s=block_s)
             cut = 0
             while cut < len(records) and pack_id(records[cut].id) <= after:
                 cut += 1
             if cut or not records:
                 return position, records[:cut]
             position = last  # no record left before the range
-        return position, self.source.read(p, unpack_id(position), self.batch_size, block_s=block_s)
+        return position, self.source.read(p, unpack_id(position), count, block_s=block_s)
 
 
 class ReadAhead:
@@ -267,9 +284,10 @@ class _ReaderProcess:
             return None
         if meta.get("taken") is None:
             return None, int(meta["turn"])
-        partition, after, first, last, count, bad_ids = meta["taken"]
+        spans, bad_ids = meta["taken"]
         batch = unflatten(meta["tree"], msg.tensors)
-        return Taken(partition, after, first, last, count, batch, bad_ids), int(meta["turn"])
+        return Taken([(int(p), int(a), int(f), int(lst), int(n)) for p, a, f, lst, n in spans], batch,
+                     [str(i) for i in bad_ids]), int(meta["turn"])
 
     def _died(self, why: str) -> None:
         log.warning("stream reader process %d stopped: %s; reading ahead in a thread", self.pid, why)
@@ -326,7 +344,7 @@ def _serve(conn: Connection, reader: PartitionReader, decode: Decode, parent_pid
                 except BatchError as exc:
                     meta, tensors = {"unsupported": str(exc)}, {}
                 else:
-                    meta["taken"] = [t.partition, t.after, t.first, t.last, t.count, t.bad_ids]
+                    meta["taken"] = [[list(s) for s in t.spans], t.bad_ids]
             header, payload = frames.encode_joined(tensors, meta=meta)
         except Exception as exc:  # the worker sees any failure by reading itself
             header, payload = frames.encode_joined({}, meta={"error": f"{type(exc).__name__}: {exc}"})
