@@ -159,6 +159,22 @@ def test_fallback_releases_at_the_pipelines_own_lag():
     assert not fb.active
 
 
+def test_fallback_releases_once_the_backlog_is_drained_though_a_queue_holds_the_lag():
+    """With global shuffling the oldest record can wait behind a full local queue at some counts
+    (85 s on a 6 s floor) while hardly anything waits: the backlog, under what arrives in the
+    release window, releases the fallback; a backlog still being drained does not."""
+    fb = ThresholdFallback(lag_bound_s=900, growing_intervals=2, drain_s=1800, release_lag_s=60)
+    for _ in range(120):
+        fb.observe(100.0, scaling=False, lag_s=6.0, rate=20.0)
+    for backlog in (2000.0, 3000.0):
+        fb.observe(backlog, scaling=False, lag_s=1000, rate=20.0)
+    assert fb.drain_rate(20.0, 3000.0, lag_s=1000, utilization=1.0, pause_s=60) is not None
+    fb.observe(2000.0, scaling=False, lag_s=200, rate=20.0)  # 100 s of arrivals still wait
+    assert fb.active
+    fb.observe(800.0, scaling=False, lag_s=85, rate=20.0)  # 40 s of arrivals: drained
+    assert not fb.active
+
+
 def test_planner_measures_what_its_actions_cost():
     """lead_s and pause_s are priors: the time from a decision to the next ready observation and
     the scaling pauses the job reports replace them (tau follows the lead)."""

@@ -157,8 +157,10 @@ class ThresholdFallback:
     backlog and the samples that will arrive during the action's own pause of training:
     ``L_fallback = rate + (backlog + rate * pause_s) / drain_s`` (``pause_s``: the part of the
     action that stops training; the whole action for a restart). Once triggered it stays
-    *active* until the lag is back within ``release_lag_s`` of the lag's floor; then it
-    releases, and the proactive plan (which may scale the extra workers away) takes over again.
+    *active* until the backlog is drained: the lag back within ``release_lag_s`` of the lag's
+    floor, or what waits no more than arrives in that time (``backlog <= rate * (floor +
+    release_lag_s)``); then it releases, and the proactive plan (which may scale the extra
+    workers away) takes over again.
 
     The floor is what the pipeline itself adds to the lag even when the job keeps up: a
     worker reads a batch ahead and trains it a step later, so a live job's oldest waiting
@@ -167,7 +169,11 @@ class ThresholdFallback:
     intervals (0 until ``FLOOR_MIN_INTERVALS`` are), never more than ``lag_bound_s / 3``.
     Released at a fixed 60 s, a fallback on such a job never released: its extra workers
     stayed to the end of the run and the plan could never scale in (a live WorldCup98 day
-    held 8 workers for the last 9 hours of it).
+    held 8 workers for the last 9 hours of it). The lag alone is not enough either: with
+    global shuffling, a worker whose partitions bring more than it trains keeps its local
+    queue full, and the oldest record waits behind it for good at some counts (85 s at 7
+    workers on 8 partitions, with a floor of 6 s) while hardly anything waits: the backlog
+    says the job has caught up (a live day held 7 workers for 8 hours after a fallback).
     """
 
     lag_bound_s: float = 900.0
@@ -186,9 +192,10 @@ class ThresholdFallback:
             return 0.0
         return min(float(np.quantile(np.fromiter(self._lags, float), FLOOR_QUANTILE)), self.lag_bound_s / 3)
 
-    def observe(self, backlog: float, scaling: bool, lag_s: float = 0.0) -> None:
+    def observe(self, backlog: float, scaling: bool, lag_s: float = 0.0, rate: float = 0.0) -> None:
         """Track whether the backlog keeps growing (reset by scaling actions), and release
-        the fallback once the lag is drained."""
+        the fallback once the backlog is drained (``rate``: the arrivals per second, 0 when
+        unknown: then the lag alone decides)."""
         if scaling:
             self._growing = 0
         elif backlog > self._last_backlog and backlog > 0:
@@ -198,8 +205,10 @@ class ThresholdFallback:
         self._last_backlog = backlog
         if not scaling:
             self._lags.append(lag_s)
-        if self.active and not scaling and lag_s <= self.floor_s() + self.release_lag_s:
-            self.active = False
+        if self.active and not scaling:
+            within = self.floor_s() + self.release_lag_s
+            if lag_s <= within or backlog <= rate * within:
+                self.active = False
 
     def drain_rate(self, rate: float, backlog: float, lag_s: float, utilization: float, pause_s: float) -> float | None:
         """The throughput needed to catch up, while a threshold is passed; else None."""
@@ -530,7 +539,9 @@ class KalePlanner:
         self._add_arrivals(stream.arrivals, stream.interval_s)
         self._add_measured(stream.measured)
         self._maybe_refit_forecaster()
-        self.fallback.observe(stream.backlog, scaling, stream.lag_s)
+        recent = stream.arrivals[-5:] if stream.arrivals else []
+        rate = (sum(recent) / (len(recent) * stream.interval_s)) if recent else (self._bins[-1] if self._bins else 0.0)
+        self.fallback.observe(stream.backlog, scaling, stream.lag_s, rate)
         self._measure_action(obs)
         lo, hi = max(1, obs.min_workers), obs.max_workers
         current = obs.current_workers
@@ -538,8 +549,6 @@ class KalePlanner:
             self._target = current
         if scaling:
             return ResourcePlan(workers=self._target, reason="scaling in progress")
-        recent = stream.arrivals[-5:] if stream.arrivals else []
-        rate = (sum(recent) / (len(recent) * stream.interval_s)) if recent else (self._bins[-1] if self._bins else 0.0)
         reason = "hold"
         bin_index = len(self._bins)
         if self._forecaster is not None and bin_index != self._last_plan_bin and self._measured:
