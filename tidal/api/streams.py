@@ -15,6 +15,9 @@ _MAX_MS = (1 << (63 - SEQ_BITS)) - 1
 # A step of a stream job trains at most this many ranges per worker (each of one partition, its
 # ids in ``(after, last]``): the step header has a slot for each (``tidal.worker.comm``).
 STEP_RANGES = 8
+# One such range as the step header carries it: partition, the packed id it was read after, its
+# first and last packed ids (both included), and its records.
+Span = tuple[int, int, int, int, int]
 
 
 def parse_id(record_id: str) -> tuple[int, int]:

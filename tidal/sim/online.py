@@ -310,6 +310,7 @@ def simulate(
     if not 0 <= cfg.latency_s < cfg.interval_s * max(1, len(arrivals)):
         raise ConfigError(f"latency_s must be at least 0 and shorter than the run, got {cfg.latency_s:g}")
     mig = MIGRATIONS[cfg.migration]
+    shuffled = cfg.shuffle_upper is not None
     dt = cfg.interval_s
     n = len(arrivals)
     parts = cfg.partitions or 1
@@ -373,7 +374,6 @@ def simulate(
             capacity = rate * train_s
             reachable = part_cum[k + 1] if cfg.latency_s <= 0 else _cum_at(part_cum, part_arrivals, t1 - cfg.latency_s, dt)
             available = np.maximum(0.0, reachable - job.consumed)
-            shuffled = cfg.shuffle_upper is not None
             served = _serve(available, capacity, None if cfg.partitions is None else 1 if shuffled else w_train)
             job.consumed += served
             done = float(served.sum())

@@ -38,6 +38,7 @@ from typing import Any, Protocol
 import torch
 
 from tidal.api import RetryableError, StepRecord
+from tidal.api.streams import STEP_RANGES, Span
 from tidal.worker.api import CollectiveError, StepHook, UsageError
 from tidal.worker.comm import END, EPOCH, EXTRA, FIRST, HEADER_FIELDS, RANGE_FIELDS, REFORM, START, WORKER, N
 from tidal.worker.logical import (
@@ -153,7 +154,7 @@ class PendingStep:
     started: float
     first: int = 0  # a stream job's first record (``begin_stream``)
     # a stream step's further ranges: (partition, after, first, last, records) each
-    more: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+    more: list[Span] = field(default_factory=list)
 
 
 @dataclass
@@ -279,7 +280,7 @@ class StepRunner:
         self._pending = self._new_pending(epoch, start, end, end - start)
         return self._pending
 
-    def begin_stream(self, spans: list[tuple[int, int, int, int, int]]) -> PendingStep:
+    def begin_stream(self, spans: list[Span]) -> PendingStep:
         """The step this worker is about to compute on the records of ``spans``, each
         ``(partition, after, first, last, records)``: the packed ids ``first`` to ``last`` (both
         included) of one partition, read after ``after`` (tidal.api.streams); at most
@@ -289,9 +290,8 @@ class StepRunner:
             UsageError: the previous batch's ``job.step()`` was never called, or no span, or more
                 than the step header holds.
         """
-        if not 1 <= len(spans) <= 1 + (HEADER_FIELDS - EXTRA) // RANGE_FIELDS:
-            raise UsageError(f"a stream step trains 1 to {1 + (HEADER_FIELDS - EXTRA) // RANGE_FIELDS} ranges, "
-                             f"got {len(spans)}")
+        if not 1 <= len(spans) <= STEP_RANGES:
+            raise UsageError(f"a stream step trains 1 to {STEP_RANGES} ranges, got {len(spans)}")
         partition, after, first, last, _ = spans[0]
         pending = self.begin(partition, after, last)
         pending.mine, pending.first, pending.more = sum(s[4] for s in spans), first, list(spans[1:])

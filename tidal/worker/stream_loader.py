@@ -275,7 +275,7 @@ class StreamLoader:
 
     def _shuffle_read(self, positions: dict[int, int], block: bool) -> Run | None:
         """The unit's reader (its own thread): the next batch of one of this worker's partitions
-        (the unit's local queue holds batches of one partition; its ``take`` joins them)."""
+        (the unit's local queue holds batches of one partition; its ``take_runs`` joins them)."""
         picked, self._turn = self.reader.next_records(positions, self._turn, self.poll_s if block else 0.0, runs=1)
         if picked is None:
             return None

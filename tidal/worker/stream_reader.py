@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from tidal.api.streams import STEP_RANGES, pack_id, unpack_id
+from tidal.api.streams import STEP_RANGES, Span, pack_id, unpack_id
 from tidal.data.api import StreamRecord, StreamSource
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,6 @@ log = logging.getLogger(__name__)
 Decode = Callable[[list[dict[str, bytes]]], tuple[Any, list[int]]]
 Run = tuple[int, int, list[StreamRecord]]  # partition, the position read after, the records
 Picked = list[Run]  # a step's records: at most STEP_RANGES runs, each of one partition
-Span = tuple[int, int, int, int, int]  # a run as the step header has it: partition, after, first, last, records
 
 _PR_SET_PDEATHSIG = 1
 READER_ENV = "TIDAL_STREAM_READER"  # "process" (default) or "thread"
