@@ -207,34 +207,3 @@ def test_the_master_builds_kale_with_the_runtimes_action_cost():
     assert (built.lead_s, built.pause_s, built.tau_s) == (384.0, 48.0, 6 * 384.0)
     default = planners.get("kale", PlannerContext())
     assert (default.lead_s, default.pause_s) == (600.0, 600.0)
-
-
-def test_a_count_seen_falling_behind_is_believed_no_faster_than_it_drained():
-    """Busy workers can measure more than they drain (a worker waits for records while another,
-    with more partitions, falls behind): a backlog that grows through a whole plan interval at
-    12 workers bounds F(12) by what they drained, and once the lag nears the planned lag the
-    planner scales up, where the measured rate alone would have it hold until the fallback."""
-    truth = models.KaleSyncModel([0.00035, 2.5726, 0.9824, 0.0016])
-    f = lambda w: truth.predict(models.ThroughputConfig(w, batch_size=16384))  # noqa: E731
-    rate = f(12) / 1.02  # the busy rate says 2% to spare
-
-    def run(growth_per_min: float) -> list[int]:
-        planner = _flat_planner(rate, truth)
-        plans, backlog, lag = [], rate * 200.0, 200.0
-        for minute in range(30):
-            backlog += growth_per_min
-            lag += growth_per_min / rate
-            obs = _snap(60.0 * (minute + 1), [rate * 60.0], 12, [(12, f(12))], backlog=backlog, lag_s=lag)
-            plans.append(planner.plan(obs).workers)
-        if growth_per_min > 0:
-            cap = planner.sustained.cap(12)
-            assert cap is not None and cap == pytest.approx(rate - growth_per_min / 60.0)
-            assert planner.throughput(12) == cap
-        else:
-            assert planner.sustained.cap(12) is None and planner.throughput(12) == pytest.approx(f(12))
-        return plans
-
-    assert run(0.0) == [12] * 30  # keeping up: hold
-    behind = run(0.05 * rate * 60.0)  # draining 5% less than arrives: 3 s more lag a minute
-    assert behind[0] == 12 and max(behind) > 12, behind
-    assert f(max(behind)) > rate

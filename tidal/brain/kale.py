@@ -27,7 +27,6 @@ from tidal.brain.models import KaleSyncModel, LinearisedModel
 
 __all__ = [
     "KalePlanner",
-    "SustainedRate",
     "ThresholdFallback",
     "WorkerChoice",
     "minimal_workers",
@@ -220,12 +219,6 @@ class ThresholdFallback:
         return rate + (backlog + rate * pause_s) / self.drain_s
 
 
-#: backlog growth over a window, as a share of its arrivals, that shows the job was behind
-SATURATED_GROWTH = 0.01
-
-#: the windows behind at one count that ``SustainedRate.cap`` takes the largest drain of
-SUSTAINED_KEPT = 3
-
 #: a scaling action's length before any is measured: a restart of about 10 minutes (Kale 4.3)
 DEFAULT_LEAD_S = 600.0
 
@@ -239,57 +232,6 @@ FLOOR_WINDOW = 1440
 
 #: Algorithm 1's tau by default, in multiples of one scaling action's length (``lead_s``)
 TAU_PER_LEAD = 6.0
-
-
-@dataclass
-class SustainedRate:
-    """What ``w`` workers sustain, as the backlog shows it: a bound on the believed F(w).
-
-    The measured throughput (``StreamObservation.measured``) is the rate the workers train at
-    while busy. With partitions it can overstate what a count sustains: on 8 partitions 3 of 5
-    workers read 2 and 2 read 1, the busy ones fall behind while the others wait for
-    forwarded records, and every worker's rate while busy sums to more than the job drains. A
-    live WorldCup98 day held 5 workers for five hours at 91-98% busy on a believed F(5) above
-    the arrivals while its lag sat at 200-470 s (bench/RESULTS.md, "Kale live, seventh run").
-
-    Over windows of ``window_s`` at one count with no action under way, the drain is the
-    arrivals less what the backlog grew by. Where the backlog grew by more than
-    ``SATURATED_GROWTH`` of the window's arrivals the job was behind the whole window, and the
-    drain is what that count sustains; ``cap(w)`` is the largest of the last
-    ``SUSTAINED_KEPT`` such drains (None: never seen behind at ``w``).
-    """
-
-    window_s: float
-    _workers: int = -1
-    _start_backlog: float = 0.0
-    _arrived: float = 0.0
-    _elapsed: float = 0.0
-    _drains: dict[int, deque[float]] = field(default_factory=dict)
-
-    def observe(self, workers: int, scaling: bool, arrivals: Sequence[float], interval_s: float,
-                backlog: float) -> bool:
-        """One observation; True when it closed a window that bounds F(``workers``)."""
-        if scaling or workers != self._workers:
-            self._restart(workers, backlog)
-            return False
-        self._arrived += float(sum(arrivals))
-        self._elapsed += interval_s * len(arrivals)
-        if self._elapsed < self.window_s:
-            return False
-        growth = backlog - self._start_backlog
-        behind = self._arrived > 0 and growth > SATURATED_GROWTH * self._arrived
-        if behind:
-            drained = (self._arrived - growth) / self._elapsed
-            self._drains.setdefault(workers, deque(maxlen=SUSTAINED_KEPT)).append(drained)
-        self._restart(workers, backlog)
-        return behind
-
-    def _restart(self, workers: int, backlog: float) -> None:
-        self._workers, self._start_backlog, self._arrived, self._elapsed = workers, backlog, 0.0, 0.0
-
-    def cap(self, w: int) -> float | None:
-        drains = self._drains.get(w)
-        return max(drains) if drains else None
 
 
 class KalePlanner:
@@ -306,9 +248,7 @@ class KalePlanner:
     * the measured ``(workers, samples/s)`` pairs, on which Kale's sync model (Eq. 6) is fitted
       by NNLS once ``min_distinct_workers`` different counts have been measured; before that,
       and wherever the fit is poor, throughput is taken as proportional to the workers at
-      the measured per-worker rate nearest in w (the only thing one can know); at a count
-      the job was seen falling behind at, never more than it drained then
-      (``SustainedRate``).
+      the measured per-worker rate nearest in w (the only thing one can know).
 
     At each planning point (every ``plan_interval_s``), as section 3.4 describes:
 
@@ -417,7 +357,6 @@ class KalePlanner:
         self.min_distinct_workers = min_distinct_workers
         self.planned_lag_s = planned_lag_s
         self.fallback = fallback if fallback is not None else ThresholdFallback()
-        self.sustained = SustainedRate(plan_interval_s)
         self._fixed_model = model
         self._model: LinearisedModel | None = model
         self._bins: list[float] = []  # mean arrival rate (samples/s) per planning bin
@@ -518,11 +457,7 @@ class KalePlanner:
         """The planner's belief of F(w) in samples/s (0 before any measurement)."""
         believed = self._believed.get(w)
         if believed is None:
-            believed = self._believe(w)
-            sustained = self.sustained.cap(w)
-            if sustained is not None:
-                believed = min(believed, sustained)
-            self._believed[w] = believed
+            believed = self._believed[w] = self._believe(w)
         return believed
 
     def _believe(self, w: int) -> float:
@@ -603,8 +538,6 @@ class KalePlanner:
         scaling = not obs.ready
         self._add_arrivals(stream.arrivals, stream.interval_s)
         self._add_measured(stream.measured)
-        if self.sustained.observe(obs.current_workers, scaling, stream.arrivals, stream.interval_s, stream.backlog):
-            self._believed.pop(obs.current_workers, None)
         self._maybe_refit_forecaster()
         recent = stream.arrivals[-5:] if stream.arrivals else []
         rate = (sum(recent) / (len(recent) * stream.interval_s)) if recent else (self._bins[-1] if self._bins else 0.0)
