@@ -207,3 +207,16 @@ def test_the_master_builds_kale_with_the_runtimes_action_cost():
     assert (built.lead_s, built.pause_s, built.tau_s) == (384.0, 48.0, 6 * 384.0)
     default = planners.get("kale", PlannerContext())
     assert (default.lead_s, default.pause_s) == (600.0, 600.0)
+
+
+def test_a_decision_says_what_the_planner_believed():
+    """The decision record (``tidal status``, the timeline) carries the believed F of the current
+    and the planned count, and the model with its parameters: without them a live run cannot
+    tell a wrong forecast from a wrong belief."""
+    truth = models.KaleSyncModel([0.00035, 2.5726, 0.9824, 0.0016])
+    f = lambda w: truth.predict(models.ThroughputConfig(w, batch_size=16384))  # noqa: E731
+    rate = f(12) * 1.3
+    plan = _flat_planner(rate, truth).plan(_snap(60.0, [rate * 60.0], 12, [(12, f(12))], backlog=rate * 60.0, lag_s=60.0))
+    assert plan.workers > 12
+    assert f"believed F(12)={f(12):.0f}, F({plan.workers})={f(plan.workers):.0f}" in plan.reason, plan.reason
+    assert plan.model == "kale-sync" and plan.params == pytest.approx(truth.params)

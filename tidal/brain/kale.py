@@ -566,12 +566,14 @@ class KalePlanner:
             # would pass planned_lag_s and keep growing within the lead window
             growing = self.projected_lag(current, fc[:window], stream.backlog) > max(self.planned_lag_s, stream.lag_s)
             if growing:
-                self._planned = max(max(moved[:window]), current)
+                planned = max(max(moved[:window]), current)
             elif max(moved[:hold]) < current:  # fewer workers suffice, after the pause and for tau
-                self._planned = max(moved[:hold])
+                planned = max(moved[:hold])
             else:
-                self._planned = current
-            reason = f"plan: forecast {max(fc[:window]):.0f} samples/s"
+                planned = current
+            self._planned = planned
+            believed = ", ".join(f"F({w})={self.throughput(w):.0f}" for w in sorted({current, planned}))
+            reason = f"plan: forecast {max(fc[:window]):.0f} samples/s, believed {believed}"
         target = self._planned if self._planned is not None else self._target
         drain = self.fallback.drain_rate(rate, stream.backlog, stream.lag_s, stream.utilization, self.pause_s)
         if self.fallback.active:
@@ -588,4 +590,7 @@ class KalePlanner:
         if self._target != current:
             self._last_change_s = obs.now_s
             self._action_since = obs.now_s
-        return ResourcePlan(workers=self._target, reason=reason)
+        model = self._model
+        return ResourcePlan(workers=self._target, reason=reason,
+                            model="" if model is None else model.name,
+                            params={} if model is None else {k: round(v, 9) for k, v in model.params.items()})
