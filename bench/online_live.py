@@ -3,6 +3,7 @@ WorldCup98 day, and ``tidal.sim.online`` on the same compressed day (Kale sectio
 
     .venv/bin/python bench/online_live.py [--minutes 15] [--day 35] [--policies kale,hpa] [--json] [--keep DIR]
     .venv/bin/python bench/online_live.py --from-live DIR/live.json    # the simulator side again, in seconds
+    .venv/bin/python bench/online_live.py --from-live DIR/live.json --by-hour  # ... and where live and sim part
 
 EMULATED ACCELERATOR TIME. The job is examples/ctr/train.py with ``--device-ms-per-step`` (300 ms
 a step of 128 records by default): each worker sleeps as if a GPU ran the step, so throughput
@@ -123,6 +124,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the master assigned them, and 8 partitions make 5-7 workers no faster than 4")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    p.add_argument("--by-hour", action="store_true",
+                   help="also compare live and simulated per trace hour: arrivals, the workers the fitted model "
+                        "needs, workers, lag p50 / max, the live busy share (JSON: by_hour)")
     p.add_argument("--keep", type=Path, default=None,
                    help="keep the runs' files here, the live figures in DIR/live.json among them")
     p.add_argument("--from-live", type=Path, default=None,
@@ -303,6 +307,7 @@ class LiveRun:
             "decision_s": [d["at_s"] / self.scale for d in decisions],
             "pauses": [(p["at_s"], p["seconds"]) for p in pauses],
             "history_bins": (after.get("planner") or {}).get("history_bins", 0),
+            "hourly": live_hours(points, t0, self.scale),
         }
 
 
@@ -369,6 +374,57 @@ def live_migration(runs: dict[str, dict[str, Any]], scale: float) -> sim.Migrati
     if not pauses:
         return sim.MIGRATIONS["seamless"]
     return sim.Migration("live", prep_s=float(np.median(preps)), pause_s=float(np.median(pauses)))
+
+
+# ---------------------------------------------------------------------------- by trace hour
+def live_hours(points: list[dict[str, Any]], t0: float, scale: float) -> list[dict[str, float | None]]:
+    """Per trace hour of a live run's timeline: the workers (allocated, as worker-min counts
+    them), the lag's median and largest (trace seconds) and the median busy share."""
+    out = []
+    for hour in range(24):
+        inside = [p for p in points if hour * 3600 <= (p["t_s"] - t0) * scale < (hour + 1) * 3600]
+        lags = [p["lag_s"] for p in inside if p["lag_s"] is not None]
+        busy = [p["busy"] for p in inside if p.get("busy") is not None]
+        out.append({"workers": float(np.mean([max(p["workers"], p["target"]) for p in inside])) if inside else None,
+                    "lag_p50_s": float(np.median(lags)) if lags else None,
+                    "lag_max_s": float(np.max(lags)) if lags else None,
+                    "busy": float(np.median(busy)) if busy else None})
+    return out
+
+
+def by_hour(arrivals: np.ndarray, cfg: sim.SimConfig, live: dict[str, Any],
+            results: dict[str, sim.PolicyResult]) -> dict[str, list[dict[str, Any]]]:
+    """Live beside simulated per trace hour, per policy: where the two part (``--by-hour``)."""
+    capacity = [sim.true_throughput(cfg, w) * 60.0 for w in range(cfg.peak_workers + 1)]
+    out: dict[str, list[dict[str, Any]]] = {}
+    for name, r in results.items():
+        hourly = live[name].get("hourly") or [{}] * 24  # a live.json from before the hours were kept
+        rows = []
+        for hour in range(24):
+            minutes = slice(hour * 60, (hour + 1) * 60)
+            need = [next((w for w in range(1, len(capacity)) if capacity[w] >= a), len(capacity))
+                    for a in arrivals[minutes]]
+            rows.append({"hour": hour, "arrivals_per_s": float(arrivals[minutes].mean() / 60.0),
+                         "need_workers": float(np.mean(need)),
+                         "live": hourly[hour],
+                         "sim": {"workers": float(r.workers[minutes].mean()),
+                                 "lag_p50_s": float(np.median(r.lag_s[minutes])),
+                                 "lag_max_s": float(r.lag_s[minutes].max())}})
+        out[name] = rows
+    return out
+
+
+def hour_table(name: str, rows: list[dict[str, Any]]) -> str:
+    def num(v: float | None, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
+    head = [["hour", "arrivals/s", "need", "live w", "lag p50", "max", "busy", "sim w", "lag p50", "max"]]
+    body = [[str(r["hour"]), f"{r['arrivals_per_s']:.1f}", f"{r['need_workers']:.1f}",
+             num(r["live"].get("workers"), ".1f"), num(r["live"].get("lag_p50_s"), ".0f"),
+             num(r["live"].get("lag_max_s"), ".0f"), num(r["live"].get("busy"), ".2f"),
+             f"{r['sim']['workers']:.1f}", f"{r['sim']['lag_p50_s']:.0f}", f"{r['sim']['lag_max_s']:.0f}"]
+            for r in rows]
+    return f"{name} by trace hour (arrivals in trace records/s; lags in trace seconds):\n" + table(head + body)
 
 
 # ---------------------------------------------------------------------------- report
@@ -501,6 +557,8 @@ def main(argv: list[str] | None = None) -> int:
         "errors": errors,
     }
     result["targets"] = targets(result["live"], simulated, bound)
+    if args.by_hour:
+        result["by_hour"] = by_hour(arrivals, cfg, live, results)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -512,6 +570,8 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(f"{w}: {r}" for w, r in result["model"]["measured_records_per_s"].items())
               + "; fitted: " + ", ".join(f"{w}: {r:.0f}" for w, r in result["model"]["predicted_records_per_s"].items()))
         print(report(result))
+        for name, rows in result.get("by_hour", {}).items():
+            print("\n" + hour_table(name, rows))
     return 1 if errors else 0
 
 
