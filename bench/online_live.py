@@ -396,16 +396,16 @@ def by_hour(arrivals: np.ndarray, cfg: sim.SimConfig, live: dict[str, Any],
             results: dict[str, sim.PolicyResult]) -> dict[str, list[dict[str, Any]]]:
     """Live beside simulated per trace hour, per policy: where the two part (``--by-hour``)."""
     capacity = [sim.true_throughput(cfg, w) * 60.0 for w in range(cfg.peak_workers + 1)]
+    # the fewest workers whose fitted capacity takes each minute's arrivals (the same for every policy)
+    need = np.array([next((w for w in range(1, len(capacity)) if capacity[w] >= a), len(capacity)) for a in arrivals])
     out: dict[str, list[dict[str, Any]]] = {}
     for name, r in results.items():
         hourly = live[name].get("hourly") or [{}] * 24  # a live.json from before the hours were kept
         rows = []
         for hour in range(24):
             minutes = slice(hour * 60, (hour + 1) * 60)
-            need = [next((w for w in range(1, len(capacity)) if capacity[w] >= a), len(capacity))
-                    for a in arrivals[minutes]]
             rows.append({"hour": hour, "arrivals_per_s": float(arrivals[minutes].mean() / 60.0),
-                         "need_workers": float(np.mean(need)),
+                         "need_workers": float(need[minutes].mean()),
                          "live": hourly[hour],
                          "sim": {"workers": float(r.workers[minutes].mean()),
                                  "lag_p50_s": float(np.median(r.lag_s[minutes])),
