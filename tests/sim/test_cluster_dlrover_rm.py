@@ -136,3 +136,36 @@ def test_users_fit_the_quota_keeping_their_configurations_shape() -> None:
         # the worker share of the pods moves by no more than the last pod taken off either side
         share, asked_share = got.workers / (got.workers + got.ps), asked[0] / sum(asked)
         assert abs(share - asked_share) <= 1 / (got.workers + got.ps) + 0.05, (j.jid, asked, got)
+
+
+def test_dlrover_rm_migrates_seamlessly() -> None:
+    """DLRover-RM 5.2: new pods start while the old configuration trains, holding resources
+    beside it; then the job pauses for the flash checkpoint and re-partition only. A baseline
+    stops, and its new worker shape starts before it trains again."""
+    for policy in ("dlrover-rm", "es"):
+        jobs, nodes = scen.make_jobs(TRACE, 30, 3)
+        sim = scen.Sim(policy, jobs, nodes * scen.NODE_CORES, nodes * scen.NODE_MEM_GB, 3)
+        j = jobs[0]
+        sim.t = j.submit
+        j.want = PSConfig(2, 1, 4, 4, 4.0, 8.0)
+        assert sim.start(j)
+        sim.running.append(j)
+        sim.t = j.paused_until
+        sim.refresh()
+        old, held = j.cfg, sim.used_cpu
+        new = PSConfig(4, 2, 2, 4, 4.0, 4.0)  # every worker reshaped, PSes changed
+        sim.apply(j, new)
+        sim.refresh()
+        if policy == "dlrover-rm":
+            assert j.migration is not None and j.cfg == old and j.last_thp > 0  # still training
+            assert sim.used_cpu == held + new.cpus()  # both configurations held
+            assert not sim.observe(j).ready
+            sim.advance(scen.START_S)
+            sim.t += scen.START_S
+            sim.check(j)
+            sim.refresh()
+            assert j.migration is None and j.cfg == new and sim.used_cpu == new.cpus()
+            assert j.paused_until == pytest.approx(sim.t + scen.PS_PAUSE_S["dlrover-rm"]) and j.last_thp == 0
+        else:
+            assert j.migration is None and j.cfg == new and j.last_thp == 0
+            assert j.paused_until == pytest.approx(sim.t + scen.START_S + scen.PS_PAUSE_DEFAULT_S)

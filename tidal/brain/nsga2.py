@@ -144,16 +144,19 @@ def _unique_new(children: np.ndarray, known: np.ndarray) -> np.ndarray:
 
 def nsga2(evaluate: Evaluate, xl: np.ndarray, xu: np.ndarray, pop_size: int = 32, generations: int = 15,
           seed: int = 0, eta_c: float = 3.0, eta_m: float = 3.0, p_crossover: float = 0.9,
-          p_mutation: float = 0.9) -> np.ndarray:
+          p_mutation: float = 0.9, initial: np.ndarray | None = None) -> np.ndarray:
     """The feasible non-dominated integer vectors NSGA-II finds (rows; none: shape (0, n_var)).
 
     ``generations`` counts the first population as the first generation. A search space with
-    fewer than ``pop_size`` points is searched with what it has.
+    fewer than ``pop_size`` points is searched with what it has. ``initial``: rows the first
+    population starts with (within the bounds; at most ``pop_size``), the rest drawn at random.
     """
     xl, xu = np.asarray(xl, dtype=float), np.asarray(xu, dtype=float)
     n_var = len(xl)
     rng = np.random.default_rng(seed)
     x = np.empty((0, n_var))
+    if initial is not None and len(initial):
+        x = _unique_new(np.clip(np.round(np.asarray(initial, dtype=float).reshape(-1, n_var)), xl, xu), x)[:pop_size]
     for _ in range(10):  # distinct starting points
         more = rng.integers(xl.astype(int), xu.astype(int) + 1, size=(pop_size, n_var)).astype(float)
         x = np.concatenate([x, _unique_new(more, x)])[:pop_size]

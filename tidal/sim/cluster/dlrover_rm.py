@@ -48,9 +48,13 @@ Where the numbers come from:
   its share), a lost pod is replaced, a lost PS restores from the last checkpoint (every 10 min;
   DLRover-RM: flash checkpoint, nothing lost), an OOM restarts the PS with twice the memory.
 * Overheads: a new pod trains after 120 s (DLRover 6.3: 20 s launch + 100 s init); a PS change
-  pauses the job 240 s (checkpoint to remote storage and re-partition) or 60 s for DLRover-RM
-  (seamless migration + flash checkpoint, DLRover-RM 5.2 and Fig. 12). Decisions every 180 s
-  (DLRover-RM 6.2, DLRover 6.3), every 30 min once a job's planner keeps its plan.
+  pauses the job 240 s (checkpoint to remote storage and re-partition), a change of the
+  workers' shape 120 s more (every worker pod is new). DLRover-RM migrates seamlessly
+  (DLRover-RM 5.2, Fig. 6): the new pods (new PSes, workers of a new shape) start while the old
+  configuration trains, holding their resources beside it, and the job then pauses 60 s (flash
+  checkpoint and re-partition, Fig. 12); where the cluster cannot hold both, it stops, starts
+  the new pods and pauses (180 s). Decisions every 180 s (DLRover-RM 6.2, DLRover 6.3), every
+  30 min once a job's planner keeps its plan.
 * Cluster: 32-core, 192 GB servers (DLRover-RM 6, small cluster), pooled (pods assumed to fit);
   as many servers as make the users' requested core-seconds over the window 80% of the
   cluster's (a busy shared cluster; at least 20 servers, the paper's small cluster; ``load``
@@ -106,6 +110,7 @@ POD_FAIL_PER_S = 1.0 / (500 * 3600.0)
 STRAGGLER_P, STRAGGLER_CPU = 0.07, 0.25
 PS_PAUSE_S = {"dlrover-rm": 60.0}
 PS_PAUSE_DEFAULT_S = 240.0
+SEAMLESS = {"dlrover-rm"}  # policies that start new pods while the old configuration trains
 MIN_DURATION_S = 600.0
 TIMELINE_POINTS = 2000
 
@@ -177,6 +182,30 @@ def ideal(k: Kind, quota: int) -> tuple[float, PSConfig]:
     return _IDEAL[key]
 
 
+@dataclass(frozen=True)
+class Migration:
+    """A seamless migration under way (DLRover-RM 5.2): the new pods start until ``ready``
+    while the job trains on its old configuration; ``cpus`` and ``mem_gb`` are what they hold
+    beside it."""
+
+    ready: float
+    new: PSConfig
+    cpus: float
+    mem_gb: float
+
+
+def new_pods(old: PSConfig, new: PSConfig) -> tuple[float, float]:
+    """(cores, GB) of the pods ``new`` has that ``old`` has not: every PS when the PS side
+    changes, every worker when their shape changes, else the added workers."""
+    cpus = mem = 0.0
+    if not new.same_ps(old):
+        cpus += new.cpus() - new.workers * new.worker_cpu
+        mem += new.ps * new.ps_mem_gb
+    same_shape = (new.worker_cpu, new.worker_mem_gb) == (old.worker_cpu, old.worker_mem_gb)
+    added = max(0, new.workers - old.workers) if same_shape else new.workers
+    return cpus + added * new.worker_cpu, mem + added * new.worker_mem_gb
+
+
 @dataclass
 class Job:
     jid: str
@@ -216,6 +245,7 @@ class Job:
     last_thp: float = 0.0
     inputs: tuple[object, ...] = ()  # what last_thp and cores_used were computed from (``Sim.refresh``)
     decisions: list[tuple[float, PSConfig, PSConfig]] = field(default_factory=list)  # (time, old, new) applied
+    migration: Migration | None = None  # a seamless migration whose new pods are starting
 
     def diagnostics(self) -> dict[str, object]:
         """One line of ``tidal sim cluster --jobs-out``: where this job's time and cores went."""
@@ -299,12 +329,14 @@ class Sim:
     # -- resources -------------------------------------------------------------------------------
 
     def alloc(self, old: PSConfig | None, new: PSConfig) -> bool:
-        d_cpu = new.cpus() - (old.cpus() if old else 0)
-        d_mem = new.memory_gb() - (old.memory_gb() if old else 0.0)
-        if self.used_cpu + d_cpu > self.cores + 1e-9 or self.used_mem + d_mem > self.mem + 1e-9:
+        return self.reserve(new.cpus() - (old.cpus() if old else 0), new.memory_gb() - (old.memory_gb() if old else 0.0))
+
+    def reserve(self, cpus: float, mem_gb: float) -> bool:
+        """Take (or, negative, give back) resources if the cluster has them."""
+        if self.used_cpu + cpus > self.cores + 1e-9 or self.used_mem + mem_gb > self.mem + 1e-9:
             return False
-        self.used_cpu += d_cpu
-        self.used_mem += d_mem
+        self.used_cpu += cpus
+        self.used_mem += mem_gb
         return True
 
     def release(self, c: PSConfig) -> None:
@@ -371,7 +403,7 @@ class Sim:
         return JobObservation(
             job_id=j.jid, min_workers=1, max_workers=j.quota,  # a worker has >= 1 core: the quota bounds them
             current_workers=max(self.active_workers(j), 0), target_workers=c.workers, now_s=self.t - j.submit,
-            ready=not j.pending and self.t >= j.paused_until, samples_per_s=max(thp, 0.0),
+            ready=not j.pending and j.migration is None and self.t >= j.paused_until, samples_per_s=max(thp, 0.0),
             steps_done=j.steps, total_steps=j.total_steps,
             ps=PSObservation(
                 ps=c.ps, worker_cpu=c.worker_cpu, ps_cpu=c.ps_cpu, worker_mem_gb=c.worker_mem_gb,
@@ -383,6 +415,9 @@ class Sim:
         old = j.cfg
         if new == old:
             return
+        reshape = not new.same_ps(old) or new.worker_cpu != old.worker_cpu
+        if reshape and self.policy in SEAMLESS and self.migrate(j, new):
+            return
         fitted = self.fit_to_free(new, old) if new.workers > old.workers or new.cpus() > old.cpus() else new
         if fitted is None or (not fitted.same_ps(old) and fitted.ps != new.ps):
             return
@@ -392,12 +427,14 @@ class Sim:
         j.actions += 1
         j.stable = 0
         j.decisions.append((self.t, old, new))
-        if not new.same_ps(old) or new.worker_cpu != old.worker_cpu:
-            # PSes (or every worker's shape) change: pause; new pods start meanwhile
-            j.paused_until = max(j.paused_until, self.t + (START_S if new.worker_cpu != old.worker_cpu else 0.0)
-                                 + self.cost.ps_pause_s)
+        if reshape:
+            # stop and restart: the new pods start (all of them for a seamless policy that had
+            # no room to start them beside the old; the workers if their shape changes), then
+            # the PSes re-partition
+            starts = self.policy in SEAMLESS or new.worker_cpu != old.worker_cpu
+            j.paused_until = max(j.paused_until, self.t + (START_S if starts else 0.0) + self.cost.ps_pause_s)
             j.pending = []
-            if self.policy == "dlrover-rm" and new.ps != old.ps:
+            if self.policy in SEAMLESS and new.ps != old.ps:
                 j.hot_fixed = True  # DeepRec re-partition spreads the embeddings evenly (DLRover-RM 4.3)
         elif new.workers > old.workers:
             j.pending.append((self.t + START_S, new.workers - old.workers))
@@ -410,6 +447,40 @@ class Sim:
                 if n > take:
                     j.pending.append((ready, n - take))
         j.cfg = new
+
+    def migrate(self, j: Job, new: PSConfig) -> bool:
+        """Begin a seamless migration to ``new`` (fewer workers if the cluster cannot hold all of
+        its new pods beside the old configuration); False when not even one worker fits."""
+        old = j.cfg
+        while True:
+            cpus, mem = new_pods(old, new)
+            if self.reserve(cpus, mem):
+                break
+            if new.workers <= 1:
+                return False
+            new = replace(new, workers=new.workers - 1)
+        j.actions += 1
+        j.stable = 0
+        j.decisions.append((self.t, old, new))
+        j.migration = Migration(self.t + START_S, new, cpus, mem)
+        j.next_decision = max(j.next_decision, j.migration.ready + self.cost.ps_pause_s)
+        return True
+
+    def complete_migration(self, j: Job) -> None:
+        """The new pods are up: pause to checkpoint and re-partition, then train on ``new``
+        (the old pods it replaces are given back)."""
+        m = j.migration
+        assert m is not None
+        j.migration = None
+        self.reserve(-m.cpus, -m.mem_gb)
+        old = j.cfg
+        if not self.alloc(old, m.new):  # never: the new pods were held beside the old
+            raise AssertionError(f"{j.jid}: migration to {m.new} does not fit where it was held")
+        j.cfg = m.new
+        j.paused_until = max(j.paused_until, self.t + self.cost.ps_pause_s)
+        j.pending = []
+        if m.new.ps != old.ps:
+            j.hot_fixed = True  # DeepRec re-partition spreads the embeddings evenly (DLRover-RM 4.3)
 
     # -- events ----------------------------------------------------------------------------------
 
@@ -434,6 +505,9 @@ class Sim:
     def finish(self, j: Job, state: str) -> None:
         j.state, j.end = state, self.t
         self.release(j.cfg)
+        if j.migration is not None:
+            self.reserve(-j.migration.cpus, -j.migration.mem_gb)
+            j.migration = None
         if state == "done" and self.history is not None and isinstance(j.planner, DLRoverRMPlanner):
             c = j.cfg
             self.history.add(JobRecord(j.jid, self.t, j.kind.features(), {
@@ -466,7 +540,7 @@ class Sim:
             j.steps += j.last_thp * dt
             j.exposure += (j.cfg.workers + j.cfg.ps) * POD_FAIL_PER_S * dt
             j.core_s_used += j.cores_used * dt
-            j.core_s_allocated += j.cfg.cpus() * dt
+            j.core_s_allocated += (j.cfg.cpus() + (j.migration.cpus if j.migration else 0.0)) * dt
         self.util_area += self.cur_used * dt
 
     def refresh(self) -> None:
@@ -493,6 +567,8 @@ class Sim:
             t = min(t, min(r for r, _ in j.pending))
         if self.t < j.paused_until:
             t = min(t, j.paused_until)
+        if j.migration is not None:
+            t = min(t, j.migration.ready)
         thp = j.last_thp
         if thp > 0:
             t = min(t, self.t + max(j.total_steps - j.steps, 0.0) / thp)
@@ -514,6 +590,8 @@ class Sim:
     def check(self, j: Job) -> None:
         """Apply the internal events due now."""
         j.pending = [(r, n) for r, n in j.pending if r > self.t + 1e-6]
+        if j.migration is not None and self.t >= j.migration.ready - 1e-6:
+            self.complete_migration(j)
         if self.t - j.ckpt_t >= CKPT_S:
             j.ckpt_t, j.ckpt_steps = self.t, j.steps
         if j.steps >= j.total_steps * (1 - 1e-9):
@@ -534,7 +612,14 @@ class Sim:
             self.lose_pod(j, u < j.cfg.ps / (j.cfg.ps + j.cfg.workers))
 
     def decide(self) -> None:
-        due = [j for j in self.running if self.t >= j.next_decision - 1e-6]
+        due = []
+        for j in self.running:
+            if self.t < j.next_decision - 1e-6:
+                continue
+            if j.migration is not None:  # decide again once the job trains on the new configuration
+                j.next_decision = j.migration.ready + self.cost.ps_pause_s
+                continue
+            due.append(j)
         if not due:
             return
         cands: list[Candidate] = []
