@@ -60,7 +60,11 @@ measured live. With ``--keep DIR`` each policy's timeline is kept in ``DIR/POLIC
 "scaling_actions"}}, "sim": {POLICY: {...}}, "lower_bound_worker_min": x, ...}``. Targets (marked
 PASS or MISS; a bench reports, it does not assert): live kale's accumulated lag at most 0.35x live
 hpa's, its SLO violation at most 3%, its worker-minutes at most 1.5x the lower bound; simulated
-worker-minutes within 15% of live and simulated lag within 30%, per policy.
+worker-minutes within 15% of live and simulated lag within 30%, per policy. Beside them, per
+policy and count, the workers' measured capacity against what they trained while the lag grew
+(records waiting, so that rate is what they sustain) and their busy share then
+(``behind_points``): a busy share under 1 there means the capacity the planner and the
+simulator are given is above what the workers sustain.
 
 Every process a run starts ends with it: ``tidal run`` and ``tidal produce`` run in sessions of
 their own and are stopped by process group, the job's workers are found by their
@@ -103,6 +107,7 @@ OVERHEAD_S = 0.03  # real CPU of a step beside the emulated device time (forward
 MIN_BUSY = 0.5  # a timeline point measures the capacity (rate / busy share) when the workers were this busy ...
 MIN_POINTS = 3  # timeline points (seconds) a count needs to enter the fit
 SETTLED_S = 3.0  # ... and the count has held this long since the last pause (wall seconds)
+BEHIND_S, BEHIND_LAG_S = 10, 20.0  # a point is "falling behind" when the lag grows this much (trace s) over the next 10 points
 SLO_S = sim.SLO_LAG_S
 TARGETS = {"lag_vs_hpa": 0.35, "slo_violation": 0.03, "worker_min_vs_bound": 1.5, "sim_worker_min": 0.15,
            "sim_lag": 0.30}
@@ -308,7 +313,42 @@ class LiveRun:
             "pauses": [(p["at_s"], p["seconds"]) for p in pauses],
             "history_bins": (after.get("planner") or {}).get("history_bins", 0),
             "hourly": live_hours(points, t0, self.scale),
+            "behind_points": behind_points(points),
         }
+
+
+def behind_points(points: list[dict[str, Any]]) -> list[tuple[int, float, float]]:
+    """(workers, records/s, busy share) where the lag grew by ``BEHIND_LAG_S`` trace seconds over
+    the next ``BEHIND_S`` points at one steady count: the workers had records waiting, so their
+    rate is what they sustain. Beside the capacity (rate over busy share) it shows whether the
+    busy share reads a worker that has records waiting as fully busy."""
+    out = []
+    for p, q in zip(points, points[BEHIND_S:], strict=False):
+        if p["workers"] == p["target"] == q["workers"] and p.get("busy") is not None and p["lag_s"] is not None \
+                and q["lag_s"] is not None and q["lag_s"] > p["lag_s"] + BEHIND_LAG_S and p["samples_per_s"] > 0:
+            out.append((p["workers"], p["samples_per_s"], p["busy"]))
+    return out
+
+
+def behind_table(live: dict[str, dict[str, Any]]) -> str:
+    """Per policy and count: the capacity (median rate / busy share over the fit's points) and,
+    where the lag grew, the median busy share and rate / capacity."""
+    rows = [["policy", "workers", "capacity records/s", "falling behind: points", "busy p50", "rate / capacity"]]
+    for name, r in live.items():
+        caps: dict[int, list[float]] = {}
+        for w, c in r["busy_points"]:
+            caps.setdefault(int(w), []).append(c)
+        behind: dict[int, list[tuple[float, float]]] = {}
+        for w, rate, busy in r.get("behind_points", []):
+            behind.setdefault(int(w), []).append((rate, busy))
+        for w in sorted(set(caps) | set(behind)):
+            cap = float(np.median(caps[w])) if w in caps else None
+            got = behind.get(w, [])
+            rate = float(np.median([x for x, _ in got])) if got else None
+            rows.append([name, str(w), f"{cap:.0f}" if cap else "-", str(len(got)),
+                         f"{np.median([b for _, b in got]):.3f}" if got else "-",
+                         f"{rate / cap:.3f}" if cap and rate else "-"])
+    return "\n".join("| " + " | ".join(r) + " |" for r in [rows[0], ["---"] * len(rows[0]), *rows[1:]])
 
 
 def kill_workers(job_id: str) -> None:
@@ -570,6 +610,7 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(f"{w}: {r}" for w, r in result["model"]["measured_records_per_s"].items())
               + "; fitted: " + ", ".join(f"{w}: {r:.0f}" for w, r in result["model"]["predicted_records_per_s"].items()))
         print(report(result))
+        print("\nworkers with records waiting (the lag growing), against their measured capacity:\n" + behind_table(live))
         for name, rows in result.get("by_hour", {}).items():
             print("\n" + hour_table(name, rows))
     return 1 if errors else 0
