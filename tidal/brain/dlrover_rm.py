@@ -68,6 +68,7 @@ __all__ = [
     "WeightedGreedy",
     "config_from_mapping",
     "nsga_candidates",
+    "quota_grid",
     "resource_cost",
     "throughput_gain",
     "warm_start",
@@ -284,19 +285,25 @@ def predict_many(params: Mapping[str, float], w: np.ndarray, p: np.ndarray, wc: 
     return np.asarray(w / np.maximum(t, _EPS), dtype=float)
 
 
-def fastest_within_quota(params: Mapping[str, float], cpu_quota: int, max_workers: int = 64,
-                         max_ps: int = 16) -> np.ndarray | None:
-    """The model's fastest ``(w, p, lambda_w, lambda_p)`` within ``cpu_quota`` cores (None: no
-    configuration fits), exactly: Eq. 1-6 grow with the PS cores, so for every ``(w, p,
-    lambda_w)`` the fastest takes all the cores left for the PSes, and those are few enough
-    (64 x 16 x 32) to try them all."""
+def quota_grid(cpu_quota: int, max_workers: int = 64, max_ps: int = 16) -> tuple[np.ndarray, ...]:
+    """Every ``(w, p, lambda_w)`` whose PSes can have a core, with ``lambda_p`` the cores left for
+    each PS (at most ``C_MAX``): the candidates for the fastest configuration within the quota,
+    since Eq. 1-6 grow with the PS cores. Four float arrays (empty when nothing fits)."""
     grid = np.meshgrid(np.arange(1, max_workers + 1), np.arange(1, max_ps + 1), np.arange(1, C_MAX + 1), indexing="ij")
     w, p, wc = (g.ravel().astype(float) for g in grid)
     pc = np.minimum(C_MAX, np.floor((cpu_quota - w * wc) / p))
     ok = pc >= 1
-    if not ok.any():
+    return w[ok], p[ok], wc[ok], pc[ok]
+
+
+def fastest_within_quota(params: Mapping[str, float], cpu_quota: int, max_workers: int = 64,
+                         max_ps: int = 16) -> np.ndarray | None:
+    """The model's fastest ``(w, p, lambda_w, lambda_p)`` within ``cpu_quota`` cores (None: no
+    configuration fits), exactly: ``quota_grid`` is few enough points (64 x 16 x 32) to try
+    them all."""
+    w, p, wc, pc = quota_grid(cpu_quota, max_workers, max_ps)
+    if not len(w):
         return None
-    w, p, wc, pc = w[ok], p[ok], wc[ok], pc[ok]
     i = int(np.argmax(predict_many(params, w, p, wc, pc)))
     return np.array([w[i], p[i], wc[i], pc[i]])
 

@@ -219,10 +219,11 @@ class ShuffleUnit:
             taken: list[Batch] = []
             total = 0
             kept: deque[Batch] = deque()
-            for batch in self._queue:
+            while self._queue and total < max_records:
+                batch = self._queue.popleft()
                 room = max_records - total
                 run = next((t for t in taken if t.partition == batch.partition and t.last == batch.after), None)
-                if room <= 0 or batch.round != round_ or (run is None and len(taken) >= runs):
+                if batch.round != round_ or (run is None and len(taken) >= runs):
                     kept.append(batch)
                     continue
                 # a batch that does not fit is split: the step is filled, and the rest, (its last
@@ -238,6 +239,7 @@ class ShuffleUnit:
                 total += len(part)
                 if rest:
                     kept.append(Batch(batch.round, batch.partition, pack_id(part[-1].id), rest, batch.forwarded))
+            kept.extend(self._queue)  # the step is full: the rest stays as it is
             self._queue = kept
             self.queued -= total
             self._note_state()

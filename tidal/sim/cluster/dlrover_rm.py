@@ -89,6 +89,7 @@ from tidal.brain.dlrover_rm import (
     FreeCapacity,
     WeightedGreedy,
     fit_to_quota,
+    quota_grid,
 )
 from tidal.brain.es import ESPlanner
 from tidal.brain.history import JobRecord
@@ -169,11 +170,7 @@ def ideal(k: Kind, quota: int) -> tuple[float, PSConfig]:
     """Best throughput (steps/s) within the quota and its configuration (balanced PSes)."""
     key = (k.coef, k.w_cap, k.worker_mem, k.ps_mem0, quota)
     if key not in _IDEAL:
-        grid = np.meshgrid(np.arange(1, 65), np.arange(1, 17), np.arange(1, C_MAX + 1), indexing="ij")
-        w, p, wc = (g.ravel().astype(float) for g in grid)
-        pc = np.minimum(C_MAX, np.floor((quota - w * wc) / p))
-        ok = pc >= 1
-        w, p, wc, pc = w[ok], p[ok], wc[ok], pc[ok]
+        w, p, wc, pc = quota_grid(quota)
         a_g, a_u, a_s, a_e, beta = k.coef
         t = a_g / np.minimum(wc, k.w_cap) + a_u * w / (p * pc) + a_s * w / p + a_e / p + beta
         thp = w / (t * UNIT_S)
