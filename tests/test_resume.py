@@ -52,13 +52,35 @@ def test_every_worker_killed_resumes_from_the_flash_checkpoint(tmp_path: Path) -
     # lost), each to the same or an earlier checkpoint
     backs = rollbacks(job)
     back = backs[-1]
-    assert backs == sorted(backs, reverse=True) and back >= 19 and (back + 1) % 10 == 0  # a checkpoint
+    assert backs == sorted(backs, reverse=True) and back >= 19 and (back + 1) % 10 == 0, (  # a checkpoint
+        backs, job.output()[-3000:])
     audit = job.audit(samples, epochs)
     assert audit.ok, audit.summary()  # every sample once in the model's lineage
     job_id = job.info()["job_id"]
     assert not list(Path("/dev/shm").glob(f"tidal-{job_id}-*")), "shared memory left behind"
     kept = [c.step for c in list_checkpoints(tmp_path / "ckpt")]
     assert 2 <= len(kept) <= 3, kept  # --checkpoint-keep 2, and the final checkpoint
+
+
+def test_keep_never_deletes_the_checkpoint_the_master_would_resume_from(tmp_path: Path) -> None:
+    """A checkpoint every 2 steps at 50 steps/s, keep 1: the master learns of checkpoints after
+    they are taken, so the one it would resume from is older than the newest (it was pruned, and
+    the resume fell back to step -1, before the persister kept it)."""
+    samples, epochs = 120_000, 1
+    job = Job(tmp_path, "2:2", example_args(samples, epochs, 256, 0.01),
+              run_args=["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2",
+                        "--checkpoint-keep", "1"]).start()
+    try:
+        job.wait_status(lambda s: s["checkpoint_step"] >= 29, 120, "flash checkpoints")
+        job.kill_workers()
+        assert job.wait(240) == 0, job.output()[-3000:]
+    finally:
+        job.kill_all()
+    backs = rollbacks(job)
+    assert len(backs) == 1 and backs[0] >= 1 and (backs[0] + 1) % 2 == 0, (backs, job.output()[-3000:])
+    assert "could not be loaded" not in job.output()
+    audit = job.audit(samples, epochs)
+    assert audit.ok, audit.summary()
 
 
 def _determinism_job(tmp: Path, name: str, every: str | None) -> Job:

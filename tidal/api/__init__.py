@@ -326,6 +326,9 @@ class ReportResponse(_Wire):
     stream_committed: dict[int, int] = Field(default_factory=dict)
     data_workers: list[str] = Field(default_factory=list)  # the job's data workers' addresses, now
     threads: int = 0  # the torch threads a trainer should use (the data-worker tuner's; 0: as it is)
+    # the flash checkpoint the master would resume from were every worker lost now (-1: none yet);
+    # a persister's --checkpoint-keep never deletes it nor a newer one
+    resume_step: int = -1
 
 
 class LeaseRequest(_Wire):

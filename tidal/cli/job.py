@@ -264,8 +264,8 @@ def run(
     checkpoint_keep: int | None = typer.Option(
         None, "--checkpoint-keep", metavar="N",
         help="Keep the N newest flash checkpoints on disk, deleting older ones as new ones are written "
-             "(default: keep every one; needs --checkpoint-every). A resume needs one whose steps the master "
-             "has committed: keep 2 or more."),
+             "(default: keep every one; needs --checkpoint-every). The one the master would resume from is "
+             "never deleted, even when it is older than the N newest (it learns of checkpoints late)."),
     determinism: str | None = typer.Option(
         None, "--determinism", help="D0, D1 (default with --logical-workers) or D2 (also across CPU types)."),
     comm_backend: str | None = typer.Option(

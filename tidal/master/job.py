@@ -735,7 +735,7 @@ class JobMaster:
         return ReportResponse(round=self.round, reform=self.reforming, finalized_step=self.finalized_step,
                               incarnation=self.incarnation, stop=self.stream_stop is not None, stream_committed=trim,
                               data_workers=self.data.serving,
-                              threads=self.trainer_threads)
+                              threads=self.trainer_threads, resume_step=self._resume_candidate())
 
     @journaled
     def data_report(self, req: DataWorkerReport) -> None:
@@ -765,6 +765,15 @@ class JobMaster:
         if problem and problem != self.checkpoint_problem:
             self.log.add("error", f"checkpoint: {problem}; training goes on, the last good checkpoint is kept")
         self.checkpoint_problem = problem or None
+
+    def _resume_candidate(self) -> int:
+        """The step of the checkpoint a resume would load now (-1: none): the workers' persisters
+        keep it on disk whatever ``--checkpoint-keep`` says, since the master learns of
+        checkpoints later than they are taken (and pruned)."""
+        if not self.takes_checkpoints:
+            return -1
+        chosen = self.checkpoints.choose(self.finalized_step)
+        return -1 if chosen is None else chosen.step
 
     def _find_checkpoints(self) -> None:
         """A restarted master also knows the checkpoints on disk (the step, and the lineage in

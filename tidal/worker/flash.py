@@ -226,9 +226,11 @@ class FlashCheckpoint:
     """Snapshots of a state tree in shared memory, persisted to ``directory`` asynchronously."""
 
     def __init__(self, directory: str | Path, *, name: str, slots: int = 2, shm_dir: str | Path = "/dev/shm",
-                 max_shm_bytes: int | None = None, persist: bool = True, keep: int = 0) -> None:
+                 max_shm_bytes: int | None = None, persist: bool = True, keep: int = 0,
+                 keep_from: int | None = None) -> None:
         """``keep``: the persister deletes the checkpoints of ``directory`` past the ``keep`` newest
-        (by step) after each it writes; 0 keeps every one."""
+        (by step) after each it writes; 0 keeps every one. ``keep_from``: nor one of this step or
+        newer (each ``save`` may move it; None: no such bound)."""
         if not _NAME.fullmatch(name):
             raise ValueError(f"name {name!r}: use 1 to 100 of A-Z a-z 0-9 _ . -")
         if slots < 1:
@@ -236,6 +238,7 @@ class FlashCheckpoint:
         if keep < 0:
             raise ValueError("keep must be 0 (every checkpoint) or more")
         self.keep = keep
+        self.keep_from = keep_from
         self.directory = Path(directory).resolve()
         self.name = name
         self.shm_dir = Path(shm_dir)
@@ -267,7 +270,7 @@ class FlashCheckpoint:
             self._proc = subprocess.Popen(
                 [sys.executable, "-P", str(script), "--directory", str(self.directory), "--name", self.name,
                  "--shm-dir", str(self.shm_dir), "--slots", str(len(self._slots)), "--parent", str(os.getpid()),
-                 "--keep", str(self.keep)],
+                 "--keep", str(self.keep)] + ([] if self.keep_from is None else ["--keep-from", str(self.keep_from)]),
                 stdin=stdin_r, stdout=stdout_w, start_new_session=True, close_fds=True)
         except BaseException:
             for fd in (stdin_w, stdout_r):
@@ -339,8 +342,12 @@ class FlashCheckpoint:
 
     # -- save
     def save(self, step: int, tree: Any, contexts: list[dict[str, Any]],
-             meta: dict[str, Any] | None = None) -> SaveResult:
+             meta: dict[str, Any] | None = None, keep_from: int | None = None) -> SaveResult:
         """Snapshot ``tree`` (tensors and JSON values), the contexts and ``meta`` as ``step``.
+
+        ``keep_from``: with ``keep``, the persister deletes no checkpoint of this step or a newer
+        one (the master's resume candidate: it learns of checkpoints after they are taken, so the
+        ``keep`` newest may all be newer than the one it would load); None: no such bound.
 
         Blocks for the copy into shared memory (or, on the fallback, the disk write); never for
         the persister. Raises TypeError for a tree that cannot be checkpointed, ValueError for a
@@ -398,7 +405,7 @@ class FlashCheckpoint:
             self._set_status(dropped, ("dropped", f"step {dropped} was replaced by step {step} before it was "
                                                   "persisted"))
         self._set_status(step, ("pending", None) if self.persist else ("in memory", None))
-        self._notify({"slot": slot.index, "seq": seq, "step": step})
+        self._notify({"slot": slot.index, "seq": seq, "step": step, "keep_from": keep_from})
         note = f"replaced step {dropped}, not yet persisted" if dropped is not None else ""
         return SaveResult(step, time.perf_counter() - start, layout.nbytes, "shm", dropped, note)
 
@@ -624,12 +631,14 @@ class PeriodicCheckpoint:
             return (step + 1) % int(value) == 0
         return self.clock() - self._last_at >= value
 
-    def save(self, step: int, tree: Any, contexts: list[dict[str, Any]], meta: dict[str, Any]) -> SaveResult | None:
+    def save(self, step: int, tree: Any, contexts: list[dict[str, Any]], meta: dict[str, Any],
+             keep_from: int | None = None) -> SaveResult | None:
+        """``keep_from``: as ``FlashCheckpoint.save``'s."""
         self._last_at = self.clock()
         try:
             if self.flash is None:
-                self.flash = FlashCheckpoint(self.directory, name=self.name, keep=self.keep)
-            result = self.flash.save(step, tree, contexts, meta)
+                self.flash = FlashCheckpoint(self.directory, name=self.name, keep=self.keep, keep_from=keep_from)
+            result = self.flash.save(step, tree, contexts, meta, keep_from=keep_from)
         except (FlashError, OSError, ValueError) as exc:
             self._note(f"checkpoint of step {step} not taken: {exc}")
             return None
@@ -645,11 +654,16 @@ class PeriodicCheckpoint:
             log.warning("%s", problem)
         self.problem = problem
 
-    def close(self, timeout: float = 60.0) -> None:
-        """Let the persister write what is pending (it would anyway: it outlives this process)."""
+    def close(self, timeout: float = 60.0, final: Path | None = None) -> None:
+        """Let the persister write what is pending (it would anyway: it outlives this process).
+
+        ``final``: the job's final checkpoint, written: the one a resume would now load, so
+        ``keep`` applies without the master's bound (``FlashCheckpoint.save``'s ``keep_from``)."""
         if self.flash is not None:
             self.flash.close(timeout)
             self.flash = None
+        if final is not None and self.keep:
+            slotfmt.prune(Path(self.directory), self.keep, final, _dir_step(final))
 
 
 def remove_shm(name: str, shm_dir: str | Path = "/dev/shm") -> list[Path]:

@@ -31,6 +31,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -279,10 +280,11 @@ class Job:
         if self._reporter is not None:
             self._reporter.flush()
             self._check_gone()  # a failed worker's state is not the job's: no checkpoint of it
+        final = None
         if self.checkpoint_dir and self.rank == 0 and self._state is not None and self._state.applied_step >= 0:
-            self.checkpoint()
+            final = Path(self.checkpoint())
         if self.periodic_checkpoint is not None:
-            self.periodic_checkpoint.close()
+            self.periodic_checkpoint.close(final=final)
         if self.client is not None and self._reporter is not None:
             held = self._reporter.held_records()[-MAX_RECORDS_PER_REQUEST:]
             req = FinishRequest(worker_id=self.worker_id, metrics={k: float(v) for k, v in metrics.items()},
@@ -346,7 +348,8 @@ class Job:
                 return
             periodic.save(applied.step, tree, self.est_contexts(),
                           {"job_id": self.job_id, "step": applied.step, "round": self.round,
-                           "world_size": self.world_size, "worker_id": self.worker_id, "lineage": self.lineage})
+                           "world_size": self.world_size, "worker_id": self.worker_id, "lineage": self.lineage},
+                          keep_from=self._reporter.resume_step if self._reporter is not None else None)
             if self._reporter is not None:
                 self._reporter.checkpoint_step, self._reporter.checkpoint_problem = periodic.step, periodic.problem
 

@@ -238,12 +238,14 @@ def _fsync_dir(path: Path) -> None:
 
 # ------------------------------------------------------------------ the process
 class Persister:
-    def __init__(self, directory: Path, name: str, shm_dir: Path, slots: int, keep: int = 0) -> None:
+    def __init__(self, directory: Path, name: str, shm_dir: Path, slots: int, keep: int = 0,
+                 keep_from: int | None = None) -> None:
         self.directory = directory
         self.name = name
         self.shm_dir = shm_dir
         self.slots = slots
         self.keep = keep  # checkpoints kept on disk, the newest by step (0: all)
+        self.keep_from = keep_from  # and none of this step or newer (the saver's hints move it)
         self.delay = float(os.environ.get("TIDAL_PERSIST_DELAY_S", "0") or 0)
         self._out_ok = True
 
@@ -328,7 +330,7 @@ class Persister:
             os.close(fd)  # releases the lock
         self.emit(**outcome)
         if written is not None and self.keep:
-            pruned = prune(self.directory, self.keep, written)
+            pruned = prune(self.directory, self.keep, written, self.keep_from)
             if pruned:
                 self.emit(event="pruned", steps=pruned)
         return True
@@ -338,12 +340,14 @@ class Persister:
             self.emit(event="kept", slot=index, step=step, path=str(path))
 
 
-def prune(directory: Path, keep: int, written: Path) -> list[int]:
+def prune(directory: Path, keep: int, written: Path, keep_from: int | None = None) -> list[int]:
     """Delete the checkpoints of ``directory`` past the ``keep`` newest (by step), never the one
-    just ``written``; the steps deleted. Another saver's persister may prune the same directory:
-    a directory already gone is no error."""
+    just ``written`` nor one of step ``keep_from`` or newer (the master's resume candidate, which
+    may be older than the ``keep`` newest); the steps deleted. Another saver's persister may
+    prune the same directory: a directory already gone is no error."""
     steps = sorted((int(p.name[5:]), p) for p in directory.glob("step-*") if p.name[5:].isdigit())
-    doomed = [(step, path) for step, path in steps[:-keep] if path != written]
+    doomed = [(step, path) for step, path in steps[:-keep]
+              if path != written and (keep_from is None or step < keep_from)]
     for _, path in doomed:
         # renamed first, so that a reader never sees a half-deleted checkpoint under its step's name
         trash = directory / f".old-{path.name}-{os.getpid()}"
@@ -388,9 +392,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shm-dir", required=True)
     parser.add_argument("--slots", type=int, required=True)
     parser.add_argument("--keep", type=int, default=0, help="checkpoints kept on disk, the newest (0: all)")
+    parser.add_argument("--keep-from", type=int, default=None,
+                        help="nor delete a checkpoint of this step or newer (the saver's hints move it)")
     parser.add_argument("--parent", type=int, required=True, help="the saver's pid")
     args = parser.parse_args(argv)
-    persister = Persister(Path(args.directory), args.name, Path(args.shm_dir), args.slots, args.keep)
+    persister = Persister(Path(args.directory), args.name, Path(args.shm_dir), args.slots, args.keep,
+                          args.keep_from)
 
     inbox: queue.Queue[dict[str, Any] | None] = queue.Queue()
 
@@ -427,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
                 done = True
             elif message.get("op") == "close":
                 closing = done = True
+            elif isinstance(message.get("keep_from"), int):
+                persister.keep_from = message["keep_from"]
             try:
                 message = inbox.get_nowait()
             except queue.Empty:

@@ -151,6 +151,7 @@ class Reporter:
         # the newest flash checkpoint and the persister's newest problem (set by the job)
         self.checkpoint_step = -1
         self.checkpoint_problem = ""
+        self.resume_step = -1  # the checkpoint the master would resume from (the persister keeps it)
         # a stream job: set by its loader; ``stream_stop``: the master ended the job (drained or stopped)
         self.stream_backlog = -1
         self.stream_lag: dict[int, int] = {}
@@ -328,6 +329,7 @@ class Reporter:
             self.stream_stop = self.stream_stop or resp.stop
             self.data_workers = resp.data_workers
             self.threads_wanted = resp.threads
+            self.resume_step = resp.resume_step
             if resp.stream_committed:
                 self.stream_committed = dict(resp.stream_committed)
             if resp.round == self._round and resp.reform and self._comm is not None:
