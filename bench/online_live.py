@@ -40,7 +40,10 @@ workers keep three of them busy and two half idle;
 the cost of an action measured live too (``Migration``: the median time from a decision to the
 pause it caused, and the pause); the pipeline's floor under the lag (``latency_s``: the 10th
 percentile of the live lag, both runs pooled: a worker reads a batch ahead and trains it a step
-later); and how records reach the workers. The jobs run with Kale's global shuffling
+later); the window over which a worker measures its busy share (its last wall second, 96 trace
+seconds at 96x: ``SimConfig.busy_window_s``; read over the interval alone, the catch-up after
+every pause read as saturation, and the simulated HPA scaled out again after each scale-in, 171
+actions to live's 19); and how records reach the workers. The jobs run with Kale's global shuffling
 (``--shuffle``, default ``128:384``): a worker over its upper threshold forwards what it reads to
 those under the lower one, so the workers train as one pool, and the simulator pools them too
 (``SimConfig.shuffle_upper``); but a worker whose partitions bring more than it trains (two of 8
@@ -100,6 +103,7 @@ from tidal.brain.models import KaleSyncModel, LinearisedModel
 from tidal.cli.sim import read_csv
 from tidal.data.streams import open_source
 from tidal.sim import online as sim
+from tidal.worker.stream_loader import BACKLOG_EVERY_S as BUSY_WINDOW_S  # a worker's busy share's window
 
 TRACE = ROOT.parent / "shared" / "traces" / "worldcup98-requests-per-minute.csv"
 EXAMPLE = ROOT / "examples" / "ctr" / "train.py"
@@ -569,7 +573,8 @@ def main(argv: list[str] | None = None) -> int:
         latency = live_latency(live)
         cfg = sim.SimConfig(peak_workers=args.max_workers, migration="live", seed=args.seed, batch_size=1.0,
                             interval_s=60.0, true_model=model, latency_s=latency,
-                            partitions=args.max_workers, shuffle_upper=shuffle_upper(args.shuffle))
+                            partitions=args.max_workers, shuffle_upper=shuffle_upper(args.shuffle),
+                            busy_window_s=BUSY_WINDOW_S * scale)
         results = sim.simulate(arrivals, [n for n in policies if n in live], cfg, history=past if len(past) else None)
         bound_h = sim.oracle_worker_hours(arrivals, cfg)
     finally:

@@ -173,6 +173,35 @@ def test_a_pause_reads_as_idle_in_the_utilization() -> None:
     assert [ready for ready, _ in planner.seen[1 + 9 : 1 + 15]] == [True, False, False, False, False, True]
 
 
+def test_the_busy_share_is_read_over_the_live_window() -> None:
+    """``busy_window_s``: a live worker's busy share is over its last second, 96 trace seconds at
+    96x; the reading after a pause then mixes the catch-up with the minute before (a minute
+    paused throughout reports nothing and is skipped), as HPA sees it live."""
+    readings = {}
+    for window in (None, 96.0):
+        seen: list[float] = []
+
+        class Once:
+            name = "once"
+
+            def plan(self, obs: JobObservation, seen: list[float] = seen) -> ResourcePlan:
+                assert obs.stream is not None
+                seen.append(obs.stream.utilization)
+                return ResourcePlan(workers=5 if obs.now_s >= 600 else 4)
+
+        cfg = sim.SimConfig(peak_workers=8, noise=0.0, migration="seamless", busy_window_s=window)
+        sim.simulate(np.full(30, 0.5 * sim.true_throughput(cfg, 4) * 60.0), {"once": Once}, cfg)
+        readings[window] = seen[1:]
+    own, windowed = readings[None], readings[96.0]
+    assert windowed[5] == pytest.approx(0.5, rel=1e-6)  # steady: the same either way
+    assert own[13] == pytest.approx(58 / 60)
+    # minute 13's 60 s, and 36 s of minute 10 (11 and 12 were paused throughout)
+    assert windowed[13] == pytest.approx((58 / 60 * 60 + 0.5 * 36) / 96)
+    assert windowed[14] == pytest.approx((own[14] * 60 + own[13] * 36) / 96)
+    with pytest.raises(ConfigError, match="busy_window_s"):
+        sim.simulate(np.ones(3), {"once": Once}, sim.SimConfig(busy_window_s=0.0))
+
+
 def test_a_pipeline_latency_is_a_floor_under_the_lag() -> None:
     """With ample workers the lag is the latency: a sample waits for the read ahead and the
     step, then is trained; nothing is lost."""

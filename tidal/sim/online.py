@@ -40,6 +40,14 @@ pool keeps up: the lag is then at least ``latency_s`` plus that wait. Live, at 9
 compression, a queue of 384 records on a worker training 400 records/s holds a record back a
 second, 96 trace seconds.
 
+Busy window (``SimConfig.busy_window_s``). A live worker measures its busy share over the last
+second of wall time (``tidal.worker.stream_loader``): at 96x time compression 96 trace seconds,
+longer than an interval. The reading just after a scaling action then mixes the pause (idle)
+with the catch-up after it (busy), where an interval's own share reads the catch-up alone (a
+full 1.0, which HPA's utilization rule answers with a scale-out). With ``busy_window_s`` W the
+utilization handed to planners is the busy share over the last W seconds in which the workers
+reported (an interval paused throughout reports nothing), the oldest interval in part.
+
 Latency (``SimConfig.latency_s``): by default a sample can be trained in the interval it
 arrives in. A live worker reads a batch ahead and trains it a step later, so a sample waits at
 least a step or two even when the workers keep up; with ``latency_s`` L, only what arrived L
@@ -139,6 +147,8 @@ class SimConfig:
     partitions: int | None = None  # None: one pool every worker takes from (see the module docstring)
     latency_s: float = 0.0  # a sample can be trained this long after it arrives at the earliest (the pipeline)
     shuffle_upper: float | None = None  # with partitions: global shuffling, a local queue of this many samples
+    # the busy share a planner reads is the mean over this much time (None: the interval's own)
+    busy_window_s: float | None = None
 
 
 @dataclass
@@ -276,6 +286,21 @@ def oracle_worker_hours(arrivals: np.ndarray, cfg: SimConfig, *, violations: flo
     return float(res.fun)
 
 
+def _busy_reading(shares: list[float], dt: float, window_s: float | None) -> float:
+    """The busy share over the last ``window_s`` seconds of ``shares`` (one per interval of
+    ``dt``, newest last; the oldest one counted in part), or the newest interval's."""
+    if window_s is None or window_s <= dt:
+        return shares[-1]
+    left, total = window_s, 0.0
+    for share in reversed(shares):
+        take = min(dt, left)
+        total += share * take
+        left -= take
+        if left <= 0:
+            break
+    return total / (window_s - left)
+
+
 @dataclass
 class _Job:
     """One policy's simulated job."""
@@ -307,6 +332,8 @@ def simulate(
         raise ConfigError(f"partitions must be at least 1, got {cfg.partitions}")
     if cfg.shuffle_upper is not None and (cfg.partitions is None or cfg.shuffle_upper < 0):
         raise ConfigError("shuffle_upper needs partitions and must not be negative")
+    if cfg.busy_window_s is not None and not cfg.busy_window_s > 0:
+        raise ConfigError(f"busy_window_s must be positive, got {cfg.busy_window_s:g}")
     if not 0 <= cfg.latency_s < cfg.interval_s * max(1, len(arrivals)):
         raise ConfigError(f"latency_s must be at least 0 and shorter than the run, got {cfg.latency_s:g}")
     mig = MIGRATIONS[cfg.migration]
@@ -353,6 +380,7 @@ def simulate(
         workers_log = np.zeros(n)
         lag_log = np.zeros(n)
         last_util = 0.0
+        busy_shares: list[float] = []  # of the intervals the workers reported in, oldest first
         for k in range(n):
             t0, t1 = k * dt, (k + 1) * dt
             # -- carry out a scaling action in progress
@@ -387,7 +415,8 @@ def simulate(
                 # the busy share of the interval: the part of it spent in a pause is idle, as a live
                 # worker counts it; an interval paused throughout reports nothing (a live worker in
                 # a pause sends no report), so the reading before the action stands
-                last_util = done / (rate * dt)
+                busy_shares.append(done / (rate * dt))
+                last_util = _busy_reading(busy_shares, dt, cfg.busy_window_s)
             workers_log[k] = allocated
             lag_log[k] = lag
             measured = [(float(w_train), rate)] if train_s >= dt and w_train > 0 else []
