@@ -59,6 +59,14 @@ from the runtime's prior (``tidal.master.planning.ACTION_LEAD_S`` / ``ACTION_PAU
 time scale) and is then measured on its own actions; the simulated kale is given the cost
 measured live. With ``--keep DIR`` each policy's timeline is kept in ``DIR/POLICY/timeline.json``.
 
+Beside them, the edge of the lag-vs-worker-minutes trade-off on the same simulated day
+(``foresight_schedules``): count schedules that know the arrivals in advance and pay every
+action: with any count, with only counts that divide the partitions (no worker's partitions
+then bring more than it trains, so no record waits behind a full shuffle queue), and the cheapest
+mix of the two found whose lag is within the target (0.35x live hpa's). Found by a search, not a
+proof; where that mix needs more than 1.5x the lower bound, kale's two targets cannot both be
+met on this setup.
+
 ``--json`` prints ``{"live": {POLICY: {"slo_violation_rate", "accumulated_lag_min", "worker_min",
 "scaling_actions"}}, "sim": {POLICY: {...}}, "lower_bound_worker_min": x, ...}``. Targets (marked
 PASS or MISS; a bench reports, it does not assert): live kale's accumulated lag at most 0.35x live
@@ -97,7 +105,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import ROOT, TIDAL, bench_env, cleanup_on_sigterm, load_average, start, stop, table
 from examples.ctr.stream import ClickRecords
 from tests.redis_server import RedisServer
-from tidal.api import ConfigError
+from tidal.api import ConfigError, JobObservation, ResourcePlan
 from tidal.brain.api import FitError, ThroughputConfig, ThroughputSample
 from tidal.brain.models import KaleSyncModel, LinearisedModel
 from tidal.cli.sim import read_csv
@@ -480,6 +488,67 @@ def verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
 
 
+class ForesightSchedule:
+    """A planner that knows the arrivals (the simulator's): each interval, the fewest of
+    ``counts`` workers whose throughput covers the most that arrives over the next ``lead``
+    intervals (an action's preparation and pause, paid in advance). Not a policy anyone could
+    run: the edge of what a count policy can reach on this trace, for the lag-vs-worker-minutes
+    trade-off the targets ask about (``foresight_schedules``)."""
+
+    name = "foresight"
+
+    def __init__(self, arrivals: np.ndarray, cfg: sim.SimConfig, counts: list[int], lead: int = 5) -> None:
+        capacity = {w: sim.true_throughput(cfg, w) * cfg.interval_s for w in counts}
+        self.interval_s = cfg.interval_s
+        self.want = [min([w for w in counts if capacity[w] >= max(arrivals[k:k + lead + 1])] or [max(counts)])
+                     for k in range(len(arrivals))]
+
+    @classmethod
+    def mixed(cls, fewer: ForesightSchedule, more: ForesightSchedule, n: int) -> ForesightSchedule:
+        """``more``'s counts, but ``fewer``'s in the ``n`` intervals where they save the most workers."""
+        out = cls.__new__(cls)
+        out.interval_s = more.interval_s
+        saving = np.array(more.want) - np.array(fewer.want)
+        take = set(np.argsort(-saving, kind="stable")[:n].tolist())
+        out.want = [fewer.want[k] if k in take else more.want[k] for k in range(len(more.want))]
+        return out
+
+    def plan(self, obs: JobObservation) -> ResourcePlan:
+        k = min(len(self.want) - 1, int(obs.now_s // self.interval_s))
+        return ResourcePlan(workers=self.want[k])
+
+
+def foresight_schedules(arrivals: np.ndarray, cfg: sim.SimConfig, lag_budget: float | None) -> dict[str, dict[str, float]]:
+    """Accumulated lag and worker-minutes of ``ForesightSchedule``s: any count of 1 to the
+    partitions; only counts that divide the partitions (each worker then reads as many of them:
+    no worker's partitions bring more than it trains, so nothing waits behind a full shuffle
+    queue); and, with ``lag_budget`` (lag-minutes), the cheapest mix of the two found whose lag
+    stays within it (the second's counts, the first's in the intervals where they save the most
+    workers, as many intervals as the budget allows: a bisection, the lag growing with them)."""
+    parts = cfg.partitions or cfg.peak_workers
+    fewer = ForesightSchedule(arrivals, cfg, list(range(1, parts + 1)))
+    more = ForesightSchedule(arrivals, cfg, [w for w in range(1, parts + 1) if parts % w == 0])
+
+    def run(schedule: ForesightSchedule) -> dict[str, float]:
+        r = sim.simulate(arrivals, {"foresight": lambda: schedule}, cfg)["foresight"]
+        return {"accumulated_lag_min": r.accumulated_lag_min, "worker_min": r.worker_hours * 60.0,
+                "scaling_actions": r.scaling_actions}
+
+    out = {"any count": run(fewer), "counts dividing the partitions": run(more)}
+    if lag_budget is not None and out["counts dividing the partitions"]["accumulated_lag_min"] <= lag_budget:
+        lo, hi = 0, len(arrivals)  # lo: within the budget
+        best = out["counts dividing the partitions"]
+        while hi - lo > max(1, len(arrivals) // 256):
+            mid = (lo + hi) // 2
+            got = run(ForesightSchedule.mixed(fewer, more, mid))
+            if got["accumulated_lag_min"] <= lag_budget:
+                lo, best = mid, got
+            else:
+                hi = mid
+        out[f"the cheapest mix within {lag_budget:.0f} lag-min"] = best
+    return out
+
+
 def report(result: dict[str, Any]) -> str:
     live, simulated = result["live"], result["sim"]
     bound = result["lower_bound_worker_min"] or math.inf
@@ -577,6 +646,8 @@ def main(argv: list[str] | None = None) -> int:
                             busy_window_s=BUSY_WINDOW_S * scale)
         results = sim.simulate(arrivals, [n for n in policies if n in live], cfg, history=past if len(past) else None)
         bound_h = sim.oracle_worker_hours(arrivals, cfg)
+        hpa_lag = live["hpa"]["accumulated_lag_min"] if "hpa" in live else None
+        foresight = foresight_schedules(arrivals, cfg, None if hpa_lag is None else TARGETS["lag_vs_hpa"] * hpa_lag)
     finally:
         if args.keep is None:
             shutil.rmtree(work, ignore_errors=True)
@@ -595,6 +666,7 @@ def main(argv: list[str] | None = None) -> int:
                                               for w in range(1, args.max_workers + 1)}},
         "migration": {"prep_s": migration.prep_s, "pause_s": migration.pause_s},
         "latency_s": latency,
+        "foresight_schedules": foresight,
         "setup": {"day": args.day, "minutes": args.minutes, "time_scale": scale, "peak_records_per_s": peak_rate,
                   "initial_workers": initial, "max_workers": args.max_workers, "global_shuffle": args.shuffle,
                   "history_bins": {n: r["history_bins"] for n, r in live.items()},
@@ -615,6 +687,12 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(f"{w}: {r}" for w, r in result["model"]["measured_records_per_s"].items())
               + "; fitted: " + ", ".join(f"{w}: {r:.0f}" for w, r in result["model"]["predicted_records_per_s"].items()))
         print(report(result))
+        print("\nthe edge of the trade-off (simulated, the arrivals known in advance, actions paid):")
+        print(table([["counts", "acc. lag min", "x live hpa's", "worker-min", "x bound"]]
+                    + [[name, f"{f['accumulated_lag_min']:.1f}",
+                        f"{f['accumulated_lag_min'] / hpa_lag:.2f}x" if hpa_lag else "-", f"{f['worker_min']:.1f}",
+                        f"{f['worker_min'] / bound:.2f}x" if math.isfinite(bound) and bound > 0 else "-"]
+                       for name, f in foresight.items()]))
         print("\nworkers with records waiting (the lag growing), against their measured capacity:\n" + behind_table(live))
         for name, rows in result.get("by_hour", {}).items():
             print("\n" + hour_table(name, rows))
