@@ -14,6 +14,7 @@ from tidal.brain.dlrover_rm import (
     config_from_mapping,
     nsga_candidates,
     predict_many,
+    split_step_time,
     throughput_gain,
     warm_start,
     weighted_greedy,
@@ -146,6 +147,32 @@ def test_planner_warm_start_refit_and_oom():
     # 4 GB + 1 MB/step -> 14 GB at the end > 10 GB: more memory before the OOM
     plan = pl.plan(o2)
     assert plan.ps_mem_gb == pytest.approx(17.0) and "OOM predicted" in plan.reason
+
+
+def test_one_measurement_with_the_ps_busy_share_learns_where_the_step_goes() -> None:
+    """Fewer samples than coefficients: the prior rescaled keeps the paper's shape whatever the
+    job; with the PSes' busy share the PS terms (Eq. 3-5) and the worker terms (Eq. 2, beta)
+    are scaled apart, so a job whose PSes are the bottleneck is seen to gain from more PSes."""
+    c = PSConfig(8, 2, 2, 4, 4.0, 8.0)
+    truth = dict(PAPER_PARAMS, alpha_upd=4 * PAPER_PARAMS["alpha_upd"], alpha_emb=4 * PAPER_PARAMS["alpha_emb"])
+
+    def thp(params: dict[str, float], conf: PSConfig) -> float:
+        return float(predict_many(params, np.array([conf.workers]), np.array([conf.ps]), np.array([conf.worker_cpu]),
+                                  np.array([conf.ps_cpu]))[0])
+
+    t = c.workers / thp(truth, c)
+    ps_time = truth["alpha_upd"] * 8 / (2 * 4) + truth["alpha_sync"] * 8 / 2 + truth["alpha_emb"] / 2
+    busy = ps_time / t
+    learnt = split_step_time(PAPER_PARAMS, c, thp(truth, c), busy)
+    rescaled = split_step_time(PAPER_PARAMS, c, thp(truth, c), None)
+    assert thp(learnt, c) == pytest.approx(thp(truth, c)) and thp(rescaled, c) == pytest.approx(thp(truth, c))
+    more_ps = PSConfig(8, 6, 2, 4, 4.0, 8.0)
+    gain_truth = thp(truth, more_ps) / thp(truth, c)
+    # the measured split predicts most of the true gain of three times the PSes; the prior's
+    # shape predicts much less of it
+    assert abs(thp(learnt, more_ps) / thp(learnt, c) - gain_truth) < 0.5 * abs(
+        thp(rescaled, more_ps) / thp(rescaled, c) - gain_truth)
+    assert split_step_time(PAPER_PARAMS, c, 5.0, 1.0) == split_step_time(PAPER_PARAMS, c, 5.0, None)  # no split
 
 
 def test_a_change_of_the_ps_count_is_not_read_as_memory_growth():

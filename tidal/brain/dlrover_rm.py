@@ -12,7 +12,9 @@ Stage 2, auto-scaling, every decision interval:
   resource-performance model (Eq. 1-6, ``tidal.brain.models.DLRoverRMModel``, RMSLE under
   non-negativity). With fewer distinct samples than its five coefficients the model is the most
   similar past job's (or the paper's published coefficients, section 6.2) rescaled to match
-  the throughput measured now;
+  the throughput measured now, its PS terms and its worker terms apart to match the share of
+  the step the PSes were busy (``split_step_time``; a job whose similar jobs were never fitted
+  either otherwise kept the paper's shape, whatever its own);
 * job-level candidates: NSGA-II (``tidal.brain.nsga2``) over ``A = (w, p, lambda_w, lambda_p)`` minimising
   Eq. 9, ``(RC(A), 1 / TG(A))``, with
 
@@ -277,6 +279,43 @@ class WeightedGreedy:
         return list(weighted_greedy(jobs, current, free_cpus, free_mem_gb, self.rho).values())
 
 
+#: Eq. 3-5's terms: the time a step spends on the PSes (the rest, Eq. 2 and the betas, on the workers)
+PS_TERMS = ("alpha_upd", "alpha_sync", "alpha_emb")
+
+
+def split_step_time(prior: Mapping[str, float], c: PSConfig, thp: float, ps_busy: float | None) -> dict[str, float]:
+    """Coefficients from one measured configuration, for a job with fewer distinct samples than
+    the model has coefficients (Eq. 1-6 cannot be fitted).
+
+    The step time ``T = w / thp`` is the sum of Eq. 2-5's terms at ``c``. Without more, every
+    prior coefficient is scaled by one factor so that the model predicts ``thp`` at ``c``: the
+    prior's shape, which is the paper's (section 6.2) for a job whose similar jobs were never
+    fitted either, whatever the job. With ``ps_busy``, the share of the step the PSes were busy
+    (their CPU used over their cores: DLRover-RM's profiler reports both), the PS terms (Eq. 3-5)
+    are scaled to ``ps_busy * T`` and the worker terms (Eq. 2 and beta) to the rest, each group
+    keeping the prior's proportions within it: one measurement then tells whether more PSes or
+    more worker cores pay, which the prior's shape alone got wrong for jobs far from it.
+    """
+    x = dict(zip(("alpha_grad", "alpha_upd", "alpha_sync", "alpha_emb", "beta"),
+                 (1.0 / c.worker_cpu, c.workers / (c.ps * c.ps_cpu), c.workers / c.ps, 1.0 / c.ps, 1.0), strict=True))
+    step = c.workers / thp
+    parts = {key: prior[key] * x[key] for key in prior}
+    total = sum(parts.values())
+    ps_part = sum(parts[key] for key in PS_TERMS)
+    if ps_busy is None or not 0.0 < ps_busy < 1.0 or ps_part <= 0 or ps_part >= total:
+        return {key: v * step / total for key, v in prior.items()}
+    ps_scale, worker_scale = ps_busy * step / ps_part, (1.0 - ps_busy) * step / (total - ps_part)
+    return {key: v * (ps_scale if key in PS_TERMS else worker_scale) for key, v in prior.items()}
+
+
+def _ps_busy(obs: JobObservation, c: PSConfig) -> float | None:
+    """The PSes' mean busy share (CPU used over cores), or None when not reported."""
+    used = obs.ps.ps_cpu_used if obs.ps is not None else []
+    if not used or c.ps_cpu <= 0 or max(used) <= 0:
+        return None
+    return min(1.0, float(np.mean(used)) / c.ps_cpu)
+
+
 def predict_many(params: Mapping[str, float], w: np.ndarray, p: np.ndarray, wc: np.ndarray,
                  pc: np.ndarray) -> np.ndarray:
     """DLRover-RM Eq. 1-6 vectorised: ``w m / (a_g m/l_w + a_u w/(p l_p) + a_s w/p + a_e m/p + beta)``, m = 1."""
@@ -430,10 +469,7 @@ class DLRoverRMPlanner:
             except FitError:
                 pass
         if obs.ready and obs.samples_per_s > 0:
-            pred = float(predict_many(self.prior, np.array([c.workers]), np.array([c.ps]), np.array([c.worker_cpu]),
-                                      np.array([c.ps_cpu]))[0])
-            scale = pred / obs.samples_per_s  # thp = w / (x . theta): scaling theta by s divides thp by s
-            self.params = {key: v * scale for key, v in self.prior.items()}
+            self.params = split_step_time(self.prior, c, obs.samples_per_s, _ps_busy(obs, c))
 
     def predict(self, c: PSConfig) -> float:
         return float(predict_many(self.params, np.array([c.workers]), np.array([c.ps]), np.array([c.worker_cpu]),
