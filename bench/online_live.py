@@ -497,21 +497,21 @@ class ForesightSchedule:
 
     name = "foresight"
 
-    def __init__(self, arrivals: np.ndarray, cfg: sim.SimConfig, counts: list[int], lead: int = 5) -> None:
+    def __init__(self, want: list[int], interval_s: float) -> None:
+        self.want, self.interval_s = want, interval_s
+
+    @classmethod
+    def of_counts(cls, arrivals: np.ndarray, cfg: sim.SimConfig, counts: list[int], lead: int = 5) -> ForesightSchedule:
         capacity = {w: sim.true_throughput(cfg, w) * cfg.interval_s for w in counts}
-        self.interval_s = cfg.interval_s
-        self.want = [min([w for w in counts if capacity[w] >= max(arrivals[k:k + lead + 1])] or [max(counts)])
-                     for k in range(len(arrivals))]
+        return cls([min([w for w in counts if capacity[w] >= max(arrivals[k:k + lead + 1])] or [max(counts)])
+                    for k in range(len(arrivals))], cfg.interval_s)
 
     @classmethod
     def mixed(cls, fewer: ForesightSchedule, more: ForesightSchedule, n: int) -> ForesightSchedule:
         """``more``'s counts, but ``fewer``'s in the ``n`` intervals where they save the most workers."""
-        out = cls.__new__(cls)
-        out.interval_s = more.interval_s
         saving = np.array(more.want) - np.array(fewer.want)
         take = set(np.argsort(-saving, kind="stable")[:n].tolist())
-        out.want = [fewer.want[k] if k in take else more.want[k] for k in range(len(more.want))]
-        return out
+        return cls([fewer.want[k] if k in take else more.want[k] for k in range(len(more.want))], more.interval_s)
 
     def plan(self, obs: JobObservation) -> ResourcePlan:
         k = min(len(self.want) - 1, int(obs.now_s // self.interval_s))
@@ -527,8 +527,8 @@ def foresight_schedules(arrivals: np.ndarray, cfg: sim.SimConfig,
     stays within it (the second's counts, the first's in the intervals where they save the most
     workers, as many intervals as the budget allows: a bisection, the lag growing with them)."""
     parts = cfg.partitions or cfg.peak_workers
-    fewer = ForesightSchedule(arrivals, cfg, list(range(1, parts + 1)))
-    more = ForesightSchedule(arrivals, cfg, [w for w in range(1, parts + 1) if parts % w == 0])
+    fewer = ForesightSchedule.of_counts(arrivals, cfg, list(range(1, parts + 1)))
+    more = ForesightSchedule.of_counts(arrivals, cfg, [w for w in range(1, parts + 1) if parts % w == 0])
 
     def run(schedule: ForesightSchedule) -> dict[str, float]:
         r = sim.simulate(arrivals, {"foresight": lambda: schedule}, cfg)["foresight"]

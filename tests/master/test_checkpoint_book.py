@@ -59,3 +59,17 @@ def test_a_restarted_master_finds_the_checkpoints_on_disk(tmp_path: Path) -> Non
     (tmp_path / ".tmp-step-00000039-1").mkdir()
     assert found_on_disk(tmp_path) == [Checkpoint(9, 0), Checkpoint(19, 1)]
     assert found_on_disk(tmp_path / "missing") == []
+
+
+def test_the_choice_follows_every_change_of_the_book() -> None:
+    """choose() answers each report (its last answer is kept): a new checkpoint, a failed one and
+    a rollback each change it at the same finalized step."""
+    book = CheckpointBook()
+    book.note(9)
+    assert book.choose(30) == Checkpoint(9, 0)
+    book.note(19)
+    assert book.choose(30) == Checkpoint(19, 0)
+    book.mark_bad(Checkpoint(19, 0))
+    assert book.choose(30) == Checkpoint(9, 0)
+    book.rollback(5)
+    assert book.choose(30) is None

@@ -49,6 +49,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -296,8 +297,7 @@ def split_step_time(prior: Mapping[str, float], c: PSConfig, thp: float, ps_busy
     keeping the prior's proportions within it: one measurement then tells whether more PSes or
     more worker cores pay, which the prior's shape alone got wrong for jobs far from it.
     """
-    x = dict(zip(("alpha_grad", "alpha_upd", "alpha_sync", "alpha_emb", "beta"),
-                 (1.0 / c.worker_cpu, c.workers / (c.ps * c.ps_cpu), c.workers / c.ps, 1.0 / c.ps, 1.0), strict=True))
+    x = step_terms(c.workers, c.ps, c.worker_cpu, c.ps_cpu)
     step = c.workers / thp
     parts = {key: prior[key] * x[key] for key in prior}
     total = sum(parts.values())
@@ -316,11 +316,18 @@ def _ps_busy(obs: JobObservation, c: PSConfig) -> float | None:
     return min(1.0, float(np.mean(used)) / c.ps_cpu)
 
 
+def step_terms(w: Any, p: Any, wc: Any, pc: Any) -> dict[str, Any]:
+    """What each coefficient of Eq. 2-5 multiplies in a step's time (m = 1): ``1 / l_w``,
+    ``w / (p l_p)``, ``w / p``, ``1 / p`` and 1 (numbers or arrays)."""
+    return {"alpha_grad": 1.0 / wc, "alpha_upd": w / (p * pc), "alpha_sync": w / p, "alpha_emb": 1.0 / p, "beta": 1.0}
+
+
 def predict_many(params: Mapping[str, float], w: np.ndarray, p: np.ndarray, wc: np.ndarray,
                  pc: np.ndarray) -> np.ndarray:
     """DLRover-RM Eq. 1-6 vectorised: ``w m / (a_g m/l_w + a_u w/(p l_p) + a_s w/p + a_e m/p + beta)``, m = 1."""
-    t = (params["alpha_grad"] / wc + params["alpha_upd"] * w / (p * pc) + params["alpha_sync"] * w / p
-         + params["alpha_emb"] / p + params["beta"])
+    x = step_terms(w, p, wc, pc)
+    t = (params["alpha_grad"] * x["alpha_grad"] + params["alpha_upd"] * x["alpha_upd"]
+         + params["alpha_sync"] * x["alpha_sync"] + params["alpha_emb"] * x["alpha_emb"] + params["beta"])
     return np.asarray(w / np.maximum(t, _EPS), dtype=float)
 
 

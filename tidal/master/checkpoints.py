@@ -40,6 +40,9 @@ class CheckpointBook:
     reported: list[Checkpoint] = field(default_factory=list)  # oldest first
     rollbacks: list[int] = field(default_factory=list)  # the step each resume went back to, in order
     bad: set[Checkpoint] = field(default_factory=set)  # could not be loaded
+    # choose()'s last answer, by finalized step: every report's response names it (the persisters
+    # keep it), 2,000 a second; note, mark_bad and rollback drop it
+    _chosen: tuple[int, Checkpoint | None] | None = field(default=None, compare=False, repr=False)
 
     @property
     def lineage(self) -> int:
@@ -58,6 +61,7 @@ class CheckpointBook:
         self.reported.append(ckpt)
         self.reported.sort()
         del self.reported[:-KEEP_REPORTED]
+        self._chosen = None
 
     def in_history(self, ckpt: Checkpoint) -> bool:
         """Whether the checkpoint's model is in the current model's history."""
@@ -65,15 +69,21 @@ class CheckpointBook:
 
     def choose(self, finalized_step: int) -> Checkpoint | None:
         """The newest loadable checkpoint whose data the master knows, or None."""
+        if self._chosen is not None and self._chosen[0] == finalized_step:
+            return self._chosen[1]
         usable = [c for c in self.reported if c.step <= finalized_step and c not in self.bad and self.in_history(c)]
-        return max(usable, key=lambda c: (c.step, c.lineage), default=None)
+        chosen = max(usable, key=lambda c: (c.step, c.lineage), default=None)
+        self._chosen = (finalized_step, chosen)
+        return chosen
 
     def mark_bad(self, ckpt: Checkpoint) -> None:
         self.bad.add(ckpt)
+        self._chosen = None
 
     def rollback(self, step: int) -> None:
         """The job resumed from ``step``: a new lineage begins; later checkpoints are void."""
         self.rollbacks.append(step)
+        self._chosen = None
         self.reported = [c for c in self.reported if self.in_history(c)]
 
     # ------------------------------------------------------------------ journal
