@@ -514,15 +514,15 @@ def test_keep_prunes_the_oldest_checkpoints_after_each_write(make: Callable[...,
 
 def test_keep_spares_the_checkpoint_the_master_would_resume_from(make: Callable[..., FlashCheckpoint],
                                                                  tmp_path: Path) -> None:
-    """``keep_from`` (the master's resume candidate, learnt late): neither it nor a newer one is
-    deleted, however many are newer; the bound moves with each save."""
+    """A snapshot's ``keep_from`` (the master's resume candidate, learnt late): neither it nor a
+    newer one is deleted, however many are newer; the bound moves with each save."""
     ckpt = tmp_path / "ckpt"
-    fc = make(keep=1, keep_from=-1)  # the master knows no checkpoint yet: none is deleted
+    fc = make(keep=1)
     for step in (3, 5):
-        fc.save(step, state(step), [], {}, keep_from=-1)
+        fc.save(step, state(step), [], {"keep_from": -1})  # the master knows no checkpoint yet: none is deleted
         fc.wait_persisted(step, timeout=30)
     for step in (9, 12):
-        fc.save(step, state(step), [], {}, keep_from=5)
+        fc.save(step, state(step), [], {"keep_from": 5})
         fc.wait_persisted(step, timeout=30)
     deadline = time.monotonic() + 10
     while [c.step for c in list_checkpoints(ckpt)] != [12, 9, 5] and time.monotonic() < deadline:

@@ -226,11 +226,11 @@ class FlashCheckpoint:
     """Snapshots of a state tree in shared memory, persisted to ``directory`` asynchronously."""
 
     def __init__(self, directory: str | Path, *, name: str, slots: int = 2, shm_dir: str | Path = "/dev/shm",
-                 max_shm_bytes: int | None = None, persist: bool = True, keep: int = 0,
-                 keep_from: int | None = None) -> None:
+                 max_shm_bytes: int | None = None, persist: bool = True, keep: int = 0) -> None:
         """``keep``: the persister deletes the checkpoints of ``directory`` past the ``keep`` newest
-        (by step) after each it writes; 0 keeps every one. ``keep_from``: nor one of this step or
-        newer (each ``save`` may move it; None: no such bound)."""
+        (by step) after each it writes; 0 keeps every one. A snapshot's ``meta`` may bound that
+        with ``"keep_from": s``: no checkpoint of step ``s`` or newer is deleted after it is
+        written (``tidal.worker.persister.prune``)."""
         if not _NAME.fullmatch(name):
             raise ValueError(f"name {name!r}: use 1 to 100 of A-Z a-z 0-9 _ . -")
         if slots < 1:
@@ -238,7 +238,6 @@ class FlashCheckpoint:
         if keep < 0:
             raise ValueError("keep must be 0 (every checkpoint) or more")
         self.keep = keep
-        self.keep_from = keep_from
         self.directory = Path(directory).resolve()
         self.name = name
         self.shm_dir = Path(shm_dir)
@@ -270,7 +269,7 @@ class FlashCheckpoint:
             self._proc = subprocess.Popen(
                 [sys.executable, "-P", str(script), "--directory", str(self.directory), "--name", self.name,
                  "--shm-dir", str(self.shm_dir), "--slots", str(len(self._slots)), "--parent", str(os.getpid()),
-                 "--keep", str(self.keep)] + ([] if self.keep_from is None else ["--keep-from", str(self.keep_from)]),
+                 "--keep", str(self.keep)],
                 stdin=stdin_r, stdout=stdout_w, start_new_session=True, close_fds=True)
         except BaseException:
             for fd in (stdin_w, stdout_r):
@@ -342,12 +341,8 @@ class FlashCheckpoint:
 
     # -- save
     def save(self, step: int, tree: Any, contexts: list[dict[str, Any]],
-             meta: dict[str, Any] | None = None, keep_from: int | None = None) -> SaveResult:
+             meta: dict[str, Any] | None = None) -> SaveResult:
         """Snapshot ``tree`` (tensors and JSON values), the contexts and ``meta`` as ``step``.
-
-        ``keep_from``: with ``keep``, the persister deletes no checkpoint of this step or a newer
-        one (the master's resume candidate: it learns of checkpoints after they are taken, so the
-        ``keep`` newest may all be newer than the one it would load); None: no such bound.
 
         Blocks for the copy into shared memory (or, on the fallback, the disk write); never for
         the persister. Raises TypeError for a tree that cannot be checkpointed, ValueError for a
@@ -405,7 +400,7 @@ class FlashCheckpoint:
             self._set_status(dropped, ("dropped", f"step {dropped} was replaced by step {step} before it was "
                                                   "persisted"))
         self._set_status(step, ("pending", None) if self.persist else ("in memory", None))
-        self._notify({"slot": slot.index, "seq": seq, "step": step, "keep_from": keep_from})
+        self._notify({"slot": slot.index, "seq": seq, "step": step})
         note = f"replaced step {dropped}, not yet persisted" if dropped is not None else ""
         return SaveResult(step, time.perf_counter() - start, layout.nbytes, "shm", dropped, note)
 
@@ -631,14 +626,12 @@ class PeriodicCheckpoint:
             return (step + 1) % int(value) == 0
         return self.clock() - self._last_at >= value
 
-    def save(self, step: int, tree: Any, contexts: list[dict[str, Any]], meta: dict[str, Any],
-             keep_from: int | None = None) -> SaveResult | None:
-        """``keep_from``: as ``FlashCheckpoint.save``'s."""
+    def save(self, step: int, tree: Any, contexts: list[dict[str, Any]], meta: dict[str, Any]) -> SaveResult | None:
         self._last_at = self.clock()
         try:
             if self.flash is None:
-                self.flash = FlashCheckpoint(self.directory, name=self.name, keep=self.keep, keep_from=keep_from)
-            result = self.flash.save(step, tree, contexts, meta, keep_from=keep_from)
+                self.flash = FlashCheckpoint(self.directory, name=self.name, keep=self.keep)
+            result = self.flash.save(step, tree, contexts, meta)
         except (FlashError, OSError, ValueError) as exc:
             self._note(f"checkpoint of step {step} not taken: {exc}")
             return None
@@ -658,7 +651,7 @@ class PeriodicCheckpoint:
         """Let the persister write what is pending (it would anyway: it outlives this process).
 
         ``final``: the job's final checkpoint, written: the one a resume would now load, so
-        ``keep`` applies without the master's bound (``FlashCheckpoint.save``'s ``keep_from``)."""
+        ``keep`` applies without the bound of the snapshots' ``keep_from``."""
         if self.flash is not None:
             self.flash.close(timeout)
             self.flash = None

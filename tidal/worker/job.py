@@ -346,10 +346,13 @@ class Job:
             except RetryableError as exc:  # a server lost: the round re-forms, the last checkpoint stays
                 periodic.problem = f"checkpoint of step {applied.step} not taken: {exc}"
                 return
-            periodic.save(applied.step, tree, self.est_contexts(),
-                          {"job_id": self.job_id, "step": applied.step, "round": self.round,
-                           "world_size": self.world_size, "worker_id": self.worker_id, "lineage": self.lineage},
-                          keep_from=self._reporter.resume_step if self._reporter is not None else None)
+            meta = {"job_id": self.job_id, "step": applied.step, "round": self.round, "world_size": self.world_size,
+                    "worker_id": self.worker_id, "lineage": self.lineage}
+            if self._reporter is not None:
+                # the master's resume candidate: --checkpoint-keep never deletes it nor a newer one
+                # (the master learns of checkpoints a report late: the newest few may all be newer)
+                meta["keep_from"] = self._reporter.resume_step
+            periodic.save(applied.step, tree, self.est_contexts(), meta)
             if self._reporter is not None:
                 self._reporter.checkpoint_step, self._reporter.checkpoint_problem = periodic.step, periodic.problem
 

@@ -238,14 +238,12 @@ def _fsync_dir(path: Path) -> None:
 
 # ------------------------------------------------------------------ the process
 class Persister:
-    def __init__(self, directory: Path, name: str, shm_dir: Path, slots: int, keep: int = 0,
-                 keep_from: int | None = None) -> None:
+    def __init__(self, directory: Path, name: str, shm_dir: Path, slots: int, keep: int = 0) -> None:
         self.directory = directory
         self.name = name
         self.shm_dir = shm_dir
         self.slots = slots
         self.keep = keep  # checkpoints kept on disk, the newest by step (0: all)
-        self.keep_from = keep_from  # and none of this step or newer (the saver's hints move it)
         self.delay = float(os.environ.get("TIDAL_PERSIST_DELAY_S", "0") or 0)
         self._out_ok = True
 
@@ -330,7 +328,7 @@ class Persister:
             os.close(fd)  # releases the lock
         self.emit(**outcome)
         if written is not None and self.keep:
-            pruned = prune(self.directory, self.keep, written, self.keep_from)
+            pruned = prune(self.directory, self.keep, written, _keep_from(written))
             if pruned:
                 self.emit(event="pruned", steps=pruned)
         return True
@@ -357,6 +355,15 @@ def prune(directory: Path, keep: int, written: Path, keep_from: int | None = Non
             continue
         shutil.rmtree(trash, ignore_errors=True)
     return [step for step, _ in doomed]
+
+
+def _keep_from(written: Path) -> int | None:
+    """The bound the saver put in the snapshot's meta (``"keep_from"``), or None."""
+    try:
+        value = json.loads((written / "meta.json").read_text()).get("keep_from")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if type(value) is int else None
 
 
 def remove_slots(shm_dir: Path, name: str, slots: int) -> list[tuple[int, int, Path]]:
@@ -392,12 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shm-dir", required=True)
     parser.add_argument("--slots", type=int, required=True)
     parser.add_argument("--keep", type=int, default=0, help="checkpoints kept on disk, the newest (0: all)")
-    parser.add_argument("--keep-from", type=int, default=None,
-                        help="nor delete a checkpoint of this step or newer (the saver's hints move it)")
     parser.add_argument("--parent", type=int, required=True, help="the saver's pid")
     args = parser.parse_args(argv)
-    persister = Persister(Path(args.directory), args.name, Path(args.shm_dir), args.slots, args.keep,
-                          args.keep_from)
+    persister = Persister(Path(args.directory), args.name, Path(args.shm_dir), args.slots, args.keep)
 
     inbox: queue.Queue[dict[str, Any] | None] = queue.Queue()
 
@@ -434,8 +438,6 @@ def main(argv: list[str] | None = None) -> int:
                 done = True
             elif message.get("op") == "close":
                 closing = done = True
-            elif isinstance(message.get("keep_from"), int):
-                persister.keep_from = message["keep_from"]
             try:
                 message = inbox.get_nowait()
             except queue.Empty:
