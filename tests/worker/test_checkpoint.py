@@ -180,3 +180,23 @@ def test_tidal_fingerprint_of_an_invalid_checkpoint_is_a_one_line_error(tmp_path
     assert len(lines) == 1 and lines[0].startswith("tidal: error: "), r.stderr
     assert str(path) in lines[0] and "does not list" in lines[0], lines
     assert "Traceback" not in r.stderr and r.stdout == ""
+
+
+_SAVE_STEP_7_AGAIN_AND_AGAIN = """
+import sys, torch
+from tidal.worker.checkpoint import save_checkpoint
+for i in range(40):
+    save_checkpoint(sys.argv[1], 7, {"w": torch.full((1 << 16,), float(i))}, [], {"writer": sys.argv[2]})
+"""
+
+
+def test_two_processes_writing_the_same_step_both_succeed(tmp_path: Path) -> None:
+    """A persister and the final checkpoint may write one step at the same moment (CI saw the
+    second rename fail with ENOTEMPTY and the job end failed): each rename swaps, neither fails,
+    and the step that remains verifies."""
+    procs = [subprocess.Popen([sys.executable, "-c", _SAVE_STEP_7_AGAIN_AND_AGAIN, str(tmp_path), str(w)],
+                              stderr=subprocess.PIPE, text=True) for w in range(2)]
+    errors = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errors
+    assert [p.name for p in tmp_path.iterdir()] == ["step-00000007"]  # no temporary left behind
+    assert verify(tmp_path / "step-00000007")["step"] == 7

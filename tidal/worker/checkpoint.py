@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from tidal.worker.persister import publish
 from tidal.worker.state import join_tree, split_tree
 
 MANIFEST = "manifest.json"
@@ -58,9 +59,7 @@ def save_checkpoint(directory: str | Path, step: int, tree: Any, contexts: list[
     for path in tmp.iterdir():
         with open(path, "rb") as f:
             os.fsync(f.fileno())
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    publish(tmp, final)
     return final
 
 

@@ -647,15 +647,16 @@ class PeriodicCheckpoint:
             log.warning("%s", problem)
         self.problem = problem
 
-    def close(self, timeout: float = 60.0, final: Path | None = None) -> None:
-        """Let the persister write what is pending (it would anyway: it outlives this process).
-
-        ``final``: the job's final checkpoint, written: the one a resume would now load, so
-        ``keep`` applies without the bound of the snapshots' ``keep_from``."""
+    def close(self, timeout: float = 60.0) -> None:
+        """Let the persister write what is pending (it would anyway: it outlives this process)."""
         if self.flash is not None:
             self.flash.close(timeout)
             self.flash = None
-        if final is not None and self.keep:
+
+    def prune_to(self, final: Path) -> None:
+        """``keep`` for the job's final checkpoint ``final``, written after ``close``: the one a
+        resume would now load, so without the bound of the snapshots' ``keep_from``."""
+        if self.keep:
             slotfmt.prune(Path(self.directory), self.keep, final, _dir_step(final))
 
 

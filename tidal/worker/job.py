@@ -280,11 +280,12 @@ class Job:
         if self._reporter is not None:
             self._reporter.flush()
             self._check_gone()  # a failed worker's state is not the job's: no checkpoint of it
-        final = None
+        if self.periodic_checkpoint is not None:  # its persister first: it may be writing this very step
+            self.periodic_checkpoint.close()
         if self.checkpoint_dir and self.rank == 0 and self._state is not None and self._state.applied_step >= 0:
             final = Path(self.checkpoint())
-        if self.periodic_checkpoint is not None:
-            self.periodic_checkpoint.close(final=final)
+            if self.periodic_checkpoint is not None:
+                self.periodic_checkpoint.prune_to(final)
         if self.client is not None and self._reporter is not None:
             held = self._reporter.held_records()[-MAX_RECORDS_PER_REQUEST:]
             req = FinishRequest(worker_id=self.worker_id, metrics={k: float(v) for k, v in metrics.items()},

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -212,13 +213,7 @@ def write_checkpoint(buf: Any, head: Header, directory: Path) -> tuple[Path, int
         finally:
             os.close(fd)
         _fsync_dir(tmp)
-        if final.exists():  # the same step again: swap, never leave the step without a whole checkpoint
-            old = directory / f".old-step-{head.step:08d}-{os.getpid()}"
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
+        publish(tmp, final)
         _fsync_dir(directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -226,6 +221,32 @@ def write_checkpoint(buf: Any, head: Header, directory: Path) -> tuple[Path, int
     finally:
         view.release()
     return final, crc
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Rename the written checkpoint directory ``tmp`` to ``final``.
+
+    A checkpoint of the same step already there (written again, or by another process at the same
+    moment: a persister and the final checkpoint of one step) is swapped out, never deleted before
+    its replacement is in place; whichever writer renames last wins, and both are whole.
+    """
+    old = final.with_name(f".old-{final.name}-{os.getpid()}")
+    try:
+        for _ in range(16):
+            try:
+                os.replace(tmp, final)
+                return
+            except OSError as exc:
+                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+            shutil.rmtree(old, ignore_errors=True)
+            try:
+                os.replace(final, old)
+            except FileNotFoundError:  # the other writer moved it first
+                pass
+        raise OSError(errno.EBUSY, f"{final} kept being replaced by another writer")
+    finally:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _fsync_dir(path: Path) -> None:
