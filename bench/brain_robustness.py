@@ -31,6 +31,10 @@ seed 0; restart and seamless migration):
 
 The lower bound is ``tidal.sim.online.oracle_worker_hours`` (what ``sim online`` prints: a
 perfect forecast, free rescaling every interval, fractions of a worker, never fewer than one).
+Where kale misses its worker-hour target, ``tidal.sim.paid_bound.paid_moves_worker_hours`` too:
+the cheapest count schedule of the simulator with a perfect forecast that pays every action as
+the migration does (3% of the intervals may be over the SLO, as the target allows); if it is over
+the target, no policy can meet it on that trace (a few minutes a week-long trace).
 
 Time: about an hour on 2 cores, most of it dlrover-rm (30 runs of five policies, NSGA-II).
 
@@ -69,6 +73,7 @@ LOADS: dict[str, list[float | None]] = {
 }
 DAY_MIN = 1440
 SLO_TARGET = 3.0  # % of the minutes over Kale's 20-minute lag SLO
+KALE_TARGET = {"restart": 1.5, "seamless": 1.3}  # kale's worker-hours / the lower bound
 
 
 # ---------------------------------------------------------------- traces
@@ -158,6 +163,7 @@ def traces(split: str = "eval") -> dict[str, Callable[[], tuple[np.ndarray, np.n
 
 def run_online(trace: str, migration: str, split: str = "eval") -> dict[str, Any]:
     from tidal.sim import online as sim
+    from tidal.sim.paid_bound import paid_moves_worker_hours
 
     window, history, interval = traces(split)[trace]()
     cfg = sim.SimConfig(migration=migration, interval_s=interval)
@@ -165,9 +171,15 @@ def run_online(trace: str, migration: str, split: str = "eval") -> dict[str, Any
     factor = float(scaled.max() / window.max())
     res = sim.simulate(scaled, ONLINE_POLICIES, cfg, history=history * factor)
     bound = sim.oracle_worker_hours(scaled, cfg)
+    # where kale misses its target, the bound that pays every action as this migration does, with
+    # the SLO violations the target allows: is the target within reach of any count schedule?
+    paid = None
+    if res["kale"].worker_hours > KALE_TARGET[migration] * bound:
+        paid = paid_moves_worker_hours(scaled, cfg, violations=SLO_TARGET / 100)
     peak_to_mean = float(window.max() / max(window.mean(), 1e-9))
     return {"part": "online", "trace": trace, "migration": migration, "bound_worker_hours": bound,
-            "peak_to_mean": peak_to_mean, "policies": {k: r.metrics() for k, r in res.items()}}
+            "paid_bound_worker_hours": paid, "peak_to_mean": peak_to_mean,
+            "policies": {k: r.metrics() for k, r in res.items()}}
 
 
 def run_cluster(scenario_name: str, seed: int, load: float | None, jobs: int) -> dict[str, Any]:
@@ -223,7 +235,7 @@ def summarize_online(rows: list[dict[str, Any]]) -> list[str]:
     out += ["", "kale against its targets, across traces (median / worst):", ""]
     out.append("| migration | metric | median / worst | target | worst meets it |")
     out.append("|---|---|---|---|---|")
-    for mig, wh_target in (("restart", 1.5), ("seamless", 1.3)):
+    for mig, wh_target in KALE_TARGET.items():
         sel = [r for r in rows if r["migration"] == mig]
         if not sel:
             continue
@@ -240,6 +252,17 @@ def summarize_online(rows: list[dict[str, Any]]) -> list[str]:
                                            lag, 0.35, "x")):
             worst = max(vals) if vals else math.nan
             out.append(f"| {mig} | {label} | {_med_worst(vals, max)} | <= {target:g}{unit} | {_check(worst, target, True)} |")
+    missed = [r for r in rows if r.get("paid_bound_worker_hours") is not None]
+    if missed:
+        out += ["", "where kale misses its worker-hour target: the bound that pays every action "
+                f"(tidal.sim.paid_bound, {SLO_TARGET:g}% of the intervals may be over the SLO)", ""]
+        out.append("| trace | mig. | bound wh | paid bound wh | paid / bound | kale / paid | target within reach |")
+        out.append("|---|---|---:|---:|---:|---:|---|")
+        for r in sorted(missed, key=lambda r: (r["migration"], r["trace"])):
+            paid, bound = r["paid_bound_worker_hours"], r["bound_worker_hours"]
+            reach = "no: the bound is over it" if paid > KALE_TARGET[r["migration"]] * bound else "not ruled out"
+            out.append(f"| {r['trace']} | {r['migration']} | {bound:.0f} | {paid:.0f} | {paid / bound:.2f}x | "
+                       f"{r['policies']['kale']['worker_hours'] / paid:.2f}x | {reach} |")
     return out
 
 

@@ -250,6 +250,13 @@ def test_cli_sim_online(tmp_path: Path):
     assert json.loads(out.read_text())["oracle_violations"] == 0.03
     assert json.loads(out.read_text())["oracle_worker_hours"] <= data["oracle_worker_hours"] + 1e-6
     assert runner.invoke(app, ["sim", "online", "--trace", str(trace), "--bound-violations", "1"]).exit_code == 2
+    # the bound that pays every action: above the free one, below what kale used
+    paid = runner.invoke(app, ["sim", "online", "--trace", str(trace), "--days", "1", "--peak-workers", "10",
+                               "--policies", "kale", "--paid-bound", "--json", str(out)])
+    assert paid.exit_code == 0, paid.output
+    assert "paying every restart action" in paid.output
+    run = json.loads(out.read_text())
+    assert data["oracle_worker_hours"] < run["paid_bound_worker_hours"] <= run["policies"]["kale"]["worker_hours"]
     t4 = runner.invoke(app, ["sim", "online", "--trace", str(trace), "--days", "1", "--peak-workers", "10",
                              "--job", "t4-sync", "--policies", "adequate", "--json", str(out)])
     assert t4.exit_code == 0, t4.output

@@ -58,11 +58,17 @@ def online(
         0.0, "--bound-violations",
         help="the lower bound allows this share of the minutes over the SLO (e.g. 0.03; slower: a "
              "week takes about 40 s instead of 11 s)"),
+    paid_bound: bool = typer.Option(
+        False, "--paid-bound",
+        help="also print the lower bound that pays every scaling action as --migration does (whole workers, "
+             "a perfect forecast; the same --bound-violations): what no count schedule goes under once moves "
+             "cost what they cost (about 15 s for a week, a few minutes with --bound-violations)"),
     json_out: Path | None = typer.Option(None, "--json", help="write the metrics as JSON here"),
     plot: Path | None = typer.Option(None, "--plot", help="write a PNG: traffic, workers, lag"),
 ) -> None:
     """Simulate online training under each policy and print Kale's metrics (section 4.1)."""
     from tidal.sim import online as sim
+    from tidal.sim.paid_bound import paid_moves_worker_hours
 
     if migration not in sim.MIGRATIONS:
         raise fail(f"--migration must be restart or seamless, got {migration!r}")
@@ -104,6 +110,7 @@ def online(
         factor = float(scaled.max() / window.max())
         results = sim.simulate(scaled, names, cfg, history=history * factor)
         oracle = sim.oracle_worker_hours(scaled, cfg, violations=bound_violations)
+        paid = paid_moves_worker_hours(scaled, cfg, violations=bound_violations) if paid_bound else None
     except ConfigError as exc:
         raise fail(str(exc)) from None
     typer.echo(f"{len(window)} intervals of {interval:g} s, peak {scaled.max() / interval:.0f} samples/s "
@@ -119,9 +126,14 @@ def online(
                    f"{oracle:.1f} worker-h = {oracle / adequate:.2f}x the peak count's")
     else:
         typer.echo(f"no policy {kept}: even {peak_workers} workers cannot keep up")
+    if paid is not None and math.isfinite(paid):
+        typer.echo(f"lower bound paying every {migration} action (perfect forecast, whole workers): {paid:.1f} "
+                   f"worker-h = {paid / oracle:.2f}x the bound above")
+    finite = lambda v: v if v is not None and math.isfinite(v) else None  # noqa: E731
     if json_out is not None:
         json_out.write_text(json.dumps({"policies": {k: r.metrics() for k, r in results.items()},
-                                        "job": job, "oracle_worker_hours": oracle if math.isfinite(oracle) else None,
+                                        "job": job, "oracle_worker_hours": finite(oracle),
+                                        "paid_bound_worker_hours": finite(paid),
                                         "oracle_violations": bound_violations}, indent=2))
     if plot is not None:
         _plot(plot, scaled / interval, interval, results)

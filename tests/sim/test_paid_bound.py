@@ -1,0 +1,62 @@
+"""The worker-hour bound with every scaling action paid, against every schedule of the simulator."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+from tidal.api import ConfigError, JobObservation, ResourcePlan
+from tidal.sim import online as sim
+from tidal.sim.paid_bound import paid_moves_worker_hours
+
+
+class Scripted:
+    """Answers the simulator's n + 1 plan calls (the launch, then one per interval) from a list."""
+
+    def __init__(self, counts: Sequence[int]) -> None:
+        self.counts, self.calls = counts, 0
+
+    def plan(self, obs: JobObservation) -> ResourcePlan:
+        self.calls += 1
+        return ResourcePlan(workers=self.counts[self.calls - 1])
+
+
+def every_schedule(window: np.ndarray, cfg: sim.SimConfig) -> list[tuple[float, int]]:
+    """(worker-hours, intervals over the SLO) of every count sequence the simulator can be told."""
+    n, top = len(window), cfg.peak_workers
+    schedules = list(itertools.product(range(1, top + 1), repeat=n + 1))
+    factories = {str(i): (lambda s=s: Scripted(s)) for i, s in enumerate(schedules)}
+    res = sim.simulate(window, factories, cfg)  # type: ignore[arg-type]
+    return [(r.worker_hours, round(r.slo_violation_rate * n)) for r in res.values()]
+
+
+@pytest.mark.parametrize("migration", ["restart", "seamless"])
+def test_the_bound_is_the_cheapest_schedule_the_simulator_can_run(migration: str) -> None:
+    """Ten 5-minute intervals (a restart pauses two, the SLO is four), 1 or 2 workers, a burst
+    that 1 worker cannot keep: every one of the 2^11 schedules simulated. The bound is at most
+    the cheapest that keeps the SLO (with one interval over allowed, too), at the default grid,
+    and equal to it on a fine one."""
+    cfg = sim.SimConfig(peak_workers=2, migration=migration, interval_s=300.0)
+    f1 = sim.true_throughput(cfg, 1) * 300.0
+    window = np.array([0.6, 1.9, 1.9, 1.9, 1.9, 1.9, 1.9, 0.3, 0.3, 0.3]) * f1
+    runs = every_schedule(window, cfg)
+    for allowed in (0, 1):
+        share = allowed / len(window) + 1e-9
+        cheapest = min(wh for wh, over in runs if over <= allowed)
+        assert paid_moves_worker_hours(window, cfg, violations=share) <= cheapest + 1e-9
+        assert paid_moves_worker_hours(window, cfg, violations=share, grid=2000) == pytest.approx(cheapest), allowed
+    strict = min(wh for wh, over in runs if over == 0)
+    assert strict > sim.oracle_worker_hours(window, cfg) + 0.1  # the free-rescaling bound is below it
+
+
+def test_a_stream_no_schedule_keeps_is_inf_and_bad_input_is_refused() -> None:
+    cfg = sim.SimConfig(peak_workers=2, interval_s=300.0)
+    flood = np.full(12, 10 * sim.true_throughput(cfg, 2) * 300.0)
+    assert paid_moves_worker_hours(flood, cfg) == float("inf")
+    with pytest.raises(ConfigError, match="violations"):
+        paid_moves_worker_hours(flood, cfg, violations=1.5)
+    with pytest.raises(ConfigError, match="migration"):
+        paid_moves_worker_hours(flood, sim.SimConfig(migration="teleport"))

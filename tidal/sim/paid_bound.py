@@ -1,0 +1,246 @@
+"""A lower bound of an online job's worker-hours when every scaling action is paid.
+
+``tidal.sim.online.oracle_worker_hours`` (the bound ``sim online`` prints) rescales for free
+every interval and uses fractions of a worker. Under restart migration (10 minutes with nothing
+trained per action) no policy comes near it on bursty traffic: each burst costs two actions.
+This bound pays them: it is the fewest worker-hours of *any count schedule* the simulator can
+run (``tidal.sim.online.simulate``), given a perfect forecast of the arrivals and of the
+throughput noise, where each action costs what the simulator charges:
+
+* a decision at the end of an interval starts an action only when none is under way;
+* the action's intervals (``Migration.prep_s`` then ``pause_s``, rounded up to whole intervals)
+  are paid at ``max(old, new)`` workers, the one it ends in at the new count;
+* in them the old workers train until the pause, the new ones after it (restart: nothing for
+  10 minutes; seamless: the old ones for a minute, then 2 s of the third minute's successor).
+
+It is exact dynamic programming over (workers, samples waiting), with the samples waiting kept
+on a grid of ``1 / GRID`` of one worker's interval and rounded *down* after every interval. Fewer
+samples waiting never hurt (a schedule feasible from more is feasible from fewer), so rounding
+down only lowers the result: it stays a bound, looser by at most one grid step an interval while
+samples wait (0.1 worker at the default grid).
+
+SLO violations (``violations`` > 0: at most that share of the intervals may end with the lag
+over 20 minutes, i.e. more waiting than arrived in the last 20 minutes) are priced by a
+Lagrange multiplier: for every ``lam`` >= 0, ``min over schedules of (cost + lam * violating
+intervals) - lam * K`` is at most the cost of any schedule with at most K violations. The bound
+is the largest such value found by a search over ``lam`` (any ``lam`` gives a bound; the search
+only tightens it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from tidal.api import ConfigError
+from tidal.sim.online import MIGRATIONS, SLO_LAG_S, SimConfig, throughput_noise, true_throughput
+
+__all__ = ["GRID", "paid_moves_worker_hours"]
+
+GRID = 10  # grid steps per worker-interval of samples waiting
+
+
+@dataclass(frozen=True)
+class _Phase:
+    """One interval of a scaling action: the share of it trained, by the new workers or the old."""
+
+    train: float
+    new: bool  # trained by (and paid at) the new count; else the old count trains, max(old, new) is paid
+
+
+def _phases(cfg: SimConfig) -> list[_Phase]:
+    """The intervals after a decision until the next decision may start an action (``simulate``'s
+    bookkeeping: the action ends in the first interval whose end is at or past prep + pause)."""
+    mig, dt = MIGRATIONS[cfg.migration], cfg.interval_s
+    length = max(1, math.ceil((mig.prep_s + mig.pause_s) / dt - 1e-9))
+    out = []
+    for i in range(1, length + 1):
+        lo, hi = (i - 1) * dt, i * dt
+        paused = max(0.0, min(hi, mig.prep_s + mig.pause_s) - max(lo, mig.prep_s))
+        out.append(_Phase(train=(dt - paused) / dt, new=i == length))
+    return out
+
+
+def paid_moves_worker_hours(arrivals: np.ndarray, cfg: SimConfig, *, violations: float = 0.0,
+                            min_workers: int = 1, grid: int = GRID) -> float:
+    """The fewest worker-hours of any schedule of ``simulate`` on ``arrivals`` (already scaled)
+    whose lag passes the SLO in at most a share ``violations`` of the intervals, each scaling
+    action paid as ``cfg.migration`` says; ``inf`` if no schedule keeps it (module docstring).
+
+    Raises:
+        ConfigError: an unknown migration, or a negative ``violations``.
+    """
+    if cfg.migration not in MIGRATIONS:
+        raise ConfigError(f"migration must be one of {', '.join(MIGRATIONS)}, got {cfg.migration!r}")
+    if not 0 <= violations < 1:
+        raise ConfigError(f"violations must be in [0, 1), got {violations:g}")
+    a = np.asarray(arrivals, dtype=float)
+    if len(a) == 0:
+        return 0.0
+    solver = _Solver(a, cfg, min_workers, grid)
+    strict = solver.run(math.inf)
+    k = int(violations * len(a))
+    if k == 0 or strict <= solver.floor:
+        return solver.hours(strict)
+    # max over lam of D(lam) - lam * K; D is concave, so D(lam) - lam * K is unimodal in log(lam)
+    best = solver.run(0.0)
+    lo, hi = math.log(1e-3), math.log(max(1.0, 4.0 * solver.top * len(a)))
+    golden = (math.sqrt(5) - 1) / 2
+    x1, x2 = hi - golden * (hi - lo), lo + golden * (hi - lo)
+    f1, f2 = solver.run(math.exp(x1)) - math.exp(x1) * k, solver.run(math.exp(x2)) - math.exp(x2) * k
+    for _ in range(8):
+        if f1 < f2:
+            lo, x1, f1 = x1, x2, f2
+            x2 = lo + golden * (hi - lo)
+            f2 = solver.run(math.exp(x2)) - math.exp(x2) * k
+        else:
+            hi, x2, f2 = x2, x1, f1
+            x1 = hi - golden * (hi - lo)
+            f1 = solver.run(math.exp(x1)) - math.exp(x1) * k
+        best = max(best, f1, f2)
+    return solver.hours(max(best, solver.floor))
+
+
+class _Solver:
+    """The dynamic program of one run: ``run(lam)`` is the least cost in worker-intervals plus
+    ``lam`` per interval over the SLO (``inf``: none may be)."""
+
+    def __init__(self, a: np.ndarray, cfg: SimConfig, min_workers: int, grid: int) -> None:
+        n, dt = len(a), cfg.interval_s
+        self.n, self.dt, self.top = n, dt, cfg.peak_workers
+        self.counts = np.arange(max(1, min(min_workers, self.top)), self.top + 1)
+        f = np.array([true_throughput(cfg, int(w)) for w in self.counts])
+        self.step = true_throughput(cfg, 1) * dt / grid  # samples per grid step
+        noise = throughput_noise(cfg, n)
+        self.cap = f[:, None] * noise[None, :] * dt / self.step  # (counts, n) in grid steps
+        self.a = a / self.step
+        cum = np.concatenate([[0.0], np.cumsum(a)])
+        ends = (np.arange(n) + 1) * dt
+        within = cum[1:] - np.interp(ends - SLO_LAG_S, np.arange(n + 1) * dt, cum, left=0.0)
+        # an interval ends over the SLO when more waits than arrived in its last 20 minutes; with
+        # the samples waiting rounded down, index b is over only if b steps are (never a false one)
+        self.limit = np.floor(within / self.step + 1e-9).astype(np.int64)
+        self.phases = _phases(cfg)
+        self.floor = float(self.counts[0] * n)  # no schedule pays less than the fewest workers throughout
+
+    def hours(self, cost: float) -> float:
+        return cost * self.dt / 3600.0
+
+    def run(self, lam: float) -> float:
+        n, counts = self.n, self.counts
+        inf = math.inf
+        length = len(self.phases)
+        cur = np.zeros((len(counts), self.width(-1)))  # any count at the start (the launch costs no action)
+        landing: dict[int, np.ndarray] = {}
+        tail = inf  # schedules still in an action when the run ends
+        for t in range(n):
+            if t in landing:
+                np.minimum(cur, landing.pop(t), out=cur)
+            best_now = float(cur.min())
+            if best_now == inf:
+                pass
+            elif t + length > n:
+                tail = min(tail, self._unfinished(cur, t, lam))
+            else:
+                landing_at = t + length
+                moved = self._move(cur, t, lam)
+                if landing_at in landing:
+                    np.minimum(landing[landing_at], moved, out=landing[landing_at])
+                else:
+                    landing[landing_at] = moved
+            cur = self._interval(cur, t, self.cap[:, t], lam) + counts[:, None]
+        return min(float(cur.min()), tail)
+
+    def _interval(self, v: np.ndarray, t: int, cap: np.ndarray, lam: float) -> np.ndarray:
+        """Every row of ``v`` one interval on: arrivals ``a[t]``, row i trains ``cap[i]`` grid steps."""
+        shift = np.floor(self.a[t] - cap + 1e-9).astype(np.int64)
+        out = _shift_rows(v, shift, self.width(t))
+        if lam == math.inf:
+            out[:, -1] = math.inf  # the last column, alone over the SLO
+        elif lam > 0:
+            out[:, -1] += lam
+        return out
+
+    def width(self, t: int) -> int:
+        """Columns of the state at the end of interval t: up to the SLO's limit, and one over it
+        (which holds every state over it: exact when none may be, a relaxation otherwise)."""
+        return int(self.limit[t]) + 2 if t >= 0 else 1
+
+    def _idle(self, v: np.ndarray, t: int, count: int, lam: float) -> np.ndarray:
+        """Every row of ``v`` ``count`` intervals on from interval t with nothing trained (a pause):
+        one shift by all their arrivals, each column charged for the intervals it ends over the SLO."""
+        steps = np.floor(self.a[t : t + count] + 1e-9).astype(np.int64)
+        ahead = np.cumsum(steps)  # rounded down each interval, as _interval does
+        # column b ends interval t + j over the SLO when b + ahead[j] > limit[t + j]
+        edges = np.sort(self.limit[t : t + count] - ahead)
+        over = np.searchsorted(edges, np.arange(v.shape[1]), side="left")  # edges below each column
+        if lam == math.inf:
+            v = np.where(over[None, :] > 0, math.inf, v)
+        elif lam > 0:
+            v = v + lam * over[None, :]
+        return _shift_rows(v, np.full(v.shape[0], int(ahead[-1])), self.width(t + count - 1))
+
+    def _old_part(self, v: np.ndarray, t: int, phases: list[_Phase], lam: float) -> np.ndarray:
+        """Every row of ``v`` (the old count) through an action's intervals before it ends."""
+        i = t
+        while phases:
+            run = next((k for k, p in enumerate(phases) if p.train), len(phases))
+            if run:
+                v, i, phases = self._idle(v, i, run, lam), i + run, phases[run:]
+            else:
+                v = self._interval(v, i, self.cap[:, i] * phases[0].train, lam)
+                i, phases = i + 1, phases[1:]
+        return v
+
+    def _unfinished(self, v: np.ndarray, t: int, lam: float) -> float:
+        """The least cost of an action started at the end of interval t - 1 and still under way
+        when the run ends: its intervals so far, each paid at least at the old count."""
+        left = self.n - t
+        v = self._old_part(v, t, self.phases[:left], lam) + left * self.counts[:, None]
+        return float(v.min())
+
+    def _move(self, v: np.ndarray, t: int, lam: float) -> np.ndarray:
+        """From ``v`` at the end of interval t - 1: the cost, when the action ends, of a scaling
+        action to each count (rows: the new count)."""
+        counts = self.counts[:, None].astype(float)
+        old_paid = sum(not p.new for p in self.phases)
+        v = self._old_part(v, t, self.phases[:old_paid], lam)  # rows: the old count
+        phases, i = self.phases[old_paid:], t + old_paid
+        # the new count w' pays max(w, w') in each interval before the last: split at w <= w'
+        below = np.minimum.accumulate(v, axis=0) + old_paid * counts  # old w <= new w'
+        above = v + old_paid * counts  # old w > new w': its own count
+        above = np.minimum.accumulate(above[::-1], axis=0)[::-1]
+        out = below
+        np.minimum(out[:-1], above[1:], out=out[:-1])
+        for phase in phases:  # the new workers' part: rows are the new count
+            if phase.train:
+                out = self._interval(out, i, self.cap[:, i] * phase.train, lam)
+            else:
+                out = self._idle(out, i, 1, lam)
+            out = out + counts
+            i += 1
+        return out
+
+
+def _shift_rows(v: np.ndarray, shift: np.ndarray, width: int) -> np.ndarray:
+    """Row i of ``v`` moved ``shift[i]`` columns right (left if negative) into ``width`` columns;
+    what falls off the left end lands on column 0, past the right end on the last column (the
+    least of each)."""
+    size = v.shape[1]
+    src = np.arange(width)[None, :] - shift[:, None]
+    valid = (src >= 0) & (src < size)
+    out = np.where(valid, np.take_along_axis(v, np.clip(src, 0, size - 1), axis=1), math.inf)
+    left = shift < 0
+    if left.any():  # column 0 takes the least of columns 0 .. -shift
+        head = np.minimum.accumulate(v[left], axis=1)
+        out[left, 0] = head[np.arange(head.shape[0]), np.minimum(-shift[left], size - 1)]
+    # the last column takes the least of every source column at or past width - 1 - shift
+    first = width - 1 - shift
+    spill = first < size
+    if spill.any():
+        tail = np.minimum.accumulate(v[spill][:, ::-1], axis=1)[:, ::-1]  # least from each column on
+        out[spill, width - 1] = np.minimum(out[spill, width - 1],
+                                           tail[np.arange(tail.shape[0]), np.maximum(first[spill], 0)])
+    return out
