@@ -142,6 +142,26 @@ def test_planner_does_not_read_a_restarts_own_backlog_as_a_shortfall():
     assert f(plan.workers) > rate
 
 
+@pytest.mark.parametrize(("since_s", "lag_s", "scales_in"), [(900.0, 0.0, True), (300.0, 0.0, False), (900.0, 400.0, False)])
+def test_a_scale_in_waits_until_it_repays_its_pause_and_never_pushes_the_lag_past_the_bound(
+        since_s: float, lag_s: float, scales_in: bool) -> None:
+    """17 workers on traffic 3 need (a burst's workers, after it): a restart to 3 pays 17 for
+    10 minutes and saves 14 a minute after, so it repays itself in 600 * 17 / 14 s (about 12
+    minutes). The planner scales in once the last change is that old, not an hour (tau) later
+    as before, which held a burst's workers up to an hour after it (issue 22); and not while the
+    lag plus the pause would pass the fallback's 15 minutes."""
+    truth = models.KaleSyncModel([0.00035, 2.5726, 0.9824, 0.0016])
+    f = lambda w: truth.predict(models.ThroughputConfig(w, batch_size=16384))  # noqa: E731
+    rate = 0.9 * f(3)
+    planner = _flat_planner(rate, truth)
+    first = planner.plan(_snap(60.0, [rate * 60.0], 1, [(1, f(1))], backlog=rate * 60.0, lag_s=60.0))
+    assert first.workers in (3, 4), first.reason  # a scale-up from 1 (sized to drain its pause): the last change
+    assert planner.repay_s(17, 3) == pytest.approx(600.0 * 17 / 14)
+    assert 600.0 < planner.repay_s(17, first.workers) < 900.0 < planner.tau_s
+    later = planner.plan(_snap(60.0 + since_s, [rate * 60.0], 17, [(17, f(17))], backlog=rate * lag_s, lag_s=lag_s))
+    assert (later.workers < 17) == scales_in, later.reason
+
+
 def test_fallback_releases_at_the_pipelines_own_lag():
     """A live job's oldest waiting record is never younger than a step or two (90 s here): the
     fallback releases once the lag is back near that floor, not only under 60 s, which such a
