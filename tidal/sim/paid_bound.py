@@ -24,7 +24,8 @@ over 20 minutes, i.e. more waiting than arrived in the last 20 minutes) are pric
 Lagrange multiplier: for every ``lam`` >= 0, ``min over schedules of (cost + lam * violating
 intervals) - lam * K`` is at most the cost of any schedule with at most K violations. The bound
 is the largest such value found by a search over ``lam`` (any ``lam`` gives a bound; the search
-only tightens it).
+only tightens it). Each interval keeps the columns up to its SLO limit and one over it, which
+holds every state over the limit: exact when none may be, one more relaxation when some may.
 """
 
 from __future__ import annotations
