@@ -83,6 +83,7 @@ __all__ = [
     "oracle_worker_hours",
     "scale_to_peak",
     "simulate",
+    "slo_allowance",
     "throughput_noise",
 ]
 
@@ -201,6 +202,15 @@ def throughput_noise(cfg: SimConfig, n: int) -> np.ndarray:
     return np.exp(rng.normal(0.0, cfg.noise, size=n) - 0.5 * cfg.noise**2)
 
 
+def slo_allowance(arrivals: np.ndarray, dt: float) -> np.ndarray:
+    """The samples that may still wait at the end of each interval with the lag within the SLO:
+    those arrived in its last 20 minutes (FIFO; arrivals spread evenly within an interval)."""
+    n = len(arrivals)
+    cum = np.concatenate([[0.0], np.cumsum(arrivals)])
+    ends = (np.arange(n) + 1) * dt
+    return cum[1:] - np.interp(ends - SLO_LAG_S, np.arange(n + 1) * dt, cum, left=0.0)
+
+
 def oracle_worker_hours(arrivals: np.ndarray, cfg: SimConfig, *, violations: float = 0.0,
                         min_workers: int = 1) -> float:
     """A lower bound of the worker-hours of any policy, on this run, whose lag passes the SLO
@@ -264,7 +274,7 @@ def oracle_worker_hours(arrivals: np.ndarray, cfg: SimConfig, *, violations: flo
     cum = np.concatenate([[0.0], np.cumsum(a)])
     ends = (t + 1) * dt
     at = lambda s: np.interp(s, np.arange(n + 1) * dt, cum, left=0.0)  # noqa: E731  cumulative arrivals
-    within = cum[1:] - at(ends - SLO_LAG_S)
+    within = slo_allowance(a, dt)
     bounds = [(0.0, None)] * n + [(float(min(min_workers, top)), float(top))] * n + [(0.0, float(x)) for x in within]
     if k_viol:  # b_t - v_t * extra_t <= within_t,  sum v_t <= K
         extra = at(ends - SLO_LAG_S) - at(ends - SLO_LAG_S - k_viol * dt)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tidal.api import ConfigError
-from tidal.sim.online import MIGRATIONS, SLO_LAG_S, SimConfig, throughput_noise, true_throughput
+from tidal.sim.online import MIGRATIONS, SimConfig, slo_allowance, throughput_noise, true_throughput
 
 __all__ = ["GRID", "paid_moves_worker_hours"]
 
@@ -117,12 +117,9 @@ class _Solver:
         noise = throughput_noise(cfg, n)
         self.cap = f[:, None] * noise[None, :] * dt / self.step  # (counts, n) in grid steps
         self.a = a / self.step
-        cum = np.concatenate([[0.0], np.cumsum(a)])
-        ends = (np.arange(n) + 1) * dt
-        within = cum[1:] - np.interp(ends - SLO_LAG_S, np.arange(n + 1) * dt, cum, left=0.0)
         # an interval ends over the SLO when more waits than arrived in its last 20 minutes; with
         # the samples waiting rounded down, index b is over only if b steps are (never a false one)
-        self.limit = np.floor(within / self.step + 1e-9).astype(np.int64)
+        self.limit = np.floor(slo_allowance(a, dt) / self.step + 1e-9).astype(np.int64)
         self.phases = _phases(cfg)
         self.floor = float(self.counts[0] * n)  # no schedule pays less than the fewest workers throughout
 
@@ -139,10 +136,9 @@ class _Solver:
         for t in range(n):
             if t in landing:
                 np.minimum(cur, landing.pop(t), out=cur)
-            best_now = float(cur.min())
-            if best_now == inf:
+            if float(cur.min()) == inf:  # no schedule is still within the SLO here
                 pass
-            elif t + length > n:
+            elif t + length > n:  # an action started now would still be under way at the end
                 tail = min(tail, self._unfinished(cur, t, lam))
             else:
                 landing_at = t + length
