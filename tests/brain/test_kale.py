@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -60,6 +62,18 @@ def test_fallback_triggers_only_when_falling_behind():
     for backlog in (300, 400, 500):
         fb.observe(backlog, scaling=False)
     assert fb.drain_rate(1000.0, 500.0, lag_s=10, utilization=0.5, pause_s=600) is None  # under bounds
+
+
+def test_a_busy_share_alone_is_no_emergency_while_the_lag_is_one_the_plan_allows():
+    fb = ThresholdFallback(lag_bound_s=900, utilization_lag_s=300, growing_intervals=2)
+    for backlog in (100, 200, 300):
+        fb.observe(backlog, scaling=False)
+    # every worker busy, the backlog growing, but the lag within what the plan lets build: the
+    # proactive plan acts, not the fallback
+    assert fb.drain_rate(1000.0, 300.0, lag_s=120, utilization=1.0, pause_s=600) is None
+    assert not fb.active
+    assert fb.drain_rate(1000.0, 300.0, lag_s=301, utilization=1.0, pause_s=600) is not None
+    assert fb.active
 
 
 def _snap(now: float, arrivals: list[float], workers: int, measured, *, scaling: bool = False,
@@ -140,6 +154,26 @@ def test_planner_does_not_read_a_restarts_own_backlog_as_a_shortfall():
     plan = _flat_planner(rate, truth).plan(_snap(60.0, [rate * 60.0], w, [(w, f(w))], backlog=rate * 60.0, lag_s=60.0))
     assert plan.workers > w, plan.reason
     assert f(plan.workers) > rate
+
+
+@pytest.mark.parametrize("catch_up_s", [1800.0, 2700.0, 5400.0])
+def test_a_change_is_sized_to_train_what_waits_within_the_catch_up_time(catch_up_s: float) -> None:
+    """The moved plan's first bins ask for the traffic plus what waits (the backlog and the
+    action's own pause of arrivals) spread over ``catch_up_s``; the bins after that, the
+    traffic alone."""
+    truth = models.KaleSyncModel([0.00035, 2.5726, 0.9824, 0.0016])
+    f = lambda w: truth.predict(models.ThroughputConfig(w, batch_size=16384))  # noqa: E731
+    rate, backlog = f(10) * 0.97, f(10) * 900.0
+    planner = KalePlanner(forecaster="seasonal-naive", batch_size=16384, min_history_bins=144, lead_s=600,
+                          model=truth, catch_up_s=catch_up_s)
+    planner.observe_history([rate * 60.0] * (3 * 1440), 60.0)
+    planner.plan(_snap(60.0, [rate * 60.0], 10, [(10, f(10))], backlog=backlog, lag_s=900.0))
+    catching_up = minimal_workers(f, rate + (backlog + rate * 600.0) / catch_up_s, 32).workers
+    bins = math.ceil(catch_up_s / 600.0)
+    assert planner.last_plan[:bins] == [catching_up] * bins
+    assert planner.last_plan[bins:] == [10] * (len(planner.last_plan) - bins)
+    with pytest.raises(ConfigError, match="catch_up_s must be positive"):
+        KalePlanner(catch_up_s=0.0)
 
 
 @pytest.mark.parametrize(("since_s", "lag_s", "scales_in"), [(900.0, 0.0, True), (300.0, 0.0, False), (900.0, 400.0, False)])

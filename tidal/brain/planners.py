@@ -87,9 +87,10 @@ def _builtin() -> dict[str, Callable[[PlannerContext], Planner]]:
         "optimus": lambda _: OptimusWorkers(),
         "dlrover": lambda ctx: DLRoverWorkers(cpus=ctx.cpus),
         "dlrover-rm": lambda ctx: DLRoverRMWorkers(features=ctx.features, history=ctx.history),
-        # at the default SLO (20 min) these are KalePlanner's own defaults: 5 and 15 minutes
+        # at the default SLO (20 min) these are KalePlanner's own defaults: 5, 15 and 5 minutes
         "kale": lambda ctx: KalePlanner(planned_lag_s=ctx.lag_slo_s / 4,
-                                        fallback=ThresholdFallback(lag_bound_s=ctx.lag_slo_s * 3 / 4),
+                                        fallback=ThresholdFallback(lag_bound_s=ctx.lag_slo_s * 3 / 4,
+                                                                   utilization_lag_s=ctx.lag_slo_s / 4),
                                         lead_s=ctx.action_lead_s, pause_s=ctx.action_pause_s),
         "hpa": lambda _: HPAPlanner(),
         "autopilot": lambda _: AutopilotPlanner(),
