@@ -176,6 +176,26 @@ def test_a_change_is_sized_to_train_what_waits_within_the_catch_up_time(catch_up
         KalePlanner(catch_up_s=0.0)
 
 
+def test_a_scale_up_at_a_bursts_start_is_sized_for_the_traffic_now_not_the_forecast() -> None:
+    """Two minutes into a burst of five times the forecast, the forecast (fitted on bins before
+    it) still says the old traffic. Sized on it the scale-up falls short and a second action
+    must follow; with the nowcast it is sized for the burst."""
+    truth = models.KaleSyncModel([0.00035, 2.5726, 0.9824, 0.0016])
+    f = lambda w: truth.predict(models.ThroughputConfig(w, batch_size=16384))  # noqa: E731
+    rate = f(3) * 0.9
+    burst = [5 * rate * 60.0] * 2
+    backlog = sum(burst) - 2 * f(3) * 60.0
+    decided = {}
+    for nowcast in (True, False):
+        planner = KalePlanner(forecaster="seasonal-naive", batch_size=16384, min_history_bins=144, lead_s=600,
+                              model=truth, nowcast=nowcast)
+        planner.observe_history([rate * 60.0] * (3 * 1440), 60.0)
+        plan = planner.plan(_snap(120.0, burst, 3, [(3, f(3))], backlog=backlog, lag_s=100.0))
+        decided[nowcast] = plan.workers
+    assert f(decided[True]) > 5 * rate
+    assert 3 < decided[False] and f(decided[False]) < 5 * rate
+
+
 @pytest.mark.parametrize(("since_s", "lag_s", "scales_in"), [(900.0, 0.0, True), (300.0, 0.0, False), (900.0, 400.0, False)])
 def test_a_scale_in_waits_until_it_repays_its_pause_and_never_pushes_the_lag_past_the_bound(
         since_s: float, lag_s: float, scales_in: bool) -> None:
