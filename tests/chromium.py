@@ -207,6 +207,9 @@ class Browser:
              "--disable-background-networking", "--disable-component-update", "--disable-sync",
              "--metrics-recording-only", "--mute-audio", "about:blank"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+            # chromium puts its singleton socket in a directory of its own under TMPDIR, which it
+            # never removes after a SIGKILL: inside the profile, close() removes it too
+            env={**os.environ, "TMPDIR": self._profile},
         )
         found = threading.Event()
         where: dict[str, str] = {}

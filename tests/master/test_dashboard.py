@@ -10,6 +10,7 @@ HttpOnly cookie that only GETs accept); the browser test opens the page in headl
 
 from __future__ import annotations
 
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -171,11 +172,16 @@ def test_the_browser_is_gone_after_close() -> None:
     if not chromium.available():
         pytest.skip("needs Debian's chromium on PATH (make setup installs it)")
     browser = chromium.Browser()
+    leftovers = lambda: set(Path(tempfile.gettempdir()).glob("org.chromium.*"))  # noqa: E731
+    before = leftovers()
     with browser:
         assert browser.proc is not None
         pgid = browser.proc.pid
+        profile = Path(browser._profile)
         started = time.monotonic()
         assert browser.evaluate("1 + 1") == 2
     assert browser.proc is None
     assert chromium._running_in_group(pgid) == []
     assert time.monotonic() - started < 10
+    assert not profile.exists()
+    assert leftovers() - before == set()  # nothing of the browser's left in the temporary directory
