@@ -276,9 +276,9 @@ class KalePlanner:
     worker more than it needed all day. ``catch_up_s`` (45 minutes) is the time a change plans
     to train what waits in: longer than the fallback's emergency ``drain_s`` (30 minutes), since
     the count a change is sized for stays until a scale-in repays its pause, long after the
-    catch-up. Chosen on issue 22's tune split (restart: 30 minutes 1.36-1.52x the lower bound
-    off the bursty trace, 45 minutes 1.21-1.38x; 60 minutes took the accumulated lag past 0.35x
-    hpa's on one trace). ``lead_s`` and ``pause_s`` are priors: with
+    catch-up. Chosen on issue 22's tune split (restart, off the bursty trace, with the
+    fallback's busy-share rule: 30 minutes 1.31-1.48x the lower bound, 45 minutes 1.21-1.38x;
+    60 minutes took the accumulated lag past 0.35x hpa's on one trace). ``lead_s`` and ``pause_s`` are priors: with
     ``measure_actions`` (the default) the planner measures them on the job's own actions
     (``_measure_action``), as the paper's planner is given the cost it observes. The planner
     scales up when, as things are, the lag would grow past ``planned_lag_s`` (5 minutes, a
@@ -327,7 +327,7 @@ class KalePlanner:
     (on issue 22's tune split, bursty week, restart: 3 -> 6 -> 28 workers at a burst's start,
     the lag at 22 minutes; with the nowcast one action to 28). Tune split: SLO violation on the
     bursty week 2.4% -> 0.1% (restart), the worker-hours 1-2% lower, the other traces within
-    0.01x. Scale-ins still follow the forecast alone.
+    0.02x. Scale-ins still follow the forecast alone.
 
     ``margin_quantile`` (off by default): plan on ``forecast * (1 + q)`` where q is that
     quantile of the recent one-bin-ahead under-forecasts, clipped to ``max_margin``. The paper
@@ -600,7 +600,6 @@ class KalePlanner:
             # after an action: it stops training for pause_s, and what arrives meanwhile must be
             # drained too; a change is sized for that
             moved = self._stabilized_plan(fc, stream.backlog + float(fc[0]) * self.pause_s, current, lo, hi)
-            self.last_plan = moved
             # the workers must be there when the traffic is: act when, as things are, the lag
             # would pass planned_lag_s and keep growing within the lead window
             growing = self.projected_lag(current, fc[:window], stream.backlog) > max(self.planned_lag_s, stream.lag_s)
@@ -616,6 +615,7 @@ class KalePlanner:
             else:
                 planned = current
             self._planned = planned
+            self.last_plan = moved  # with the nowcast, where a scale-up read it
             believed = ", ".join(f"F({w})={self.throughput(w):.0f}" for w in sorted({current, planned}))
             reason = f"plan: forecast {max(fc[:window]):.0f} samples/s, believed {believed}"
         target = self._planned if self._planned is not None else self._target
