@@ -26,6 +26,14 @@ intervals) - lam * K`` is at most the cost of any schedule with at most K violat
 is the largest such value found by a search over ``lam`` (any ``lam`` gives a bound; the search
 only tightens it). Each interval keeps the columns up to its SLO limit and one over it, which
 holds every state over the limit: exact when none may be, one more relaxation when some may.
+
+``lag_priced_worker_hours`` prices the accumulated lag (Kale Eq. 11) the same way instead: the
+fewest worker-hours of any schedule whose lag stays within a budget, for the trade-off between
+Kale's lag and worker-hour targets (``bench/online_live.py``). Each interval's lag is the one
+``simulate`` reports, bounded from below: the oldest waiting sample (fewer waiting are never
+older), or the wait that no schedule avoids in that interval (the pipeline's ``latency_s``, and
+under global shuffling the busiest worker's full queue, which depends on the count); what arrived
+within ``latency_s`` is never trained in the interval, as in ``simulate``.
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ import numpy as np
 from tidal.api import ConfigError
 from tidal.sim.online import MIGRATIONS, SimConfig, slo_allowance, throughput_noise, true_throughput
 
-__all__ = ["GRID", "paid_moves_worker_hours"]
+__all__ = ["GRID", "lag_priced_worker_hours", "paid_moves_worker_hours"]
 
 GRID = 10  # grid steps per worker-interval of samples waiting
 
@@ -104,6 +112,65 @@ def paid_moves_worker_hours(arrivals: np.ndarray, cfg: SimConfig, *, violations:
     return solver.hours(max(best, solver.floor))
 
 
+def lag_priced_worker_hours(arrivals: np.ndarray, cfg: SimConfig, lag_budget_min: float, *,
+                            grid: int = GRID, prices: int = 12) -> float:
+    """A lower bound of the worker-hours of any schedule of ``simulate`` on ``arrivals`` (already
+    scaled) whose accumulated lag (Kale Eq. 11, lag-minutes) is at most ``lag_budget_min``, each
+    scaling action paid as ``cfg.migration`` says; no SLO is imposed beyond that budget.
+
+    Lagrangian duality: for a price ``mu`` >= 0 per lag-minute, ``D(mu)``, the least of
+    worker-intervals plus ``mu`` times the lag over every schedule, is at most the worker-intervals
+    plus ``mu * lag_budget_min`` of any schedule within the budget, so ``D(mu) - mu *
+    lag_budget_min`` bounds their worker-intervals from below for every ``mu``. ``D`` is the dynamic
+    program of ``paid_moves_worker_hours`` with each interval's lag priced (``_Solver.lag_min``: the
+    oldest waiting sample with the samples waiting rounded down, or the wait of the pipeline and of
+    the shuffle queues, both as ``simulate`` counts them), a relaxation of the simulator throughout,
+    so ``D`` is at most the true least and the bound holds. ``D(mu) - mu * budget`` is concave in
+    ``mu``: a scan of ``prices`` prices on a log scale, then a golden-section search around the best,
+    only tightens it (any price gives a bound). The duality gap (schedules are whole counts) can leave
+    the bound below the cheapest schedule within the budget. ``inf`` when the budget is below the
+    lag that every schedule has (the pipeline's, and the shuffle queues' at every count).
+
+    Raises:
+        ConfigError: an unknown migration, or a negative budget.
+    """
+    if cfg.migration not in MIGRATIONS:
+        raise ConfigError(f"migration must be one of {', '.join(MIGRATIONS)}, got {cfg.migration!r}")
+    if not lag_budget_min >= 0:
+        raise ConfigError(f"the lag budget must be at least 0 lag-minutes, got {lag_budget_min:g}")
+    a = np.asarray(arrivals, dtype=float)
+    if len(a) == 0:
+        return 0.0
+    solver = _Solver(a, cfg, 1, grid)
+
+    def dual(log_mu: float) -> float:
+        mu = math.exp(log_mu)
+        return solver.run(0.0, mu) - mu * lag_budget_min
+
+    floor = float(solver.queue_wait.min(axis=0).sum()) * cfg.interval_s / 3600.0  # lag no schedule avoids
+    if lag_budget_min < floor:
+        return math.inf
+    logs = np.linspace(math.log(1e-3), math.log(1e6), prices)
+    values = [dual(x) for x in logs]
+    best = int(np.argmax(values))
+    lo, hi = logs[max(0, best - 1)], logs[min(len(logs) - 1, best + 1)]
+    golden = (math.sqrt(5) - 1) / 2
+    x1, x2 = hi - golden * (hi - lo), lo + golden * (hi - lo)
+    f1, f2 = dual(x1), dual(x2)
+    top = max(values[best], solver.run(0.0))  # mu = 0: the actions paid, the lag free
+    for _ in range(12):
+        if f1 < f2:
+            lo, x1, f1 = x1, x2, f2
+            x2 = lo + golden * (hi - lo)
+            f2 = dual(x2)
+        else:
+            hi, x2, f2 = x2, x1, f1
+            x1 = hi - golden * (hi - lo)
+            f1 = dual(x1)
+        top = max(top, f1, f2)
+    return solver.hours(max(top, solver.floor))
+
+
 class _Solver:
     """The dynamic program of one run: ``run(lam)`` is the least cost in worker-intervals plus
     ``lam`` per interval over the SLO (``inf``: none may be)."""
@@ -122,11 +189,38 @@ class _Solver:
         self.limit = np.floor(slo_allowance(a, dt) / self.step + 1e-9).astype(np.int64)
         self.phases = _phases(cfg)
         self.floor = float(self.counts[0] * n)  # no schedule pays less than the fewest workers throughout
+        self.mu = 0.0  # the price of a lag-minute in the run under way (``run``)
+        self._oldest: dict[int, np.ndarray] = {}  # interval -> age of the oldest waiting sample, per column
+        self.cum = np.concatenate([[0.0], np.cumsum(a)])
+        self.arrivals = a
+        self.queue_wait = _queue_wait(a, cfg, self.counts, f[:, None] * noise[None, :])  # (counts, n) seconds
+        # grid steps that arrived in each interval's last latency_s (rounded down): never trained in it
+        ends = (np.arange(n) + 1) * dt
+        recent = self.cum[1:] - np.interp(ends - cfg.latency_s, np.arange(n + 1) * dt, self.cum, left=0.0)
+        self.unreachable = np.floor(recent / self.step + 1e-9).astype(np.int64) if cfg.latency_s > 0 else np.zeros(n, np.int64)
+
+    def lag_min(self, t: int, columns: np.ndarray, rows: slice | np.ndarray = slice(None)) -> np.ndarray:
+        """Lag-minutes that interval t adds (``simulate``: its lag in minutes times its length in
+        minutes) for each count (rows) ending it with ``columns`` grid steps waiting: the age of the
+        oldest of them, FIFO, or the wait the count's shuffle queues and the pipeline put on every
+        record, whichever is more. The samples waiting are rounded down, so this is at most the
+        simulator's (fewer waiting are never older)."""
+        oldest = self._oldest.get(t)
+        if oldest is None:  # the same for every price: computed once a run of prices
+            every = np.arange(self.width(t))
+            consumed = np.maximum(self.cum[t + 1] - every * self.step, 0.0)
+            oldest = np.where(every > 0, _oldest_age(self.cum, self.arrivals, consumed, (t + 1) * self.dt, self.dt), 0.0)
+            self._oldest[t] = oldest
+        lag_s = np.maximum(oldest[columns][None, :], self.queue_wait[rows, t][:, None])
+        return lag_s * self.dt / 3600.0
 
     def hours(self, cost: float) -> float:
         return cost * self.dt / 3600.0
 
-    def run(self, lam: float) -> float:
+    def run(self, lam: float, mu: float = 0.0) -> float:
+        """The least cost in worker-intervals, plus ``lam`` per interval over the SLO and ``mu`` per
+        lag-minute (the simulator's accumulated lag, Kale Eq. 11)."""
+        self.mu = mu
         n, counts = self.n, self.counts
         inf = math.inf
         length = len(self.phases)
@@ -154,6 +248,12 @@ class _Solver:
         """Every row of ``v`` one interval on: arrivals ``a[t]``, row i trains ``cap[i]`` grid steps."""
         shift = np.floor(self.a[t] - cap + 1e-9).astype(np.int64)
         out = _shift_rows(v, shift, self.width(t))
+        least = min(int(self.unreachable[t]), out.shape[1] - 1)
+        if least > 0:  # what arrived within the pipeline's latency waits whatever the capacity
+            out[:, least] = out[:, : least + 1].min(axis=1)
+            out[:, :least] = math.inf
+        if self.mu:
+            out += self.mu * self.lag_min(t, np.arange(out.shape[1]))
         if lam == math.inf:
             out[:, -1] = math.inf  # the last column, alone over the SLO
         elif lam > 0:
@@ -170,6 +270,10 @@ class _Solver:
         one shift by all their arrivals, each column charged for the intervals it ends over the SLO."""
         steps = np.floor(self.a[t : t + count] + 1e-9).astype(np.int64)
         ahead = np.cumsum(steps)  # rounded down each interval, as _interval does
+        if self.mu:  # each interval's lag, column b being b + ahead[j] steps by the end of interval t + j
+            for j in range(count):
+                columns = np.minimum(np.arange(v.shape[1]) + ahead[j], self.width(t + j) - 1)
+                v = v + self.mu * self.lag_min(t + j, columns)
         # column b ends interval t + j over the SLO when b + ahead[j] > limit[t + j]
         edges = np.sort(self.limit[t : t + count] - ahead)
         over = np.searchsorted(edges, np.arange(v.shape[1]), side="left")  # edges below each column
@@ -219,6 +323,36 @@ class _Solver:
             out = out + counts
             i += 1
         return out
+
+
+def _oldest_age(cum: np.ndarray, arrivals: np.ndarray, consumed: np.ndarray, now: float, dt: float) -> np.ndarray:
+    """``tidal.sim.online._lag`` for many ``consumed`` at once: the age at ``now`` of the next
+    sample to train, arrivals spread evenly within each interval."""
+    j = np.clip(np.searchsorted(cum, consumed, side="right") - 1, 0, len(arrivals) - 1)
+    per = arrivals[j]
+    frac = np.divide(consumed - cum[j], per, out=np.zeros_like(consumed), where=per > 0)
+    return np.maximum(0.0, now - (j + frac) * dt)
+
+
+def _queue_wait(a: np.ndarray, cfg: SimConfig, counts: np.ndarray, rate: np.ndarray) -> np.ndarray:
+    """The lag every schedule has in interval t with ``counts[i]`` workers training at ``rate[i, t]``
+    samples/s, whatever waits (``simulate``): the pipeline's ``latency_s`` while samples arrive
+    within it, and under global shuffling the busiest worker's full queue (``_shuffle_wait``)."""
+    from tidal.sim.online import _shuffle_wait
+
+    n, dt = len(a), cfg.interval_s
+    out = np.zeros((len(counts), n))
+    if cfg.latency_s > 0:  # what arrived in the last latency_s cannot be trained yet: the oldest of it waits
+        cum = np.concatenate([[0.0], np.cumsum(a)])
+        ends = (np.arange(n) + 1) * dt
+        reachable = np.interp(ends - cfg.latency_s, np.arange(n + 1) * dt, cum, left=0.0)
+        ages = np.array([_oldest_age(cum, a, np.array([reachable[t]]), ends[t], dt)[0] for t in range(n)])
+        out[:] = np.where(cum[1:] - reachable > 1e-6, ages, 0.0)[None, :]
+    if cfg.shuffle_upper is not None and cfg.partitions:
+        for i, w in enumerate(counts):
+            for t in range(n):
+                out[i, t] = max(out[i, t], _shuffle_wait(a[t] / cfg.partitions, int(w), float(rate[i, t]), cfg, dt))
+    return out
 
 
 def _shift_rows(v: np.ndarray, shift: np.ndarray, width: int) -> np.ndarray:
