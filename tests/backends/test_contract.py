@@ -62,7 +62,7 @@ class Seen:
         self.errors += state.errors
         return state
 
-    def until(self, what: str, condition: Callable[[Seen], bool], timeout: float = 10.0) -> None:
+    def until(self, what: str, condition: Callable[[Seen], bool], timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         while True:
             self.poll()
@@ -468,6 +468,11 @@ class TestFakeBackend(BackendContract):
 
 
 # ============================================================================== RayBackend
+#: how long a Ray node may take to start in these tests: a new Ray worker process imports Ray and
+#: tidal, which took over 5 s on CI's 2 loaded cores (the node then reported as not placed)
+RAY_START_S = 15.0
+
+
 class TestRayBackend(TestLocalBackend):
     """The same suite on a real one-node Ray cluster on 127.0.0.1 (tests/ray_cluster.py): each node
     a detached actor whose child is the process the local backend would start."""
@@ -488,13 +493,13 @@ class TestRayBackend(TestLocalBackend):
 
         namespace = f"contract-{uuid.uuid4().hex[:8]}"
         self.namespaces = [*getattr(self, "namespaces", []), namespace]
-        return RayBackend(address=self.address, namespace=namespace, wait_for_resources_s=5.0, poll_interval_s=0.02)
+        return RayBackend(address=self.address, namespace=namespace, wait_for_resources_s=RAY_START_S, poll_interval_s=0.02)
 
     def restarted(self, first: Backend) -> Backend:
         from tidal.backends.ray import RayBackend
 
         assert isinstance(first, RayBackend)
-        return RayBackend(address=self.address, namespace=first.namespace, wait_for_resources_s=5.0,
+        return RayBackend(address=self.address, namespace=first.namespace, wait_for_resources_s=RAY_START_S,
                           poll_interval_s=0.02)
 
     def launch_unstartable(self, backend: Backend, spec: NodeSpec, request_id: str, retryable: bool) -> None:

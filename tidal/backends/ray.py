@@ -643,8 +643,9 @@ class RayBackend:
             waited = time.monotonic() - node.launched_at
             if self.wait_for_resources_s and waited > self.wait_for_resources_s:
                 self._kill_actor(node)
-                message = (f"not placed in {self.wait_for_resources_s:g} s (--wait-for-resources): "
-                           + (f"no machine has room for {_describe(node.resources)}" if node.feasible
+                message = (f"not started in {self.wait_for_resources_s:g} s (--wait-for-resources): "
+                           + (f"no machine has room for {_describe(node.resources)}, or its process is slow "
+                              "to start" if node.feasible
                               else unplaceable(node.resources, self.machines())))
                 self._drop(node_id, NodeError(node_id, message, retryable=node.feasible))
             return
