@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from tests.jobtools import Job, alive, example_args, tmpfs_mounts, wait_for
+from tidal.worker.flash import list_checkpoints
 
 pytestmark = pytest.mark.slow
 
@@ -93,6 +94,32 @@ def test_a_full_checkpoint_dir_fails_the_job_with_the_reason(tmp_path: Path, job
     assert "No space left on device" in summary, summary
     # the records were flushed before the checkpoint was tried: nothing trained went missing
     assert job.audit(samples, epochs).ok
+
+
+def test_a_checkpoint_dir_that_fills_up_is_reported_while_training_goes_on(
+        tmp_path: Path, jobs: list[Job], small_fs: Callable[[str, int], Path]) -> None:
+    """Flash checkpoints into a disk that fills up mid-job (issue 17): the persister's ENOSPC is in
+    ``tidal status`` and the log, training goes on, the checkpoints already written stay whole
+    (none partial), and once there is room again the job checkpoints and ends as usual."""
+    checkpoints = small_fs("checkpoints", 16)
+    samples, epochs = 40_000, 1
+    job = Job(tmp_path, "2:2", example_args(samples, epochs, 256, 0.03),
+              run_args=["--checkpoint-dir", str(checkpoints), "--checkpoint-every", "10"])
+    jobs.append(job.start())
+    job.wait_status(lambda s: s["checkpoint_step"] >= 9, 120, "the first flash checkpoint")
+    filler = fill(checkpoints)
+    full = job.wait_status(lambda s: bool(s["checkpoint_problem"]), 60, "the full disk in tidal status")
+    assert "No space left on device" in full["checkpoint_problem"], full["checkpoint_problem"]
+    job.wait_step(full["finalized_step"] + 20, 120)  # training goes on without its checkpoints
+    kept = list_checkpoints(checkpoints)
+    assert kept and all(c.ok for c in kept), [c.problem for c in kept]  # nothing partial, nothing torn
+    assert max(c.step for c in kept) <= full["checkpoint_step"]
+    filler.unlink()
+    assert job.wait(240) == 0, job.output()[-3000:]
+    assert job.audit(samples, epochs).ok
+    assert "No space left on device" in job.output()
+    after = list_checkpoints(checkpoints)
+    assert all(c.ok for c in after) and max(c.step for c in after) > full["finalized_step"] + 20
 
 
 def test_a_stray_finish_is_refused_and_the_job_trains_everything(tmp_path: Path, jobs: list[Job]) -> None:
