@@ -20,7 +20,8 @@ Per policy, live: a fresh ``redis-server``; its ``--max-workers`` partitions mad
 each; ``tidal run --workers 1:MAX --initial W0 --planner P --time-scale X --lag-slo 1200 --stream
 URL`` (W0: the count the day's first hour needs, as the simulator starts; ``--initial`` holds it
 while the workers start); once they train, ``tidal produce --trace DAY --speedup X --peak RATE``
-writes the day and the planner is handed the job (``/v1/scale {"auto": true}``). When the
+writes the day, and once its first records are in and a worker's busy window (one wall second)
+has passed, the planner is handed the job (``/v1/scale {"auto": true}``). When the
 producer is done the live figures are read from the master (``/v1/status``, ``/v1/timeline``),
 counted from the moment production began, and the job is stopped:
 
@@ -266,6 +267,7 @@ class LiveRun:
                               "--seed", str(a.seed), "-q"], self.work / "produce.log", bench_env())
             before = self.get("/v1/status")
             t0 = (self.get("/v1/timeline")["points"] or [{"t_s": 0.0}])[-1]["t_s"]
+            self.await_traffic(stream, producer)
             httpx.post(self.url + "/v1/scale", json={"auto": True}, headers=self.auth, timeout=10).raise_for_status()
             note(f"{self.policy}: producing the day over {a.minutes:g} min (time scale {self.scale:g}), "
                  f"{self.initial} workers to begin with, load average {load_average():.1f}")
@@ -293,6 +295,23 @@ class LiveRun:
             if job_id:
                 kill_workers(job_id)
             redis.stop()
+
+    def await_traffic(self, stream: str, producer: Any) -> None:
+        """Wait until the producer's first records are in the stream, then one busy window more, so
+        that the first busy share the planner reads covers traffic, as the simulator's first
+        decision does. Handed the job before, a planner read the idle seconds of the producer's
+        start-up: the thirteenth run's hpa scaled 4 -> 1 on a busy share of 0.00 at the first
+        minute, then climbed back a worker at a time (3,705 lag-min, 4.2x the tenth run's)."""
+        source = open_source(stream)
+        deadline = time.monotonic() + 60
+        try:
+            while sum(source.appended(p) for p in range(self.args.max_workers)) <= self.args.max_workers:
+                if producer.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"{self.policy}: no record produced; see {self.work / 'produce.log'}")
+                time.sleep(0.05)
+        finally:
+            source.close()
+        time.sleep(BUSY_WINDOW_S)
 
     def figures(self, before: dict[str, Any], after: dict[str, Any], timeline: dict[str, Any],
                 t0: float) -> dict[str, Any]:
