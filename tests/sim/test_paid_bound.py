@@ -24,13 +24,16 @@ class Scripted:
         return ResourcePlan(workers=self.counts[self.calls - 1])
 
 
+def simulate_every_schedule(window: np.ndarray, cfg: sim.SimConfig) -> list[sim.PolicyResult]:
+    """The simulator's results for every count sequence it can be told."""
+    schedules = list(itertools.product(range(1, cfg.peak_workers + 1), repeat=len(window) + 1))
+    factories = {str(i): (lambda s=s: Scripted(s)) for i, s in enumerate(schedules)}
+    return list(sim.simulate(window, factories, cfg).values())  # type: ignore[arg-type]
+
+
 def every_schedule(window: np.ndarray, cfg: sim.SimConfig) -> list[tuple[float, int]]:
     """(worker-hours, intervals over the SLO) of every count sequence the simulator can be told."""
-    n, top = len(window), cfg.peak_workers
-    schedules = list(itertools.product(range(1, top + 1), repeat=n + 1))
-    factories = {str(i): (lambda s=s: Scripted(s)) for i, s in enumerate(schedules)}
-    res = sim.simulate(window, factories, cfg)  # type: ignore[arg-type]
-    return [(r.worker_hours, round(r.slo_violation_rate * n)) for r in res.values()]
+    return [(r.worker_hours, round(r.slo_violation_rate * len(window))) for r in simulate_every_schedule(window, cfg)]
 
 
 @pytest.mark.parametrize("migration", ["restart", "seamless"])
@@ -64,10 +67,8 @@ def test_a_stream_no_schedule_keeps_is_inf_and_bad_input_is_refused() -> None:
 
 def every_schedule_lag(window: np.ndarray, cfg: sim.SimConfig) -> tuple[np.ndarray, np.ndarray]:
     """(worker-hours, accumulated lag-minutes) of every count sequence the simulator can be told."""
-    n, top = len(window), cfg.peak_workers
-    schedules = list(itertools.product(range(1, top + 1), repeat=n + 1))
-    res = sim.simulate(window, {str(i): (lambda s=s: Scripted(s)) for i, s in enumerate(schedules)}, cfg)  # type: ignore[misc]
-    return (np.array([r.worker_hours for r in res.values()]), np.array([r.accumulated_lag_min for r in res.values()]))
+    res = simulate_every_schedule(window, cfg)
+    return np.array([r.worker_hours for r in res]), np.array([r.accumulated_lag_min for r in res])
 
 
 @pytest.mark.parametrize("migration", ["restart", "seamless"])

@@ -39,12 +39,20 @@ within ``latency_s`` is never trained in the interval, as in ``simulate``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from tidal.api import ConfigError
-from tidal.sim.online import MIGRATIONS, SimConfig, slo_allowance, throughput_noise, true_throughput
+from tidal.sim.online import (
+    MIGRATIONS,
+    SimConfig,
+    _shuffle_wait,
+    slo_allowance,
+    throughput_noise,
+    true_throughput,
+)
 
 __all__ = ["GRID", "lag_priced_worker_hours", "paid_moves_worker_hours"]
 
@@ -94,22 +102,9 @@ def paid_moves_worker_hours(arrivals: np.ndarray, cfg: SimConfig, *, violations:
     if k == 0 or strict <= solver.floor:
         return solver.hours(strict)
     # max over lam of D(lam) - lam * K; D is concave, so D(lam) - lam * K is unimodal in log(lam)
-    best = solver.run(0.0)
-    lo, hi = math.log(1e-3), math.log(max(1.0, 4.0 * solver.top * len(a)))
-    golden = (math.sqrt(5) - 1) / 2
-    x1, x2 = hi - golden * (hi - lo), lo + golden * (hi - lo)
-    f1, f2 = solver.run(math.exp(x1)) - math.exp(x1) * k, solver.run(math.exp(x2)) - math.exp(x2) * k
-    for _ in range(8):
-        if f1 < f2:
-            lo, x1, f1 = x1, x2, f2
-            x2 = lo + golden * (hi - lo)
-            f2 = solver.run(math.exp(x2)) - math.exp(x2) * k
-        else:
-            hi, x2, f2 = x2, x1, f1
-            x1 = hi - golden * (hi - lo)
-            f1 = solver.run(math.exp(x1)) - math.exp(x1) * k
-        best = max(best, f1, f2)
-    return solver.hours(max(best, solver.floor))
+    best = _golden_max(lambda x: solver.run(math.exp(x)) - math.exp(x) * k,
+                       math.log(1e-3), math.log(max(1.0, 4.0 * solver.top * len(a))), 8)
+    return solver.hours(max(best, solver.run(0.0), solver.floor))
 
 
 def lag_priced_worker_hours(arrivals: np.ndarray, cfg: SimConfig, lag_budget_min: float, *,
@@ -153,22 +148,30 @@ def lag_priced_worker_hours(arrivals: np.ndarray, cfg: SimConfig, lag_budget_min
     logs = np.linspace(math.log(1e-3), math.log(1e6), prices)
     values = [dual(x) for x in logs]
     best = int(np.argmax(values))
-    lo, hi = logs[max(0, best - 1)], logs[min(len(logs) - 1, best + 1)]
+    around = _golden_max(dual, logs[max(0, best - 1)], logs[min(len(logs) - 1, best + 1)], 12)
+    # mu = 0: the actions paid, the lag free
+    return solver.hours(max(values[best], around, solver.run(0.0), solver.floor))
+
+
+def _golden_max(f: Callable[[float], float], lo: float, hi: float, steps: int) -> float:
+    """The largest value of ``f`` seen by a golden-section search of ``steps`` steps for the maximum
+    of a unimodal ``f`` on ``[lo, hi]`` (a dual bound: every value seen is a bound, the search only
+    tightens it)."""
     golden = (math.sqrt(5) - 1) / 2
     x1, x2 = hi - golden * (hi - lo), lo + golden * (hi - lo)
-    f1, f2 = dual(x1), dual(x2)
-    top = max(values[best], solver.run(0.0))  # mu = 0: the actions paid, the lag free
-    for _ in range(12):
+    f1, f2 = f(x1), f(x2)
+    best = max(f1, f2)
+    for _ in range(steps):
         if f1 < f2:
             lo, x1, f1 = x1, x2, f2
             x2 = lo + golden * (hi - lo)
-            f2 = dual(x2)
+            f2 = f(x2)
         else:
             hi, x2, f2 = x2, x1, f1
             x1 = hi - golden * (hi - lo)
-            f1 = dual(x1)
-        top = max(top, f1, f2)
-    return solver.hours(max(top, solver.floor))
+            f1 = f(x1)
+        best = max(best, f1, f2)
+    return best
 
 
 class _Solver:
@@ -193,13 +196,14 @@ class _Solver:
         self._oldest: dict[int, np.ndarray] = {}  # interval -> age of the oldest waiting sample, per column
         self.cum = np.concatenate([[0.0], np.cumsum(a)])
         self.arrivals = a
-        self.queue_wait = _queue_wait(a, cfg, self.counts, f[:, None] * noise[None, :])  # (counts, n) seconds
-        # grid steps that arrived in each interval's last latency_s (rounded down): never trained in it
+        # samples that can be trained by each interval's end: those arrived latency_s before it
         ends = (np.arange(n) + 1) * dt
-        recent = self.cum[1:] - np.interp(ends - cfg.latency_s, np.arange(n + 1) * dt, self.cum, left=0.0)
-        self.unreachable = np.floor(recent / self.step + 1e-9).astype(np.int64) if cfg.latency_s > 0 else np.zeros(n, np.int64)
+        reachable = np.interp(ends - cfg.latency_s, np.arange(n + 1) * dt, self.cum, left=0.0)
+        # grid steps that arrived in each interval's last latency_s (rounded down): never trained in it
+        self.unreachable = np.floor((self.cum[1:] - reachable) / self.step + 1e-9).astype(np.int64)
+        self.queue_wait = _queue_wait(a, cfg, self.counts, f[:, None] * noise[None, :], reachable)  # (counts, n) s
 
-    def lag_min(self, t: int, columns: np.ndarray, rows: slice | np.ndarray = slice(None)) -> np.ndarray:
+    def lag_min(self, t: int, columns: np.ndarray) -> np.ndarray:
         """Lag-minutes that interval t adds (``simulate``: its lag in minutes times its length in
         minutes) for each count (rows) ending it with ``columns`` grid steps waiting: the age of the
         oldest of them, FIFO, or the wait the count's shuffle queues and the pipeline put on every
@@ -211,7 +215,7 @@ class _Solver:
             consumed = np.maximum(self.cum[t + 1] - every * self.step, 0.0)
             oldest = np.where(every > 0, _oldest_age(self.cum, self.arrivals, consumed, (t + 1) * self.dt, self.dt), 0.0)
             self._oldest[t] = oldest
-        lag_s = np.maximum(oldest[columns][None, :], self.queue_wait[rows, t][:, None])
+        lag_s = np.maximum(oldest[columns][None, :], self.queue_wait[:, t][:, None])
         return lag_s * self.dt / 3600.0
 
     def hours(self, cost: float) -> float:
@@ -325,7 +329,8 @@ class _Solver:
         return out
 
 
-def _oldest_age(cum: np.ndarray, arrivals: np.ndarray, consumed: np.ndarray, now: float, dt: float) -> np.ndarray:
+def _oldest_age(cum: np.ndarray, arrivals: np.ndarray, consumed: np.ndarray, now: float | np.ndarray,
+                dt: float) -> np.ndarray:
     """``tidal.sim.online._lag`` for many ``consumed`` at once: the age at ``now`` of the next
     sample to train, arrivals spread evenly within each interval."""
     j = np.clip(np.searchsorted(cum, consumed, side="right") - 1, 0, len(arrivals) - 1)
@@ -334,19 +339,17 @@ def _oldest_age(cum: np.ndarray, arrivals: np.ndarray, consumed: np.ndarray, now
     return np.maximum(0.0, now - (j + frac) * dt)
 
 
-def _queue_wait(a: np.ndarray, cfg: SimConfig, counts: np.ndarray, rate: np.ndarray) -> np.ndarray:
+def _queue_wait(a: np.ndarray, cfg: SimConfig, counts: np.ndarray, rate: np.ndarray,
+                reachable: np.ndarray) -> np.ndarray:
     """The lag every schedule has in interval t with ``counts[i]`` workers training at ``rate[i, t]``
-    samples/s, whatever waits (``simulate``): the pipeline's ``latency_s`` while samples arrive
-    within it, and under global shuffling the busiest worker's full queue (``_shuffle_wait``)."""
-    from tidal.sim.online import _shuffle_wait
-
+    samples/s, whatever waits (``simulate``): the age of the oldest sample not ``reachable`` yet
+    (arrived within ``latency_s``), and under global shuffling the busiest worker's full queue
+    (``_shuffle_wait``)."""
     n, dt = len(a), cfg.interval_s
     out = np.zeros((len(counts), n))
     if cfg.latency_s > 0:  # what arrived in the last latency_s cannot be trained yet: the oldest of it waits
         cum = np.concatenate([[0.0], np.cumsum(a)])
-        ends = (np.arange(n) + 1) * dt
-        reachable = np.interp(ends - cfg.latency_s, np.arange(n + 1) * dt, cum, left=0.0)
-        ages = np.array([_oldest_age(cum, a, np.array([reachable[t]]), ends[t], dt)[0] for t in range(n)])
+        ages = _oldest_age(cum, a, reachable, (np.arange(n) + 1) * dt, dt)
         out[:] = np.where(cum[1:] - reachable > 1e-6, ages, 0.0)[None, :]
     if cfg.shuffle_upper is not None and cfg.partitions:
         for i, w in enumerate(counts):
