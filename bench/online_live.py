@@ -45,11 +45,12 @@ later); the window over which a worker measures its busy share (its last wall se
 seconds at 96x: ``SimConfig.busy_window_s``; read over the interval alone, the catch-up after
 every pause read as saturation, and the simulated HPA scaled out again after each scale-in, 171
 actions to live's 19); and how records reach the workers. The jobs run with Kale's global shuffling
-(``--shuffle``, default ``128:384``): a worker over its upper threshold forwards what it reads to
+(``--shuffle``, default ``32:160``): a worker over its upper threshold forwards what it reads to
 those under the lower one, so the workers train as one pool, and the simulator pools them too
 (``SimConfig.shuffle_upper``); but a worker whose partitions bring more than it trains (two of 8
 partitions on 5-7 workers) keeps its queue at the upper threshold, and its records wait behind
-it: 384 records at 400 records/s is a second, 96 trace seconds at 96x. With ``--shuffle none``
+it: 160 records at 400 records/s is 0.4 s, 38 trace seconds at 96x (at ``128:384``, the
+default until the fifteenth run, a second). With ``--shuffle none``
 each worker trains only the partitions the master assigned it, and the simulator does the same
 (``SimConfig.partitions``: 8 partitions on 6 workers leave two workers with a quarter of the
 traffic each, so 5-7 workers are no faster than 4). The lower bound is
@@ -140,7 +141,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--device-ms-per-step", type=float, default=300.0)
     p.add_argument("--trace", type=Path, default=TRACE)
-    p.add_argument("--shuffle", default="128:384",
+    p.add_argument("--shuffle", default="32:160",
                    help="the jobs' --global-shuffle LOWER:UPPER (Kale 3.5), or 'none': partitions stay where "
                         "the master assigned them, and 8 partitions make 5-7 workers no faster than 4")
     p.add_argument("--seed", type=int, default=0)
