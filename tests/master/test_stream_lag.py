@@ -239,3 +239,9 @@ def test_a_stream_jobs_capacity_is_measured_from_its_busy_share() -> None:
     for r in ramp:
         r.samples_per_s, r.stream_capacity = 120.0, 640.0
     assert planning.observe_stream(13.0, 1.0, 2.0, 0, ramp, ready=True).measured == [(2.0, 640.0)]
+    # a member whose first steps of the round are not over (capacity 0: the master sets it when
+    # the round forms, the worker says so until its steady steps): nothing is measured, neither
+    # from the others' reports nor from the rate over the busy share
+    joined = members(0.5)
+    joined[0].stream_capacity, joined[1].stream_capacity = 640.0, 0.0
+    assert planning.observe_stream(14.0, 1.0, 2.0, 0, joined, ready=True).measured == []

@@ -295,7 +295,8 @@ class ReportRequest(_Wire):
     stream_oldest_by_partition: dict[int, _NonNegI64] = Field(default_factory=dict, max_length=65536)
     stream_measured_ms: int = Field(default=0, ge=0, le=_I64)
     stream_busy: float = Field(default=-1.0, ge=-1.0, le=1.0)
-    # records per second its steps trained while busy (the same steps as stream_busy; -1: unknown)
+    # records per second its steps trained while busy (the same steps as stream_busy, less the
+    # round's first ones; -1: unknown; 0: the round's first steps are not over, not measured yet)
     stream_capacity: float = Field(default=-1.0, ge=-1.0, le=1e12)
     # with global shuffling (tidal.worker.shuffle): records in its local queue (-1: no shuffling),
     # and records it forwarded to others and received from them so far

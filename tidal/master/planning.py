@@ -216,7 +216,9 @@ class Planning:
         batches were: ``tidal.worker.stream_loader``), and their capacity once that share is at
         least ``MEASURE_UTILIZATION``: the sum of the rates each trained at while busy, measured
         over the same steps as its busy share (from a worker that does not report it: the rate
-        over the busy share)."""
+        over the busy share). Nothing is measured while a member has not finished its first steps
+        of the round (``tidal.worker.stream_loader.ROUND_WARMUP_STEPS``): the sum would mix the
+        old count's window and a new worker's slow start."""
         backlog = sum(max(0, r.stream_backlog) for r in members)
         before = self._stream_seen or (committed, backlog)
         self._stream_seen = (committed, backlog)
@@ -228,6 +230,8 @@ class Planning:
         # filled (the simulator measures it every minute; live, only a busy job shows it)
         if members and all(r.stream_capacity > 0 for r in members):
             capacity = sum(r.stream_capacity for r in members) / time_scale
+        elif any(r.stream_capacity == 0 for r in members):
+            capacity = 0.0  # a member's first steps of the round are not over: not measured
         else:
             capacity = rate / min(1.0, utilization) if utilization > 0 else 0.0
         measured = ([(float(len(members)), capacity)]

@@ -45,6 +45,12 @@ from tidal.worker.stream_reader import READER_ENV, Decode, PartitionReader, Pick
 log = logging.getLogger(__name__)
 
 BACKLOG_EVERY_S = 1.0
+#: a round's first steps are not measured for the capacity it reports: a worker that just joined
+#: runs its first steps slowly (its first collectives, buffers allocated), and the members that
+#: stayed measured part of their window at the old count. Summed over the members, a live round of
+#: 6 workers right after 3 -> 6 read as the capacity of 3, kale believed F(6) = F(3) and held 7
+#: workers for the last 9 hours of a WorldCup98 day (bench/RESULTS.md, fifteenth live run)
+ROUND_WARMUP_STEPS = 2
 
 
 class StreamHost(Protocol):
@@ -108,7 +114,10 @@ class StreamLoader:
         self._next_discover = 0.0
         self._next_backlog = 0.0
         self._busy_s, self._busy_since = 0.0, clock()
-        self._busy_records = 0  # records trained in the steps counted in _busy_s
+        # the steps of the window past the round's first ROUND_WARMUP_STEPS: seconds (weighted
+        # as _busy_s is) and the records they trained, what the capacity is measured over
+        self._measured_s, self._measured_records = 0.0, 0
+        self._warmup = ROUND_WARMUP_STEPS
         self.trim = os.environ.get("TIDAL_STREAM_TRIM") == "1"  # tidal run --trim-after-commit
         self._trimmed: dict[int, int] = {}
         # the next batch is read and decoded while this one trains (tidal.worker.stream_reader)
@@ -179,8 +188,11 @@ class StreamLoader:
                 # the rate while busy, from the same steps as the busy share: the rate over busy
                 # share from the report's smoothed rate lagged a ramp (the first seconds of a
                 # stream read its capacity a fifth low, and kale sized for that all day)
-                capacity = self._busy_records / self._busy_s if self._busy_s > 0 else -1.0
-                self._busy_s, self._busy_since, self._busy_records = 0.0, now, 0
+                # (0: the round's first steps are not over, no capacity yet; -1: no step to measure)
+                capacity = (self._measured_records / self._measured_s if self._measured_s > 0
+                            else 0.0 if self._warmup > 0 else -1.0)
+                self._busy_s, self._busy_since = 0.0, now
+                self._measured_s, self._measured_records = 0.0, 0
                 self._next_backlog = now + BACKLOG_EVERY_S
                 counted = self._lag()
                 if counted is not None:
@@ -207,8 +219,13 @@ class StreamLoader:
             yield taken.batch
             # busy for the share of the step's batch it filled: a worker that keeps up trains a few
             # records every step, and counting such a step as busy would read as saturation
-            self._busy_s += (self.clock() - began) * min(1.0, taken.count / self.batch_size)
-            self._busy_records += taken.count
+            busy_s = (self.clock() - began) * min(1.0, taken.count / self.batch_size)
+            self._busy_s += busy_s
+            if self._warmup > 0:
+                self._warmup -= 1
+            else:
+                self._measured_s += busy_s
+                self._measured_records += taken.count
             if steps.pending is pending:
                 raise UsageError("call job.step() once for every batch of the elastic loader")
 
@@ -261,6 +278,9 @@ class StreamLoader:
         if self._unit is not None:
             self._unit.stop_round()  # its reader must not move the new round's positions
         self._generation = job.generation
+        self._warmup = ROUND_WARMUP_STEPS  # the capacity is this round's, from its steady steps
+        self._measured_s, self._measured_records = 0.0, 0
+        self._next_backlog = 0.0  # say so at once: the last capacity noted was the old round's
         self._positions = dict(job.stream_assignment)
         self.reader.skips = {p: [list(r) for r in ranges] for p, ranges in job.stream_skip.items()}
         self.reader.order, self._turn = sorted(self._positions), 0
