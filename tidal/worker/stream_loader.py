@@ -51,6 +51,9 @@ BACKLOG_EVERY_S = 1.0
 #: 6 workers right after 3 -> 6 read as the capacity of 3, kale believed F(6) = F(3) and held 7
 #: workers for the last 9 hours of a WorldCup98 day (bench/RESULTS.md, fifteenth live run)
 ROUND_WARMUP_STEPS = 2
+#: ... unless it trains nothing that long after the round began: a worker with nothing to train
+#: has no capacity to measure (-1), and a 0 would hold back every measurement of the job
+ROUND_WARMUP_IDLE_S = 5.0
 
 
 class StreamHost(Protocol):
@@ -118,6 +121,7 @@ class StreamLoader:
         # as _busy_s is) and the records they trained, what the capacity is measured over
         self._measured_s, self._measured_records = 0.0, 0
         self._warmup = ROUND_WARMUP_STEPS
+        self._round_began = clock()
         self.trim = os.environ.get("TIDAL_STREAM_TRIM") == "1"  # tidal run --trim-after-commit
         self._trimmed: dict[int, int] = {}
         # the next batch is read and decoded while this one trains (tidal.worker.stream_reader)
@@ -189,8 +193,9 @@ class StreamLoader:
                 # share from the report's smoothed rate lagged a ramp (the first seconds of a
                 # stream read its capacity a fifth low, and kale sized for that all day)
                 # (0: the round's first steps are not over, no capacity yet; -1: no step to measure)
+                warming = self._warmup > 0 and (self._busy_s > 0 or now - self._round_began < ROUND_WARMUP_IDLE_S)
                 capacity = (self._measured_records / self._measured_s if self._measured_s > 0
-                            else 0.0 if self._warmup > 0 else -1.0)
+                            else 0.0 if warming else -1.0)
                 self._busy_s, self._busy_since = 0.0, now
                 self._measured_s, self._measured_records = 0.0, 0
                 self._next_backlog = now + BACKLOG_EVERY_S
@@ -279,6 +284,7 @@ class StreamLoader:
             self._unit.stop_round()  # its reader must not move the new round's positions
         self._generation = job.generation
         self._warmup = ROUND_WARMUP_STEPS  # the capacity is this round's, from its steady steps
+        self._round_began = self.clock()
         self._measured_s, self._measured_records = 0.0, 0
         self._next_backlog = 0.0  # say so at once: the last capacity noted was the old round's
         self._positions = dict(job.stream_assignment)
