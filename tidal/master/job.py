@@ -1337,7 +1337,8 @@ class JobMaster:
         for rank, w in enumerate(form.members):
             rec = self.workers[w]
             rec.rank = rank
-            rec.stream_capacity = 0.0  # not measured in this round yet (observe_stream waits for it)
+            if self.streams is not None:
+                rec.stream_capacity = 0.0  # not measured in this round yet (observe_stream waits for it)
             rec.move(W.ACTIVE, now)
             rec.progressed_at = now
             self.fleet.trained(rec)

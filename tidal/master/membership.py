@@ -61,7 +61,7 @@ class WorkerRecord:
     stream_oldest_by_partition: dict[int, int] = field(default_factory=dict)  # the same, per partition
     stream_measured_ms: int = 0  # when it looked (its clock, ms; 0: not said)
     stream_busy: float = -1.0  # share of the last second its steps had records
-    stream_capacity: float = -1.0  # records/s its steps trained while busy (-1: unknown)
+    stream_capacity: float = -1.0  # records/s its steps trained while busy (-1: unknown; 0: not yet this round)
     stream_queued: int = -1  # global shuffling: records in its local queue (-1: none)
     stream_forwarded_out: int = 0  # records it forwarded to others, and received from them
     stream_forwarded_in: int = 0

@@ -117,11 +117,11 @@ class StreamLoader:
         self._next_discover = 0.0
         self._next_backlog = 0.0
         self._busy_s, self._busy_since = 0.0, clock()
-        # the steps of the window past the round's first ROUND_WARMUP_STEPS: seconds (weighted
-        # as _busy_s is) and the records they trained, what the capacity is measured over
-        self._measured_s, self._measured_records = 0.0, 0
-        self._warmup = ROUND_WARMUP_STEPS
-        self._round_began = clock()
+        self._measured_s: float
+        self._measured_records: int
+        self._warmup: int
+        self._round_began: float
+        self._restart_measuring()
         self.trim = os.environ.get("TIDAL_STREAM_TRIM") == "1"  # tidal run --trim-after-commit
         self._trimmed: dict[int, int] = {}
         # the next batch is read and decoded while this one trains (tidal.worker.stream_reader)
@@ -276,6 +276,13 @@ class StreamLoader:
         self._taken[partition] = self._taken.get(partition, 0) + count + skipped
 
     # ------------------------------------------------------------------ rounds and global shuffling
+    def _restart_measuring(self) -> None:
+        """A round's capacity window from nothing: the steps past its first ROUND_WARMUP_STEPS,
+        their seconds (weighted as ``_busy_s`` is) and the records they trained."""
+        self._measured_s, self._measured_records = 0.0, 0
+        self._warmup = ROUND_WARMUP_STEPS
+        self._round_began = self.clock()
+
     def _new_round(self) -> None:
         """A new round: its partitions, their committed positions and the ranges committed beyond
         them; with global shuffling, the unit's reader starts on them."""
@@ -283,9 +290,7 @@ class StreamLoader:
         if self._unit is not None:
             self._unit.stop_round()  # its reader must not move the new round's positions
         self._generation = job.generation
-        self._warmup = ROUND_WARMUP_STEPS  # the capacity is this round's, from its steady steps
-        self._round_began = self.clock()
-        self._measured_s, self._measured_records = 0.0, 0
+        self._restart_measuring()  # the capacity is this round's, from its steady steps
         self._next_backlog = 0.0  # say so at once: the last capacity noted was the old round's
         self._positions = dict(job.stream_assignment)
         self.reader.skips = {p: [list(r) for r in ranges] for p, ranges in job.stream_skip.items()}
