@@ -37,9 +37,13 @@ their busy share (what the master hands a planner as its measurement), at the ti
 where they were at least half busy at a steady count, pooled over the live runs (a line through
 the origin at the median per-worker rate when fewer than two counts were measured). The rate
 alone, where records waited, is not a capacity once partitions are uneven: 8 partitions on 5
-workers keep three of them busy and two half idle;
+workers keep three of them busy and two half idle. A worker with records waiting trains a little
+less than that reading (``sustained_share``: 0.987 in the sixteenth run; a step's busy time leaves
+out what passes between steps), so the simulated workers train the fitted capacity times that
+share while their planners read the capacity itself (``SimConfig.capacity_reading``), as live;
 the cost of an action measured live too (``Migration``: the median time from a decision to the
-pause it caused, and the pause); the pipeline's floor under the lag (``latency_s``: the 10th
+pause it caused, and the pause, apart for scale-outs, whose new workers start for about 12 trace
+minutes, and scale-ins, which start nothing: under a minute); the pipeline's floor under the lag (``latency_s``: the 10th
 percentile of the live lag, both runs pooled: a worker reads a batch ahead and trains it a step
 later); the window over which a worker measures its busy share (its last wall second, 96 trace
 seconds at 96x: ``SimConfig.busy_window_s``; read over the interval alone, the catch-up after
@@ -49,8 +53,10 @@ actions to live's 19); and how records reach the workers. The jobs run with Kale
 those under the lower one, so the workers train as one pool, and the simulator pools them too
 (``SimConfig.shuffle_upper``); but a worker whose partitions bring more than it trains (two of 8
 partitions on 5-7 workers) keeps its queue at the upper threshold, and its records wait behind
-it: 160 records at 400 records/s is 0.4 s, 38 trace seconds at 96x (at ``128:384``, the
-default until the fifteenth run, a second). With ``--shuffle none``
+it. A worker reports the age of its queue's head just after a step took its batch, which the
+simulator models (``SimConfig.shuffle_batch``, ``tidal.sim.online._queue_head_age``): at 32:160
+with a batch of 128, 9-14 trace seconds against 16-22 live (the whole queue, 160 records at
+400 records/s, would be 38). With ``--shuffle none``
 each worker trains only the partitions the master assigned it, and the simulator does the same
 (``SimConfig.partitions``: 8 partitions on 6 workers leave two workers with a quarter of the
 traffic each, so 5-7 workers are no faster than 4). The lower bound is
@@ -345,6 +351,7 @@ class LiveRun:
                             and p["samples_per_s"] > 0 and settled(p["t_s"])],
             "lags": [p["lag_s"] for p in points if p["lag_s"] is not None],  # trace seconds
             "decision_s": [d["at_s"] / self.scale for d in decisions],
+            "decision_out": [d["to_workers"] > d["from_workers"] for d in decisions],  # a scale-out
             "pauses": [(p["at_s"], p["seconds"]) for p in pauses],
             "history_bins": (after.get("planner") or {}).get("history_bins", 0),
             "hourly": live_hours(points, t0, self.scale),
@@ -419,6 +426,24 @@ def fitted_model(busy: list[tuple[int, float]], scale: float) -> tuple[Linearise
             f"linear, {per_worker * scale:.0f} records/s per worker (wall)", medians)
 
 
+def sustained_share(live: dict[str, dict[str, Any]]) -> float:
+    """What the workers train while records wait over the capacity they read (rate over busy
+    share) at the same count, the median over every point where the lag grew, the runs pooled
+    (1.0 with fewer than ``MIN_POINTS`` such points). A step's busy time leaves out what passes
+    between steps, so the reading is a little above what a saturated count sustains: in the
+    sixteenth run 0.978 of it at 3 workers and 0.992 at 4. Kale plans to run at 95-98% of its
+    capacity, where a 2% error is a third of the spare capacity that drains a backlog."""
+    shares = []
+    for r in live.values():
+        caps: dict[int, list[float]] = defaultdict(list)
+        for w, c in r["busy_points"]:
+            caps[int(w)].append(c)
+        for w, rate, _ in r.get("behind_points", []):
+            if caps.get(int(w)):
+                shares.append(rate / float(np.median(caps[int(w)])))
+    return float(np.median(shares)) if len(shares) >= MIN_POINTS else 1.0
+
+
 def shuffle_upper(shuffle: str) -> float | None:
     """The upper threshold of ``--shuffle LOWER:UPPER`` (records; the simulator's local queue), or
     None for ``none``."""
@@ -436,19 +461,28 @@ def live_latency(runs: dict[str, dict[str, Any]]) -> float:
 
 def live_migration(runs: dict[str, dict[str, Any]], scale: float) -> sim.Migration:
     """The cost of one action, measured live (trace seconds): from a decision to the start of the
-    pause it caused (new workers start while the old train), then the pause."""
-    preps, pauses = [], []
+    pause it caused (new workers start while the old train), then the pause; the medians, apart for
+    scale-outs and scale-ins. A scale-in starts no process: in the sixteenth run its decision came
+    about 50 trace s before its pause, a scale-out's 700 s (the median of both, 350 s, charged to
+    every action, had the simulated HPA pay seven minutes at the old count for each scale-in)."""
+    preps: dict[bool, list[float]] = {True: [], False: []}
+    pauses: dict[bool, list[float]] = {True: [], False: []}
     for r in runs.values():
         ends = sorted(r["pauses"])
-        for d in r["decision_s"]:
+        # a run recorded before the directions were: every action counted as a scale-out
+        for d, out in zip(r["decision_s"], r.get("decision_out") or [True] * len(r["decision_s"]), strict=True):
             after = [(at, s) for at, s in ends if at - s >= d]
             if after:
                 at, seconds = after[0]
-                preps.append((at - seconds - d) * scale)
-                pauses.append(seconds * scale)
-    if not pauses:
+                preps[out].append((at - seconds - d) * scale)
+                pauses[out].append(seconds * scale)
+    if not pauses[True] and not pauses[False]:
         return sim.MIGRATIONS["seamless"]
-    return sim.Migration("live", prep_s=float(np.median(preps)), pause_s=float(np.median(pauses)))
+    out_dir = True if pauses[True] else False  # a direction never seen costs what the other did
+    in_dir = False if pauses[False] else True
+    return sim.Migration("live", prep_s=float(np.median(preps[out_dir])), pause_s=float(np.median(pauses[out_dir])),
+                         scale_in_prep_s=float(np.median(preps[in_dir])),
+                         scale_in_pause_s=float(np.median(pauses[in_dir])))
 
 
 # ---------------------------------------------------------------------------- by trace hour
@@ -673,12 +707,18 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"errors": errors}) if args.json else f"every live run failed: {errors}")
             return 1
         model, how, measured = fitted_model([p for r in live.values() for p in r["busy_points"]], scale)
+        sustained = sustained_share(live)
+        # Eq. 6 is a time per sample linear in theta: dividing theta scales the throughput
+        trained = KaleSyncModel({k2: v / sustained for k2, v in model.params.items()})
         migration = live_migration(live, scale)
         sim.MIGRATIONS["live"] = migration  # the simulator looks actions up by name (this process only)
         latency = live_latency(live)
         cfg = sim.SimConfig(peak_workers=args.max_workers, migration="live", seed=args.seed, batch_size=1.0,
-                            interval_s=60.0, true_model=model, latency_s=latency,
+                            interval_s=60.0, true_model=trained, latency_s=latency,
                             partitions=args.max_workers, shuffle_upper=shuffle_upper(args.shuffle),
+                            shuffle_batch=float(args.batch_size),
+                            # the simulated workers sustain what live ones did; planners read what live ones read
+                            capacity_reading=1.0 / sustained,
                             busy_window_s=BUSY_WINDOW_S * scale)
         results = sim.simulate(arrivals, [n for n in policies if n in live], cfg, history=past if len(past) else None)
         bound_h = sim.oracle_worker_hours(arrivals, cfg)
@@ -700,8 +740,10 @@ def main(argv: list[str] | None = None) -> int:
                   "measured_records_per_s": {w: round(r * scale, 1) for w, r in sorted(measured.items())},
                   "predicted_records_per_s": {w: round(sim.true_throughput(cfg, w) * scale, 1)
                                               for w in range(1, args.max_workers + 1)}},
-        "migration": {"prep_s": migration.prep_s, "pause_s": migration.pause_s},
+        "migration": {"prep_s": migration.prep_s, "pause_s": migration.pause_s,
+                      "scale_in_prep_s": migration.scale_in_prep_s, "scale_in_pause_s": migration.scale_in_pause_s},
         "latency_s": latency,
+        "sustained_share": sustained,
         "foresight_schedules": foresight,
         "setup": {"day": args.day, "minutes": args.minutes, "time_scale": scale, "peak_records_per_s": peak_rate,
                   "initial_workers": initial, "max_workers": args.max_workers, "global_shuffle": args.shuffle,
@@ -716,9 +758,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result, indent=2))
     else:
         print(f"WorldCup98 day {args.day} in {args.minutes:g} min (x{scale:g}), EMULATED device time "
-              f"{args.device_ms_per_step:g} ms/step, batch {args.batch_size}; simulator: {how}; an action "
-              f"{migration.prep_s / 60:.1f} + {migration.pause_s / 60:.1f} trace min (prep + pause, measured live); "
-              f"pipeline latency {latency / 60:.1f} trace min (the live lag's 10th percentile)")
+              f"{args.device_ms_per_step:g} ms/step, batch {args.batch_size}; simulator: {how}; a scale-out "
+              f"{migration.prep_s / 60:.1f} + {migration.pause_s / 60:.1f} trace min (prep + pause, measured live), "
+              f"a scale-in {migration.cost(False)[0] / 60:.1f} + {migration.cost(False)[1] / 60:.1f}; "
+              f"pipeline latency {latency / 60:.1f} trace min (the live lag's 10th percentile); workers with "
+              f"records waiting train {sustained:.3f} of the capacity they read (the simulated ones too)")
         print("live capacity (rate / busy share), records/s (wall) per workers: "
               + ", ".join(f"{w}: {r}" for w, r in result["model"]["measured_records_per_s"].items())
               + "; fitted: " + ", ".join(f"{w}: {r:.0f}" for w, r in result["model"]["predicted_records_per_s"].items()))

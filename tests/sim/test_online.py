@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -140,6 +141,73 @@ def test_global_shuffling_pools_uneven_partitions_but_their_queue_waits() -> Non
     assert np.allclose(eight.lag_s[2:], 30.0)
     with pytest.raises(ConfigError, match="shuffle_upper"):
         sim.simulate(arrivals, {"six": lambda: FixedWorkers(6)}, sim.SimConfig(shuffle_upper=384.0))
+
+
+def test_the_queue_waits_from_its_head_after_a_take_with_the_step_batch_given() -> None:
+    """``shuffle_batch`` B: the lag is the age of the head of the full queue just after a step took
+    its batch (``_queue_head_age``), as a live worker reports it. With UPPER = 160 and B = 128 the 32
+    records left are the newest of the last refill: they came ``(2B - UPPER) / r`` s into a step
+    that began ``tau = B / (f / w)`` ago, r being what the busiest worker's partitions bring; with
+    UPPER <= B nothing is left after a take; with UPPER = 300 (beyond two batches) the head came
+    ``(3B - UPPER) / r`` s into the step before the previous one."""
+    model = sim.JOBS["t4-sync"]()
+    base = sim.SimConfig(peak_workers=8, noise=0.0, true_model=model)
+    arrivals = np.full(60, 0.8 * sim.true_throughput(base, 6) * 60.0)
+    per_worker = sim.true_throughput(base, 6) / 6
+    brings = 2 * arrivals[0] / 8 / 60.0  # two of the 8 partitions
+    tau = 128.0 / per_worker
+    for upper, want in ((160.0, tau - 96.0 / brings), (128.0, 0.0), (300.0, 2 * tau - 84.0 / brings)):
+        cfg = sim.SimConfig(peak_workers=8, noise=0.0, true_model=model, partitions=8, shuffle_upper=upper,
+                            shuffle_batch=128.0, latency_s=10.0)
+        six = sim.simulate(arrivals, {"six": lambda: FixedWorkers(6)}, cfg)["six"]
+        assert np.allclose(six.lag_s[2:], 10.0 + want), upper
+    assert 0 < tau - 96.0 / brings < 160.0 / per_worker  # below the whole queue's wait
+    with pytest.raises(ConfigError, match="shuffle_batch"):
+        sim.simulate(arrivals, {"six": lambda: FixedWorkers(6)}, dataclasses.replace(cfg, shuffle_batch=0.0))
+
+
+def test_a_scale_in_costs_what_the_migration_says_for_a_scale_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Migration.scale_in_*``: live, a scale-in starts no process, so it is over in a minute where
+    a scale-out prepares for ten. The simulated job holds the old count only that long."""
+    monkeypatch.setitem(sim.MIGRATIONS, "asymmetric", sim.Migration(
+        "asymmetric", prep_s=600.0, pause_s=60.0, scale_in_prep_s=30.0, scale_in_pause_s=20.0))
+
+    class UpThenDown:
+        name = "up-then-down"
+
+        def plan(self, obs: JobObservation) -> ResourcePlan:
+            return ResourcePlan(workers=2 if obs.now_s < 60 else 4 if obs.now_s < 1200 else 3)
+
+    cfg = sim.SimConfig(peak_workers=8, noise=0.0, migration="asymmetric")
+    run = sim.simulate(np.full(30, 0.5 * sim.true_throughput(cfg, 2) * 60.0), {"x": UpThenDown}, cfg)["x"]
+    # decided at the end of minute 0: 11 minutes at max(2, 4), then 4 from minute 11 (the end of 660 s);
+    # decided at the end of minute 19 (at 1200 s): over 50 s into minute 20, which holds 3 (a
+    # scale-out as long would hold 4 for 11 more minutes)
+    assert list(run.workers[:12]) == [2] + [4] * 11
+    assert list(run.workers[19:22]) == [4, 3, 3]
+    assert run.scaling_actions == 2
+    assert run.downtime_min == pytest.approx((60.0 + 20.0) / 60.0)
+
+
+def test_planners_read_the_capacity_live_workers_read() -> None:
+    """``capacity_reading``: live, the rate over the busy share reads a little above what the
+    workers sustain; the planners get the reading, the job trains what it sustains."""
+    seen: list[float] = []
+
+    class Reader:
+        name = "reader"
+
+        def plan(self, obs: JobObservation) -> ResourcePlan:
+            assert obs.stream is not None
+            seen.extend(rate for _, rate in obs.stream.measured)
+            return ResourcePlan(workers=2)
+
+    cfg = sim.SimConfig(peak_workers=4, noise=0.0, capacity_reading=1.02)
+    run = sim.simulate(np.full(10, 3 * sim.true_throughput(cfg, 2) * 60.0), {"r": Reader}, cfg)["r"]
+    assert seen and np.allclose(seen, 1.02 * sim.true_throughput(cfg, 2))
+    assert run.lag_s[-1] > 0  # the job trained what it sustains: it fell behind
+    with pytest.raises(ConfigError, match="capacity_reading"):
+        sim.simulate(np.ones(3), {"r": Reader}, sim.SimConfig(capacity_reading=0.0))
 
 
 def test_a_pause_reads_as_idle_in_the_utilization() -> None:

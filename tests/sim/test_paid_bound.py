@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 
@@ -53,6 +54,32 @@ def test_the_bound_is_the_cheapest_schedule_the_simulator_can_run(migration: str
         assert paid_moves_worker_hours(window, cfg, violations=share, grid=2000) == pytest.approx(cheapest), allowed
     strict = min(wh for wh, over in runs if over == 0)
     assert strict > sim.oracle_worker_hours(window, cfg) + 0.1  # the free-rescaling bound is below it
+
+
+def test_a_scale_in_cheaper_than_a_scale_out_is_paid_as_the_simulator_pays_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As live: a scale-out three 5-minute intervals long (the new workers start for 10 minutes),
+    a scale-in one (the leaver's goodbye, then the pause). A burst at the start, then nothing: the
+    cheapest schedule scales in right after it. Over all 2^11 schedules simulated, the bound is the
+    cheapest on a fine grid (and within 0.2% of the Lagrangian dual of the lag-priced one), and it
+    is below what the same window costs when a scale-in takes as long as a scale-out."""
+    monkeypatch.setitem(sim.MIGRATIONS, "asymmetric", sim.Migration(
+        "asymmetric", prep_s=600.0, pause_s=60.0, scale_in_prep_s=30.0, scale_in_pause_s=60.0))
+    monkeypatch.setitem(sim.MIGRATIONS, "symmetric", sim.Migration("symmetric", prep_s=600.0, pause_s=60.0))
+    cfg = sim.SimConfig(peak_workers=2, migration="asymmetric", interval_s=300.0)
+    window = np.array([1.9, 1.9, 1.9, 1.9, 1.9, 0.0, 0.0, 0.0, 0.0, 0.0]) * sim.true_throughput(cfg, 1) * 300.0
+    results = simulate_every_schedule(window, cfg)
+    cheapest = min(r.worker_hours for r in results if r.slo_violation_rate == 0)
+    assert paid_moves_worker_hours(window, cfg) <= cheapest + 1e-9
+    assert paid_moves_worker_hours(window, cfg, grid=2000) == pytest.approx(cheapest)
+    symmetric = dataclasses.replace(cfg, migration="symmetric")
+    assert paid_moves_worker_hours(window, symmetric, grid=2000) > cheapest + 0.05
+    hours = np.array([r.worker_hours for r in results])
+    lag = np.array([r.accumulated_lag_min for r in results])
+    prices = np.exp(np.linspace(-10.0, 10.0, 2000))
+    for budget in (float(lag.min()), float(np.quantile(lag, 0.1)), float(np.median(lag))):
+        within = float(hours[lag <= budget + 1e-9].min())
+        dual = max(float(np.min(hours + mu * (lag - budget))) for mu in prices)
+        assert dual * 0.998 <= lag_priced_worker_hours(window, cfg, budget, grid=2000) <= within + 1e-9, budget
 
 
 def test_a_stream_no_schedule_keeps_is_inf_and_bad_input_is_refused() -> None:

@@ -34,11 +34,14 @@ Global shuffling (``SimConfig.shuffle_upper``, with ``partitions``; Kale 3.5, ``
 --global-shuffle LOWER:UPPER``). A worker forwards what it reads beyond ``UPPER`` queued samples
 to workers with room, so the workers train as one pool again; but a worker whose partitions bring
 more than it trains (``ceil(P / w)`` of P partitions on w workers: 8 on 6 bring 25% to a worker
-with a sixth of the capacity) keeps its local queue at ``UPPER`` and forwards the rest. The
-samples at the head of that queue wait ``UPPER / (f(w) / w)`` on top of the pipeline, while the
-pool keeps up: the lag is then at least ``latency_s`` plus that wait. Live, at 96x time
-compression, a queue of 384 records on a worker training 400 records/s holds a record back a
-second, 96 trace seconds.
+with a sixth of the capacity) keeps its local queue at ``UPPER`` and forwards the rest. While the
+pool keeps up the lag is then at least ``latency_s`` plus the age of the head of that queue: with
+``shuffle_batch`` B (the records a step takes) the age just after a step took its batch, when a
+live worker reports it (``_queue_head_age``: ``tau - (2B - UPPER) / r`` for B <= UPPER <= 2B, a
+step every ``tau`` s, its partitions bringing r samples/s; at 32:160 with a batch of 128, a
+quarter to a half of a step); without it the whole queue, ``UPPER / (f(w) / w)``. Live, at 96x
+time compression, a queue of 384 records on a worker training 400 records/s held a record back
+a second, 96 trace seconds; at 32:160, 16-22 trace seconds (bench/RESULTS.md).
 
 Busy window (``SimConfig.busy_window_s``). A live worker measures its busy share over the last
 second of wall time (``tidal.worker.stream_loader``): at 96x time compression 96 trace seconds,
@@ -92,11 +95,25 @@ SLO_LAG_S = 20 * 60.0
 
 @dataclass(frozen=True)
 class Migration:
-    """Cost of one scaling action: ``prep_s`` while the old workers still train, then ``pause_s``."""
+    """Cost of one scaling action: ``prep_s`` while the old workers still train, then ``pause_s``.
+
+    A scale-in may cost less than a scale-out (``scale_in_prep_s`` / ``scale_in_pause_s``; None:
+    the same): tidal's runtime starts no process to shrink, so live a scale-in's preparation is
+    the leaver's goodbye (under a trace minute at 96x) where a scale-out's is the new workers'
+    start (about 12 trace minutes). Restart and seamless (Kale 4.4) cost the same both ways."""
 
     name: str
     prep_s: float
     pause_s: float
+    scale_in_prep_s: float | None = None
+    scale_in_pause_s: float | None = None
+
+    def cost(self, scale_out: bool) -> tuple[float, float]:
+        """(prep, pause) seconds of an action growing the job (``scale_out``) or shrinking it."""
+        if scale_out:
+            return self.prep_s, self.pause_s
+        return (self.prep_s if self.scale_in_prep_s is None else self.scale_in_prep_s,
+                self.pause_s if self.scale_in_pause_s is None else self.scale_in_pause_s)
 
 
 MIGRATIONS = {
@@ -148,6 +165,11 @@ class SimConfig:
     partitions: int | None = None  # None: one pool every worker takes from (see the module docstring)
     latency_s: float = 0.0  # a sample can be trained this long after it arrives at the earliest (the pipeline)
     shuffle_upper: float | None = None  # with partitions: global shuffling, a local queue of this many samples
+    # records a worker's step takes from its local queue (None: a record waits the whole UPPER ahead of it)
+    shuffle_batch: float | None = None
+    # the capacity handed to planners over the throughput trained (live: a worker's rate over its busy
+    # share reads a little above what it sustains with records waiting; bench/online_live.py)
+    capacity_reading: float = 1.0
     # the busy share a planner reads is the mean over this much time (None: the interval's own)
     busy_window_s: float | None = None
 
@@ -342,6 +364,10 @@ def simulate(
         raise ConfigError(f"partitions must be at least 1, got {cfg.partitions}")
     if cfg.shuffle_upper is not None and (cfg.partitions is None or cfg.shuffle_upper < 0):
         raise ConfigError("shuffle_upper needs partitions and must not be negative")
+    if not cfg.capacity_reading > 0:
+        raise ConfigError(f"capacity_reading must be positive, got {cfg.capacity_reading:g}")
+    if cfg.shuffle_batch is not None and not cfg.shuffle_batch > 0:
+        raise ConfigError(f"shuffle_batch must be positive, got {cfg.shuffle_batch:g}")
     if cfg.busy_window_s is not None and not cfg.busy_window_s > 0:
         raise ConfigError(f"busy_window_s must be positive, got {cfg.busy_window_s:g}")
     if not 0 <= cfg.latency_s < cfg.interval_s * max(1, len(arrivals)):
@@ -429,7 +455,7 @@ def simulate(
                 last_util = _busy_reading(busy_shares, dt, cfg.busy_window_s)
             workers_log[k] = allocated
             lag_log[k] = lag
-            measured = [(float(w_train), rate)] if train_s >= dt and w_train > 0 else []
+            measured = [(float(w_train), rate * cfg.capacity_reading)] if train_s >= dt and w_train > 0 else []
             obs = JobObservation.model_construct(
                 job_id=name,
                 min_workers=1,
@@ -456,9 +482,10 @@ def simulate(
             plan = planner.plan(obs)
             want = max(1, min(max_w, plan.workers))
             if job.action_new is None and want != job.workers:
+                prep, pause = mig.cost(scale_out=want > job.workers)
                 job.action_new = want
-                job.action_prep_end = t1 + mig.prep_s
-                job.action_end = t1 + mig.prep_s + mig.pause_s
+                job.action_prep_end = t1 + prep
+                job.action_end = t1 + prep + pause
                 job.actions += 1
         results[name] = PolicyResult(
             name=name,
@@ -491,14 +518,37 @@ def _serve(available: np.ndarray, capacity: float, workers: int | None) -> np.nd
 
 def _shuffle_wait(per_partition: float, workers: int, rate: float, cfg: SimConfig, dt: float) -> float:
     """The lag under global shuffling while the pool keeps up (module docstring): the pipeline,
-    plus ``UPPER`` samples queued ahead at the busiest worker if its partitions bring more than it
-    trains; 0 with nothing arriving."""
+    plus, if the busiest worker's partitions bring more than it trains, the age of the head of its
+    local queue (``_queue_head_age``); 0 with nothing arriving."""
     assert cfg.partitions is not None and cfg.shuffle_upper is not None
     if per_partition <= 0:
         return 0.0
     own = -(-cfg.partitions // workers) * per_partition / dt  # the busiest worker's partitions, samples/s
     per_worker = rate / workers
-    return cfg.latency_s + (cfg.shuffle_upper / per_worker if own > per_worker else 0.0)
+    if own <= per_worker:
+        return cfg.latency_s
+    if cfg.shuffle_batch is None:
+        return cfg.latency_s + cfg.shuffle_upper / per_worker
+    return cfg.latency_s + _queue_head_age(cfg.shuffle_upper, cfg.shuffle_batch, per_worker, own)
+
+
+def _queue_head_age(upper: float, batch: float, trains: float, brings: float) -> float:
+    """The age of the oldest record in a full local queue (Kale 3.5.2's threshold forwarding) just
+    after a step took its batch, the moment a live worker reports it (``tidal.worker.stream_loader``).
+
+    The worker trains ``trains`` records/s in steps of ``batch`` (a step every ``tau = batch /
+    trains`` s); its partitions bring ``brings`` > ``trains``. A step takes the ``batch`` oldest of
+    the ``upper`` queued, the reader refills the queue from its partitions in the next ``batch /
+    brings`` s, and forwards what it reads after that. So the ``m = upper - batch`` records left
+    after a take are the newest kept: with ``m <= batch`` the last ``m`` of the previous refill,
+    whose oldest came ``(batch - m) / brings`` s into a step that began ``tau`` ago; beyond a batch,
+    ``j = ceil(m / batch) - 1`` steps earlier still. Nothing is left when ``upper <= batch``."""
+    left = upper - batch
+    if left <= 0:
+        return 0.0
+    tau = batch / trains
+    back = math.ceil(left / batch - 1e-9) - 1  # whole refills further back than the previous one
+    return max(0.0, tau * (1 + back) - (batch * (1 + back) - left) / brings)
 
 
 def _cum_at(cum: np.ndarray, arrivals: np.ndarray, t: float, dt: float) -> float:
@@ -518,7 +568,8 @@ def _lag(cum: np.ndarray, arrivals: np.ndarray, consumed: float, now: float, dt:
 
 
 def _factory(name: str, cfg: SimConfig, mig: Migration) -> Callable[[], Planner]:
-    """Planners as the simulated job configures them: the lead time is the action's length."""
+    """Planners as the simulated job configures them: the lead time is a scale-out's length (the
+    action that must come in time)."""
     from tidal.brain.baselines import MaduPlanner
     from tidal.brain.kale import KalePlanner
 

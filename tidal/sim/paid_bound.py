@@ -8,7 +8,8 @@ run (``tidal.sim.online.simulate``), given a perfect forecast of the arrivals an
 throughput noise, where each action costs what the simulator charges:
 
 * a decision at the end of an interval starts an action only when none is under way;
-* the action's intervals (``Migration.prep_s`` then ``pause_s``, rounded up to whole intervals)
+* the action's intervals (``Migration.cost``: prep then pause, a scale-in's may be shorter than
+  a scale-out's; rounded up to whole intervals)
   are paid at ``max(old, new)`` workers, the one it ends in at the new count;
 * in them the old workers train until the pause, the new ones after it (restart: nothing for
   10 minutes; seamless: the old ones for a minute, then 2 s of the third minute's successor).
@@ -67,15 +68,17 @@ class _Phase:
     new: bool  # trained by (and paid at) the new count; else the old count trains, max(old, new) is paid
 
 
-def _phases(cfg: SimConfig) -> list[_Phase]:
-    """The intervals after a decision until the next decision may start an action (``simulate``'s
-    bookkeeping: the action ends in the first interval whose end is at or past prep + pause)."""
-    mig, dt = MIGRATIONS[cfg.migration], cfg.interval_s
-    length = max(1, math.ceil((mig.prep_s + mig.pause_s) / dt - 1e-9))
+def _phases(cfg: SimConfig, scale_out: bool) -> list[_Phase]:
+    """The intervals after a decision to grow the job (``scale_out``) or to shrink it until the
+    next decision may start an action (``simulate``'s bookkeeping: the action ends in the first
+    interval whose end is at or past prep + pause)."""
+    prep, pause = MIGRATIONS[cfg.migration].cost(scale_out)
+    dt = cfg.interval_s
+    length = max(1, math.ceil((prep + pause) / dt - 1e-9))
     out = []
     for i in range(1, length + 1):
         lo, hi = (i - 1) * dt, i * dt
-        paused = max(0.0, min(hi, mig.prep_s + mig.pause_s) - max(lo, mig.prep_s))
+        paused = max(0.0, min(hi, prep + pause) - max(lo, prep))
         out.append(_Phase(train=(dt - paused) / dt, new=i == length))
     return out
 
@@ -190,7 +193,10 @@ class _Solver:
         # an interval ends over the SLO when more waits than arrived in its last 20 minutes; with
         # the samples waiting rounded down, index b is over only if b steps are (never a false one)
         self.limit = np.floor(slo_allowance(a, dt) / self.step + 1e-9).astype(np.int64)
-        self.phases = _phases(cfg)
+        # the actions' intervals: one list for both directions when they cost the same, else the
+        # scale-outs' (to a count above the old) and the scale-ins' (below it)
+        out, into = _phases(cfg, scale_out=True), _phases(cfg, scale_out=False)
+        self.actions: list[tuple[list[_Phase], str]] = [(out, "both")] if out == into else [(out, "out"), (into, "in")]
         self.floor = float(self.counts[0] * n)  # no schedule pays less than the fewest workers throughout
         self.mu = 0.0  # the price of a lag-minute in the run under way (``run``)
         self._oldest: dict[int, np.ndarray] = {}  # interval -> age of the oldest waiting sample, per column
@@ -227,20 +233,20 @@ class _Solver:
         self.mu = mu
         n, counts = self.n, self.counts
         inf = math.inf
-        length = len(self.phases)
         cur = np.zeros((len(counts), self.width(-1)))  # any count at the start (the launch costs no action)
         landing: dict[int, np.ndarray] = {}
         tail = inf  # schedules still in an action when the run ends
         for t in range(n):
             if t in landing:
                 np.minimum(cur, landing.pop(t), out=cur)
-            if float(cur.min()) == inf:  # no schedule is still within the SLO here
-                pass
-            elif t + length > n:  # an action started now would still be under way at the end
-                tail = min(tail, self._unfinished(cur, t, lam))
-            else:
-                landing_at = t + length
-                moved = self._move(cur, t, lam)
+            for phases, direction in self.actions:
+                if float(cur.min()) == inf:  # no schedule is still within the SLO here
+                    break
+                landing_at = t + len(phases)
+                if landing_at > n:  # an action started now would still be under way at the end
+                    tail = min(tail, self._unfinished(cur, t, lam, phases))
+                    continue
+                moved = self._move(cur, t, lam, phases, direction)
                 if landing_at in landing:
                     np.minimum(landing[landing_at], moved, out=landing[landing_at])
                 else:
@@ -299,26 +305,30 @@ class _Solver:
                 i, phases = i + 1, phases[1:]
         return v
 
-    def _unfinished(self, v: np.ndarray, t: int, lam: float) -> float:
-        """The least cost of an action started at the end of interval t - 1 and still under way
-        when the run ends: its intervals so far, each paid at least at the old count."""
+    def _unfinished(self, v: np.ndarray, t: int, lam: float, phases: list[_Phase]) -> float:
+        """The least cost of an action of ``phases`` started at the end of interval t - 1 and still
+        under way when the run ends: its intervals so far, each paid at least at the old count."""
         left = self.n - t
-        v = self._old_part(v, t, self.phases[:left], lam) + left * self.counts[:, None]
+        v = self._old_part(v, t, phases[:left], lam) + left * self.counts[:, None]
         return float(v.min())
 
-    def _move(self, v: np.ndarray, t: int, lam: float) -> np.ndarray:
+    def _move(self, v: np.ndarray, t: int, lam: float, phases: list[_Phase], direction: str) -> np.ndarray:
         """From ``v`` at the end of interval t - 1: the cost, when the action ends, of a scaling
-        action to each count (rows: the new count)."""
+        action of ``phases`` to each count (rows: the new count) from a count at or below it
+        (``direction`` "out"), above it ("in"), or any ("both")."""
         counts = self.counts[:, None].astype(float)
-        old_paid = sum(not p.new for p in self.phases)
-        v = self._old_part(v, t, self.phases[:old_paid], lam)  # rows: the old count
-        phases, i = self.phases[old_paid:], t + old_paid
+        old_paid = sum(not p.new for p in phases)
+        v = self._old_part(v, t, phases[:old_paid], lam)  # rows: the old count
+        phases, i = phases[old_paid:], t + old_paid
         # the new count w' pays max(w, w') in each interval before the last: split at w <= w'
-        below = np.minimum.accumulate(v, axis=0) + old_paid * counts  # old w <= new w'
-        above = v + old_paid * counts  # old w > new w': its own count
-        above = np.minimum.accumulate(above[::-1], axis=0)[::-1]
-        out = below
-        np.minimum(out[:-1], above[1:], out=out[:-1])
+        if direction == "in":
+            out = np.full_like(v, math.inf)
+        else:
+            out = np.minimum.accumulate(v, axis=0) + old_paid * counts  # old w <= new w'
+        if direction != "out":
+            above = v + old_paid * counts  # old w > new w': its own count
+            above = np.minimum.accumulate(above[::-1], axis=0)[::-1]
+            np.minimum(out[:-1], above[1:], out=out[:-1])
         for phase in phases:  # the new workers' part: rows are the new count
             if phase.train:
                 out = self._interval(out, i, self.cap[:, i] * phase.train, lam)
