@@ -341,7 +341,7 @@ class LiveRun:
             return not before or t - before[-1] >= SETTLED_S
 
         return {
-            "slo_violation_rate": violated / observed if observed > 0 else 0.0,
+            "slo_violation_rate": max(0.0, violated / observed) if observed > 0 else 0.0,  # a difference: -1e-17 read "-0.0%"
             "accumulated_lag_min": lag1["accumulated_lag_min"] - lag0.get("accumulated_lag_min", 0.0),
             "worker_min": worker_s * self.scale / 60.0,
             "scaling_actions": len(decisions),
