@@ -71,7 +71,9 @@ Beside them, the edge of the lag-vs-worker-minutes trade-off on the same simulat
 (``foresight_schedules``): count schedules that know the arrivals in advance and pay every
 action: with any count, with only counts that divide the partitions (no worker's partitions
 then bring more than it trains, so no record waits behind a full shuffle queue), and the cheapest
-mix of the two found whose lag is within the target (0.35x live hpa's), found by a search; and
+schedule found whose lag is within the target (0.35x live hpa's), by a search over a price per
+lag-minute (``ForesightSchedule.priced``: each interval the count with the fewest workers plus the
+price times its shuffle wait); and
 below them a proof, ``tidal.sim.paid_bound.lag_priced_worker_hours``: the fewest worker-minutes
 any schedule of the simulator can have within that lag (a Lagrangian bound, every action paid).
 Where that bound is over 1.5x the lower bound, kale's two targets cannot both be met on this
@@ -130,6 +132,9 @@ OVERHEAD_S = 0.03  # real CPU of a step beside the emulated device time (forward
 MIN_BUSY = 0.5  # a timeline point measures the capacity (rate / busy share) when the workers were this busy ...
 MIN_POINTS = 3  # timeline points (seconds) a count needs to enter the fit
 SETTLED_S = 3.0  # ... and the count has held this long since the last pause (wall seconds)
+# the searched priced schedules (``foresight_schedules``): look-aheads (intervals) and prices (workers per lag-minute)
+PRICE_LEADS = (5, 10, 20, 30, 40, 60)
+PRICES = (0.0, 2.0, 5.0, 7.0, 10.0, 14.0, 20.0, 40.0)
 BEHIND_S, BEHIND_LAG_S = 10, 20.0  # a point is "falling behind" when the lag grows this much (trace s) over the next 10 points
 SLO_S = sim.SLO_LAG_S
 TARGETS = {"lag_vs_hpa": 0.35, "slo_violation": 0.03, "worker_min_vs_bound": 1.5, "sim_worker_min": 0.15,
@@ -564,11 +569,23 @@ class ForesightSchedule:
                     for k in range(len(arrivals))], cfg.interval_s)
 
     @classmethod
-    def mixed(cls, fewer: ForesightSchedule, more: ForesightSchedule, n: int) -> ForesightSchedule:
-        """``more``'s counts, but ``fewer``'s in the ``n`` intervals where they save the most workers."""
-        saving = np.array(more.want) - np.array(fewer.want)
-        take = set(np.argsort(-saving, kind="stable")[:n].tolist())
-        return cls([fewer.want[k] if k in take else more.want[k] for k in range(len(more.want))], more.interval_s)
+    def priced(cls, arrivals: np.ndarray, cfg: sim.SimConfig, lead: int, price: float) -> ForesightSchedule:
+        """Each interval, of the counts whose throughput covers the most that arrives over the next
+        ``lead`` intervals, the one with the fewest workers plus ``price`` per lag-minute of the
+        wait its shuffle queues put on every record (``tidal.sim.online._shuffle_wait``): a
+        Lagrangian choice between a count that leaves a worker's partitions over its share and a
+        larger one that does not."""
+        top = cfg.partitions or cfg.peak_workers
+        rate = {w: sim.true_throughput(cfg, w) for w in range(1, top + 1)}
+        dt = cfg.interval_s
+        want = []
+        for k in range(len(arrivals)):
+            most = float(max(arrivals[k:k + lead + 1]))
+            able = [w for w in rate if rate[w] * dt >= most] or [top]
+            wait = {w: sim._shuffle_wait(most / top, w, rate[w], cfg, dt) if cfg.shuffle_upper is not None else 0.0
+                    for w in able}
+            want.append(min(able, key=lambda w: w + price * wait[w] / 60.0 * dt / 60.0))
+        return cls(want, dt)
 
     def plan(self, obs: JobObservation) -> ResourcePlan:
         k = min(len(self.want) - 1, int(obs.now_s // self.interval_s))
@@ -580,9 +597,8 @@ def foresight_schedules(arrivals: np.ndarray, cfg: sim.SimConfig,
     """Accumulated lag and worker-minutes of ``ForesightSchedule``s: any count of 1 to the
     partitions; only counts that divide the partitions (each worker then reads as many of them:
     no worker's partitions bring more than it trains, so nothing waits behind a full shuffle
-    queue); and, with ``lag_budget`` (lag-minutes), the cheapest mix of the two found whose lag
-    stays within it (the second's counts, the first's in the intervals where they save the most
-    workers, as many intervals as the budget allows: a bisection, the lag growing with them)."""
+    queue); and, with ``lag_budget`` (lag-minutes), the cheapest ``ForesightSchedule.priced`` found
+    whose lag stays within it (a search over ``PRICE_LEADS`` x ``PRICES``: an example, not a bound)."""
     parts = cfg.partitions or cfg.peak_workers
     fewer = ForesightSchedule.of_counts(arrivals, cfg, list(range(1, parts + 1)))
     more = ForesightSchedule.of_counts(arrivals, cfg, [w for w in range(1, parts + 1) if parts % w == 0])
@@ -598,17 +614,12 @@ def foresight_schedules(arrivals: np.ndarray, cfg: sim.SimConfig,
     out: dict[str, dict[str, float | None]] = {
         "no policy: the pipeline's floor": {"accumulated_lag_min": floor, "worker_min": None, "scaling_actions": 0},
         "any count": dict(run(fewer)), "counts dividing the partitions": dict(dividing)}
-    if lag_budget is not None and dividing["accumulated_lag_min"] <= lag_budget:
-        lo, hi = 0, len(arrivals)  # lo: within the budget
-        best = dividing
-        while hi - lo > max(1, len(arrivals) // 256):
-            mid = (lo + hi) // 2
-            got = run(ForesightSchedule.mixed(fewer, more, mid))
-            if got["accumulated_lag_min"] <= lag_budget:
-                lo, best = mid, got
-            else:
-                hi = mid
-        out[f"the cheapest mix within {lag_budget:.0f} lag-min"] = dict(best)
+    if lag_budget is not None:
+        found = [run(ForesightSchedule.priced(arrivals, cfg, lead, price)) for lead in PRICE_LEADS for price in PRICES]
+        within = [f for f in found if f["accumulated_lag_min"] <= lag_budget]
+        if within:
+            out[f"the cheapest found within {lag_budget:.0f} lag-min (priced schedules)"] = dict(
+                min(within, key=lambda f: f["worker_min"]))
     if lag_budget is not None:  # every schedule, not one family: a proof where the mix is only an example
         started = time.monotonic()
         hours = lag_priced_worker_hours(arrivals, cfg, lag_budget)
