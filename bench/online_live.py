@@ -483,11 +483,13 @@ def live_migration(runs: dict[str, dict[str, Any]], scale: float) -> sim.Migrati
                 pauses[out].append(seconds * scale)
     if not pauses[True] and not pauses[False]:
         return sim.MIGRATIONS["seamless"]
-    out_dir = True if pauses[True] else False  # a direction never seen costs what the other did
-    in_dir = False if pauses[False] else True
-    return sim.Migration("live", prep_s=float(np.median(preps[out_dir])), pause_s=float(np.median(pauses[out_dir])),
-                         scale_in_prep_s=float(np.median(preps[in_dir])),
-                         scale_in_pause_s=float(np.median(pauses[in_dir])))
+
+    def cost(out: bool) -> tuple[float, float]:
+        side = out if pauses[out] else not out  # a direction never seen costs what the other did
+        return float(np.median(preps[side])), float(np.median(pauses[side]))
+
+    (prep, pause), (in_prep, in_pause) = cost(True), cost(False)
+    return sim.Migration("live", prep_s=prep, pause_s=pause, scale_in_prep_s=in_prep, scale_in_pause_s=in_pause)
 
 
 # ---------------------------------------------------------------------------- by trace hour
@@ -769,10 +771,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
+        scale_in = migration.cost(scale_out=False)
         print(f"WorldCup98 day {args.day} in {args.minutes:g} min (x{scale:g}), EMULATED device time "
               f"{args.device_ms_per_step:g} ms/step, batch {args.batch_size}; simulator: {how}; a scale-out "
               f"{migration.prep_s / 60:.1f} + {migration.pause_s / 60:.1f} trace min (prep + pause, measured live), "
-              f"a scale-in {migration.cost(False)[0] / 60:.1f} + {migration.cost(False)[1] / 60:.1f}; "
+              f"a scale-in {scale_in[0] / 60:.1f} + {scale_in[1] / 60:.1f}; "
               f"pipeline latency {latency / 60:.1f} trace min (the live lag's 10th percentile); workers with "
               f"records waiting train {sustained:.3f} of the capacity they read (the simulated ones too)")
         print("live capacity (rate / busy share), records/s (wall) per workers: "
