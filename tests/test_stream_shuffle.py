@@ -66,6 +66,10 @@ def test_sigkills_of_workers_and_the_master_lose_and_repeat_nothing(tmp_path: Pa
             job.wait_step(10, 120)
             wait_for(lambda: sum(w["stream_forwarded_out"] for w in job.status()["workers"]) > 0, 60,
                      "records forwarded", job)
+            # what a planner prices the queues' wait with (kale --lag-price): each worker's step batch
+            # and upper threshold, as its reports say
+            wait_for(lambda: {(w["stream_batch"], w["stream_queue_upper"]) for w in job.wait_active()} == {(64, 512)},
+                     30, "each worker's step batch and queue threshold reported", job)
             shown = subprocess.run([TIDAL, "status", "--job-dir", str(job.dir)], capture_output=True, text=True,
                                    timeout=60)
             assert "global shuffling (queued / forwarded out / in, records): worker 0:" in shown.stdout, shown.stdout

@@ -110,6 +110,9 @@ def run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
         ("minute,records\n0,5\n1,-6\n2,7\n", [], "line 3: negative count -6"),
         ("minute,records\n0,5\n1,6\n", ["--planner", "hpa"], "planner hpa keeps no arrival history"),
         ("minute,records\n0,5\n1,6\n", ["--lag-slo", "0"], "--lag-slo"),
+        (None, ["--load-headroom", "0"], "--load-headroom must be between 0.5 and 10"),
+        (None, ["--lag-price", "-1"], "--lag-price must be between 0 and"),
+        (None, ["--planner", "hpa", "--lag-price", "5"], "--load-headroom and --lag-price are kale's; planner hpa"),
     ],
 )
 def test_bad_traffic_history_or_slo_is_one_line(tmp_path: Path, csv: str | None, options: list[str],
@@ -135,3 +138,6 @@ def test_the_stream_options_need_a_stream(tmp_path: Path) -> None:
         out = run(*options, str(script), cwd=tmp_path)
         assert out.returncode == 2 and out.stderr.strip() == (
             "tidal: error: --lag-slo, --traffic-history and --traffic-column need --stream"), out.stderr
+    out = run("--lag-price", "5", str(script), cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr.strip() == (
+        "tidal: error: --load-headroom and --lag-price need --stream"), out.stderr

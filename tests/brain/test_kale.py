@@ -10,7 +10,14 @@ import pytest
 from tidal.api import ConfigError, JobObservation, PauseObservation, StreamObservation
 from tidal.brain import models
 from tidal.brain.baselines import AutopilotPlanner, HPAPlanner, MaduPlanner
-from tidal.brain.kale import KalePlanner, ThresholdFallback, minimal_workers, stabilize
+from tidal.brain.kale import (
+    KalePlanner,
+    ThresholdFallback,
+    minimal_workers,
+    queue_head_age,
+    shuffle_wait_s,
+    stabilize,
+)
 
 THETA = [0.00035, 2.5726, 0.9824, 0.02786]
 
@@ -281,6 +288,9 @@ def test_the_master_builds_kale_with_the_runtimes_action_cost():
     assert (built.lead_s, built.pause_s, built.tau_s) == (384.0, 48.0, 6 * 384.0)
     default = planners.get("kale", PlannerContext())
     assert (default.lead_s, default.pause_s) == (600.0, 600.0)
+    assert (default.headroom, default.lag_price) == (1.0, 0.0)  # off: the paper's Eq. 10
+    knobs = planners.get("kale", PlannerContext(load_headroom=1.15, lag_price=10.0))
+    assert (knobs.headroom, knobs.lag_price) == (1.15, 10.0)  # tidal run --load-headroom --lag-price
 
 
 def test_a_decision_says_what_the_planner_believed():
@@ -294,3 +304,45 @@ def test_a_decision_says_what_the_planner_believed():
     assert plan.workers > 12
     assert f"believed F(12)={f(12):.0f}, F({plan.workers})={f(plan.workers):.0f}" in plan.reason, plan.reason
     assert plan.model == "kale-sync" and plan.params == pytest.approx(truth.params)
+
+
+def test_the_shuffle_wait_is_the_busiest_workers_queue_head_only_when_its_partitions_outrun_it() -> None:
+    """8 partitions of 100 samples/s each: on 8 workers training 120/s each nobody overflows; on 6
+    two workers read two partitions (200/s) and train 120/s, so a record waits the head of a full
+    queue there: with the step batch known the age just after a take (``queue_head_age``: 32 of
+    160 left, the newest of the last refill, ``tau - (2B - U) / r``), without it the whole queue."""
+    assert shuffle_wait_s(800.0, 8, 8, 8 * 120.0, 160.0, 128.0) == 0.0
+    assert shuffle_wait_s(0.0, 8, 6, 6 * 120.0, 160.0, 128.0) == 0.0
+    tau = 128.0 / 120.0
+    assert shuffle_wait_s(800.0, 8, 6, 6 * 120.0, 160.0, 128.0) == pytest.approx(tau - 96.0 / 200.0)
+    assert queue_head_age(160.0, 128.0, 120.0, 200.0) == pytest.approx(tau - 96.0 / 200.0)
+    assert shuffle_wait_s(800.0, 8, 6, 6 * 120.0, 160.0, 0.0) == pytest.approx(160.0 / 120.0)
+    assert shuffle_wait_s(800.0, 8, 6, 6 * 120.0, 128.0, 128.0) == 0.0  # nothing left after a take
+
+
+@pytest.mark.parametrize("price_workers", [0.0, 0.3, 5.0])
+def test_a_lag_price_weighs_the_queue_wait_against_workers(price_workers: float) -> None:
+    """Four workers fall behind; Eq. 10 sizes the scale-up below eight workers, where some worker
+    reads two of the 8 partitions and a record waits its queue's head; on eight nothing waits.
+    Priced at a fraction of a worker the wait changes nothing; priced at several workers' worth
+    the scale-up takes eight. Without the stream's queues known (no shuffling) the price changes
+    nothing."""
+    truth = models.KaleSyncModel([0.00035, 2.5726, 0.9824, 0.0016])
+    f = lambda w: truth.predict(models.ThroughputConfig(w, batch_size=16384))  # noqa: E731
+    rate = f(6) * 0.9
+    queues = dict(partitions=8, queue_upper=20480.0, step_batch=16384.0)
+    wait_min = shuffle_wait_s(rate, 8, 7, f(7), 20480.0, 16384.0) / 60.0
+    assert wait_min > 0 and shuffle_wait_s(rate, 8, 8, f(8), 20480.0, 16384.0) == 0.0
+    decided = {}
+    for known in (True, False):
+        planner = KalePlanner(forecaster="seasonal-naive", batch_size=16384, min_history_bins=144, lead_s=600,
+                              model=truth, lag_price=price_workers / wait_min)
+        planner.observe_history([rate * 60.0] * (3 * 1440), 60.0)
+        stream = dict(backlog=rate * 120.0, lag_s=120.0, **(queues if known else {}))
+        decided[known] = planner.plan(_snap(60.0, [rate * 60.0], 4, [(4, f(4))], **stream)).workers
+    assert 4 < decided[False] < 8
+    assert decided[True] == (8 if price_workers > 2 else decided[False])
+    with pytest.raises(ConfigError, match="lag_price"):
+        KalePlanner(lag_price=-1.0)
+    with pytest.raises(ConfigError, match="headroom"):
+        KalePlanner(headroom=0.0)

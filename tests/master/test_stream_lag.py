@@ -245,3 +245,11 @@ def test_a_stream_jobs_capacity_is_measured_from_its_busy_share() -> None:
     joined = members(0.5)
     joined[0].stream_capacity, joined[1].stream_capacity = 640.0, 0.0
     assert planning.observe_stream(14.0, 1.0, 2.0, 0, joined, ready=True).measured == []
+    # what a planner prices the local queues' wait with: the stream's partitions, and the step batch
+    # and queue threshold the members report (0 where nobody said: no shuffling)
+    assert (half.partitions, half.queue_upper, half.step_batch) == (0, 0.0, 0.0)
+    shuffled = members(0.5)
+    for r in shuffled:
+        r.stream_batch, r.stream_queue_upper = 128, 160
+    seen = planning.observe_stream(15.0, 1.0, 2.0, 0, shuffled, ready=True, partitions=8)
+    assert (seen.partitions, seen.queue_upper, seen.step_batch) == (8, 160.0, 128.0)

@@ -145,8 +145,8 @@ def test_global_shuffling_pools_uneven_partitions_but_their_queue_waits() -> Non
 
 def test_the_queue_waits_from_its_head_after_a_take_with_the_step_batch_given() -> None:
     """``shuffle_batch`` B: the lag is the age of the head of the full queue just after a step took
-    its batch (``_queue_head_age``), as a live worker reports it. With UPPER = 160 and B = 128 the 32
-    records left are the newest of the last refill: they came ``(2B - UPPER) / r`` s into a step
+    its batch (``tidal.brain.kale.queue_head_age``), as a live worker reports it. With UPPER = 160
+    and B = 128 the 32 records left are the newest of the last refill: they came ``(2B - UPPER) / r`` s into a step
     that began ``tau = B / (f / w)`` ago, r being what the busiest worker's partitions bring; with
     UPPER <= B nothing is left after a take; with UPPER = 300 (beyond two batches) the head came
     ``(3B - UPPER) / r`` s into the step before the previous one."""

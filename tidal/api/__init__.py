@@ -303,6 +303,10 @@ class ReportRequest(_Wire):
     stream_queued: int = Field(default=-1, ge=-1, le=_I64)
     stream_forwarded_out: int = Field(default=0, ge=0, le=_I64)
     stream_forwarded_in: int = Field(default=0, ge=0, le=_I64)
+    # records one of its steps takes, and its local queue's upper threshold with global shuffling
+    # (0: not said / no shuffling): what a stream planner needs to price the queue's wait
+    stream_batch: int = Field(default=0, ge=0, le=_I64)
+    stream_queue_upper: int = Field(default=0, ge=0, le=_I64)
     # with data workers (``--data-workers``; tidal.data.dispatch), counts so far: batches received
     # from data workers, built by this worker itself, consumed, re-dispatched, dropped (duplicates);
     # batches waiting in its queue now, and seconds it waited for one (-1 queued: no data workers)
@@ -401,13 +405,17 @@ class WorkerInfo(_Wire):
     # a stream job: records waiting for it (in its partitions after what it read, and in its local
     # queue; -1: not reported); the share of its last second busy with records and the records/s
     # it trained while busy (-1: not reported); with global shuffling (--global-shuffle): records
-    # in its local queue (-1: none), forwarded to other workers and received from them
+    # in its local queue (-1: none), forwarded to other workers and received from them; the records
+    # a step takes and its local queue's upper threshold (0: not said / no shuffling), as the
+    # planner sees them
     stream_backlog: int = -1
     stream_busy: float = -1.0
     stream_capacity: float = -1.0
     stream_queued: int = -1
     stream_forwarded_out: int = 0
     stream_forwarded_in: int = 0
+    stream_batch: int = 0
+    stream_queue_upper: int = 0
 
 
 class ServerReport(_Wire):
@@ -706,6 +714,10 @@ class StreamObservation(_Wire):
         backlog: samples waiting in the stream, not yet trained on.
         lag_s: age of the oldest waiting sample (Kale section 2.2), 0 when none waits.
         utilization: share of the time the workers were busy over the last interval (0..1).
+        partitions: the stream's partitions (0: not known).
+        queue_upper: with global shuffling (Kale 3.5), a worker's local queue's upper threshold
+            in records (0: no shuffling, or not known).
+        step_batch: records one step of a worker takes (0: not known).
     """
 
     interval_s: float = Field(default=60.0, gt=0)
@@ -714,6 +726,9 @@ class StreamObservation(_Wire):
     backlog: float = 0.0
     lag_s: float = 0.0
     utilization: float = 0.0
+    partitions: int = Field(default=0, ge=0)
+    queue_upper: float = Field(default=0.0, ge=0)
+    step_batch: float = Field(default=0.0, ge=0)
 
 
 class PSObservation(_Wire):

@@ -9,6 +9,8 @@
   forecaster from the arrivals it sees, with no other knowledge of the job.
 * ``require_stream``: the ``stream`` part of an observation, or a ``ConfigError`` naming the
   planner (every online-training planner needs it).
+* ``shuffle_wait_s``: what global shuffling (section 3.5) leaves a record waiting when a worker's
+  partitions bring more than it trains; ``KalePlanner``'s ``lag_price`` weighs it against workers.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ __all__ = [
     "ThresholdFallback",
     "WorkerChoice",
     "minimal_workers",
+    "queue_head_age",
     "require_stream",
+    "shuffle_wait_s",
     "stabilize",
 ]
 
@@ -98,6 +102,45 @@ def minimal_workers(
         if thp > best_f:
             best_w, best_f = w, thp
     return WorkerChoice(best_w, best_f, False)
+
+
+def shuffle_wait_s(arrivals: float, partitions: int, workers: int, capacity: float,
+                   upper: float, batch: float) -> float:
+    """The wait global shuffling (Kale 3.5.2's threshold forwarding) leaves a record in a local
+    queue while the pool keeps up, in seconds: 0 unless the busiest worker's partitions bring more
+    than it trains. ``arrivals`` samples/s spread evenly over ``partitions`` assigned round-robin
+    to ``workers`` (``ceil(P / w)`` of them on the busiest, as the master assigns them), each
+    worker training ``capacity / workers``. That worker keeps ``upper`` records queued and forwards
+    the rest; a record then waits the head of its queue (``queue_head_age``), or, with ``batch`` 0
+    (not known), the whole queue ``upper / (capacity / workers)``."""
+    if arrivals <= 0 or partitions < 1 or workers < 1 or capacity <= 0:
+        return 0.0
+    brings = -(-partitions // workers) * arrivals / partitions
+    trains = capacity / workers
+    if brings <= trains:
+        return 0.0
+    if batch <= 0:
+        return upper / trains
+    return queue_head_age(upper, batch, trains, brings)
+
+
+def queue_head_age(upper: float, batch: float, trains: float, brings: float) -> float:
+    """The age of the oldest record in a full local queue (Kale 3.5.2's threshold forwarding) just
+    after a step took its batch, the moment a live worker reports it (``tidal.worker.stream_loader``).
+
+    The worker trains ``trains`` records/s in steps of ``batch`` (a step every ``tau = batch /
+    trains`` s); its partitions bring ``brings`` > ``trains``. A step takes the ``batch`` oldest of
+    the ``upper`` queued, the reader refills the queue from its partitions in the next ``batch /
+    brings`` s, and forwards what it reads after that. So the ``m = upper - batch`` records left
+    after a take are the newest kept: with ``m <= batch`` the last ``m`` of the previous refill,
+    whose oldest came ``(batch - m) / brings`` s into a step that began ``tau`` ago; beyond a batch,
+    ``j = ceil(m / batch) - 1`` steps earlier still. Nothing is left when ``upper <= batch``."""
+    left = upper - batch
+    if left <= 0:
+        return 0.0
+    tau = batch / trains
+    back = math.ceil(left / batch - 1e-9) - 1  # whole refills further back than the previous one
+    return max(0.0, tau * (1 + back) - (batch * (1 + back) - left) / brings)
 
 
 def stabilize(plan: Sequence[int], interval_s: float, tau_s: float, rho: int = 1) -> list[int]:
@@ -329,6 +372,21 @@ class KalePlanner:
     bursty week 2.4% -> 0.1% (restart), the worker-hours 1-2% lower, the other traces within
     0.02x. Scale-ins still follow the forecast alone.
 
+    Two knobs for a job whose lag must stay far below the SLO, both off by default (the paper's
+    Eq. 10). ``headroom`` h plans on ``h * forecast``: Eq. 10 sizes F(w) just above L, so the
+    workers run at 95-98% busy and every forecast error below the traffic becomes a backlog that
+    drains slowly (at 96x time compression the seventeenth live run's kale held a lag of 50 trace
+    s a minute on average, hpa, which keeps its workers under 70% busy, 11). ``lag_price`` p
+    (workers per lag-minute) weighs the wait global shuffling leaves in the busiest worker's local
+    queue (``shuffle_wait_s``; Kale 3.5) against workers: per bin the planner takes, among the
+    counts from Eq. 10's upwards, the one with the fewest ``w + p * wait_min(w)``, the wait read
+    from the stream's partitions, queue threshold and step batch (``StreamObservation``; without
+    them, or without shuffling, Eq. 10's count). 8 partitions on 6 workers leave two of them with
+    a quarter of the traffic each where they train a sixth: a record waits the head of a full
+    queue there, where on 8 workers it waits nothing. In the simulator on the seventeenth live
+    run's day (bench/online_live.py, --from-live): headroom 1.2 alone 0.61x hpa's accumulated lag
+    at 1.33x the lower bound; with price 10, 0.17x at 1.49x; price alone (10) 3.6x at 1.19x.
+
     ``margin_quantile`` (off by default): plan on ``forecast * (1 + q)`` where q is that
     quantile of the recent one-bin-ahead under-forecasts, clipped to ``max_margin``. The paper
     plans on the point forecast; the option exists to measure what a margin costs.
@@ -363,7 +421,12 @@ class KalePlanner:
         nowcast: bool = True,
         fallback: ThresholdFallback | None = None,
         model: LinearisedModel | None = None,
+        lag_price: float = 0.0,
     ) -> None:
+        if not headroom > 0:
+            raise ConfigError(f"headroom must be positive, got {headroom:g}")
+        if not lag_price >= 0:
+            raise ConfigError(f"lag_price must not be negative, got {lag_price:g}")
         self.forecaster_name = forecaster
         self.plan_interval_s = plan_interval_s
         self.horizon_bins = horizon_bins
@@ -378,6 +441,9 @@ class KalePlanner:
         self._leads: deque[float] = deque(maxlen=ACTIONS_KEPT)
         self._pauses: deque[float] = deque(maxlen=ACTIONS_KEPT)
         self.headroom = headroom
+        self.lag_price = lag_price
+        # (partitions, queue upper threshold, step batch) as the stream last said; None: not said
+        self._queues: tuple[int, float, float] | None = None
         self.margin_quantile = margin_quantile
         self.max_margin = max_margin
         self.error_window_bins = error_window_bins
@@ -547,11 +613,27 @@ class KalePlanner:
         factor = self._load_factor()
         per_bin = []
         for i, load in enumerate(fc):
-            choice = minimal_workers(
-                self.throughput, factor * float(load) + (on_way if i < drain_bins else 0.0), hi, min_workers=lo
-            )
+            choice = self._choose(factor * float(load) + (on_way if i < drain_bins else 0.0), lo, hi)
             per_bin.append(choice.workers if choice.feasible else max(choice.workers, min(current, hi)))
         return stabilize(per_bin, self.plan_interval_s, self.tau_s, self.rho)
+
+    def _choose(self, load: float, lo: int, hi: int) -> WorkerChoice:
+        """Eq. 10's count for ``load`` samples/s; with a ``lag_price`` and the stream's queues
+        known, the count from there up with the fewest workers plus the price of its queue wait
+        (see the class docstring)."""
+        first = minimal_workers(self.throughput, load, hi, min_workers=lo)
+        if not first.feasible or self.lag_price <= 0 or self._queues is None:
+            return first
+        partitions, upper, batch = self._queues
+        best, best_cost = first, math.inf
+        for w in range(first.workers, hi + 1):
+            capacity = self.throughput(w)
+            if capacity <= load:
+                continue
+            cost = w + self.lag_price * shuffle_wait_s(load, partitions, w, capacity, upper, batch) / 60.0
+            if cost < best_cost:
+                best, best_cost = WorkerChoice(w, capacity, True), cost
+        return best
 
     def repay_s(self, current: int, target: int) -> float:
         """How long a scale-in from ``current`` to ``target`` workers takes to repay its pause:
@@ -575,6 +657,8 @@ class KalePlanner:
     def plan(self, obs: JobObservation) -> ResourcePlan:
         stream = require_stream(obs, self.name)
         scaling = not obs.ready
+        if stream.partitions > 0 and stream.queue_upper > 0:
+            self._queues = (stream.partitions, stream.queue_upper, stream.step_batch)
         self._add_arrivals(stream.arrivals, stream.interval_s)
         self._add_measured(stream.measured)
         self._maybe_refit_forecaster()

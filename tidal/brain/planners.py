@@ -48,6 +48,8 @@ class PlannerContext:
             planner's clock (trace time): the time until the new count trains, and the pause
             of training within it; priors a planner may refine on the job's own actions
             (kale does). None: the planner's own default (kale's: a 10-minute restart).
+        load_headroom, lag_price: kale's knobs for a lag far below the SLO (``KalePlanner``'s
+            ``headroom`` and ``lag_price``; 1 and 0: off, the paper's Eq. 10).
     """
 
     job_id: str = ""
@@ -57,6 +59,8 @@ class PlannerContext:
     lag_slo_s: float = 1200.0
     action_lead_s: float | None = None
     action_pause_s: float | None = None
+    load_headroom: float = 1.0
+    lag_price: float = 0.0
 
 
 class MaxWorkersPlanner:
@@ -91,7 +95,8 @@ def _builtin() -> dict[str, Callable[[PlannerContext], Planner]]:
         "kale": lambda ctx: KalePlanner(planned_lag_s=ctx.lag_slo_s / 4,
                                         fallback=ThresholdFallback(lag_bound_s=ctx.lag_slo_s * 3 / 4,
                                                                    utilization_lag_s=ctx.lag_slo_s / 4),
-                                        lead_s=ctx.action_lead_s, pause_s=ctx.action_pause_s),
+                                        lead_s=ctx.action_lead_s, pause_s=ctx.action_pause_s,
+                                        headroom=ctx.load_headroom, lag_price=ctx.lag_price),
         "hpa": lambda _: HPAPlanner(),
         "autopilot": lambda _: AutopilotPlanner(),
         "madu": lambda _: MaduPlanner(),

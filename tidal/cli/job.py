@@ -45,6 +45,16 @@ def backends_help() -> str:
         f"{name} ({backends.summary(name)})" if backends.summary(name) else name for name in backends.names()) + "."
 
 
+LOAD_HEADROOM_HELP = (
+    "kale plans on H times the forecast traffic (default 1: Eq. 10, the workers just keep up and run "
+    "95-98% busy, so a forecast error below the traffic becomes a backlog; 1.15-1.2 keeps the lag far "
+    "below the SLO for 15-20% more workers; see tidal.brain.kale.KalePlanner).")
+LAG_PRICE_HELP = (
+    "With --global-shuffle, kale weighs each minute a record waits in the busiest worker's local queue "
+    "as WORKERS workers (default 0: off). A count that leaves one worker more partitions than it trains "
+    "keeps a full queue there; a price makes kale take a count that does not, where that is worth it.")
+
+
 def check_range(option: str, value: float, bounds: tuple[float, float], after: str = "") -> None:
     """Raise ConfigError unless ``value`` is finite and within ``bounds`` (both ends included).
 
@@ -324,6 +334,9 @@ def run(
         help="With --stream: the lag SLO in trace time (default 1200, Kale's 20 minutes; in wall time SECONDS / "
              "--time-scale). tidal status, /metrics and the dashboard show the lag against it, the share of "
              "the time over it and the accumulated lag (as `tidal sim online` scores them); kale plans for it."),
+    load_headroom: float = typer.Option(
+        1.0, "--load-headroom", metavar="H", help="With --stream: " + LOAD_HEADROOM_HELP),
+    lag_price: float = typer.Option(0.0, "--lag-price", metavar="WORKERS", help=LAG_PRICE_HELP),
     traffic_history: Path | None = typer.Option(
         None, "--traffic-history", metavar="CSV",
         help="With --stream: the stream's past traffic, seeded into the planner's forecaster before its first "
@@ -369,6 +382,9 @@ def run(
         raise fail("--lag-slo, --traffic-history and --traffic-column need --stream")
     if lag_slo is not None:
         check_range("--lag-slo", lag_slo, (0.001, 1e9), " seconds")
+    if stream is None and (load_headroom != 1.0 or lag_price != 0.0):
+        raise fail("--load-headroom and --lag-price need --stream")
+    check_kale_knobs(load_headroom, lag_price, planner)
     if traffic_column is not None and traffic_history is None:
         raise fail("--traffic-column needs --traffic-history")
     seed: tuple[list[float], float] = ([], 60.0)
@@ -463,7 +479,7 @@ def run(
         planner_interval_s=planner_interval, history_path=history_path(history),
         stream_url=stream, stop_when_drained_s=stop_when_drained, trim_after_commit=trim_after_commit,
         time_scale=time_scale, lag_slo_s=1200.0 if lag_slo is None else lag_slo,
-        traffic_history=seed[0], traffic_history_interval_s=seed[1], ps=ps, ps_max=ps_max, ps_shards=ps_shards,
+        load_headroom=load_headroom, lag_price=lag_price, traffic_history=seed[0], traffic_history_interval_s=seed[1], ps=ps, ps_max=ps_max, ps_shards=ps_shards,
         ps_memory=ps_memory, ps_oom_prevention=not no_ps_oom_prevention, ps_hot_balance=not no_ps_hot_balance,
         ps_oom_horizon_s=ps_oom_horizon, data_workers=data_low, data_workers_max=data_high,
     )
@@ -496,6 +512,14 @@ def _detach(script: str, job_dir: Path | None, address: str) -> None:
     typer.echo(f"tidal: the master runs detached (Ray actor {started['actor']} in namespace {started['namespace']}, "
                f"pid {started['pid']}); job dir {directory}; its output: {directory / 'master.log'}; "
                f"follow it with `tidal status --job-dir {directory}`", err=True)
+
+
+def check_kale_knobs(load_headroom: float, lag_price: float, planner: str) -> None:
+    """``--load-headroom`` and ``--lag-price``: in range, and only for kale, or a one-line error."""
+    check_range("--load-headroom", load_headroom, (0.5, 10.0))
+    check_range("--lag-price", lag_price, (0.0, 1e6), " workers a lag-minute")
+    if planner != "kale" and (load_headroom != 1.0 or lag_price != 0.0):
+        raise fail(f"--load-headroom and --lag-price are kale's; planner {planner} has neither")
 
 
 def shuffle_thresholds(text: str) -> tuple[int, int]:

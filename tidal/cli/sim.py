@@ -11,6 +11,7 @@ import typer
 
 from tidal.api import ConfigError
 from tidal.cli import app, fail
+from tidal.cli.job import LAG_PRICE_HELP, LOAD_HEADROOM_HELP, check_kale_knobs
 
 sim_app = typer.Typer(help="Evaluate scaling policies in simulation on real traces.", no_args_is_help=True)
 app.add_typer(sim_app, name="sim")
@@ -53,6 +54,8 @@ def online(
         help="with --partitions: the job runs with Kale's global shuffling (tidal run --global-shuffle): the "
              "workers train as one pool, but one whose partitions bring more than it trains keeps UPPER samples "
              "queued, and a sample waits behind them"),
+    load_headroom: float = typer.Option(1.0, "--load-headroom", metavar="H", help=LOAD_HEADROOM_HELP),
+    lag_price: float = typer.Option(0.0, "--lag-price", metavar="WORKERS", help=LAG_PRICE_HELP),
     policies: str = typer.Option("kale,hpa,autopilot,madu,adequate", "--policies"),
     bound_violations: float = typer.Option(
         0.0, "--bound-violations",
@@ -91,6 +94,7 @@ def online(
         upper = float(shuffle_thresholds(global_shuffle)[1])
     if not 0 <= bound_violations < 1:
         raise fail("--bound-violations must be in [0, 1)")
+    check_kale_knobs(load_headroom, lag_price, "kale")
     names = [p.strip() for p in policies.split(",") if p.strip()]
     if not names:
         raise fail("--policies is empty")
@@ -99,7 +103,7 @@ def online(
         counts, interval = sim.load_trace(rows, column)
         cfg = sim.SimConfig(peak_workers=peak_workers, migration=migration, seed=seed, interval_s=interval,
                             true_model=sim.JOBS[job](), partitions=partitions,
-                            shuffle_upper=upper)
+                            shuffle_upper=upper, load_headroom=load_headroom, lag_price=lag_price)
         skip = round(skip_days * 86400 / interval)
         if skip >= len(counts) - 1:
             raise ConfigError(f"--skip-days {skip_days:g} leaves nothing of the trace")

@@ -125,6 +125,9 @@ class JobSpec:
     time_scale: float = 1.0
     # a stream job's lag SLO, trace time (``--lag-slo``; Kale's 20 minutes), scored as the simulator does
     lag_slo_s: float = 1200.0
+    # kale's knobs for a lag far below the SLO (``--load-headroom``, ``--lag-price``; 1 and 0: off)
+    load_headroom: float = 1.0
+    lag_price: float = 0.0
     # the stream's past traffic (``--traffic-history``): records per interval of
     # ``traffic_history_interval_s`` trace seconds, oldest first; kept in the spec (and so in the
     # journal) so that a master that takes over seeds its planner with it again

@@ -702,6 +702,7 @@ class JobMaster:
             rec.stream_measured_ms = req.stream_measured_ms
             rec.stream_queued = req.stream_queued
             rec.stream_forwarded_out, rec.stream_forwarded_in = req.stream_forwarded_out, req.stream_forwarded_in
+            rec.stream_batch, rec.stream_queue_upper = req.stream_batch, req.stream_queue_upper
         if req.threads:
             rec.threads = req.threads
         if req.data_queued >= 0:
@@ -1211,7 +1212,8 @@ class JobMaster:
         if self.streams is not None:
             members = self._member_records()
             stream = self.planning.observe_stream(
-                now, self.spec.planner_interval_s, self.spec.time_scale, self.committed_samples(), members, ready)
+                now, self.spec.planner_interval_s, self.spec.time_scale, self.committed_samples(), members, ready,
+                partitions=len(self.streams.partitions))
         return self.planning.observe(
             job_id=self.spec.job_id, now=now, min_workers=self.spec.min_workers, max_workers=self.spec.max_workers,
             target=self.target, active=active, ready=ready, applied_step=self.finalized_step,
@@ -1478,6 +1480,7 @@ class JobMaster:
                     stream_busy=round(r.stream_busy, 3), stream_capacity=round(r.stream_capacity, 1),
                     stream_queued=r.stream_queued,
                     stream_forwarded_out=r.stream_forwarded_out, stream_forwarded_in=r.stream_forwarded_in,
+                    stream_batch=r.stream_batch, stream_queue_upper=r.stream_queue_upper,
                 )
                 for r in sorted(self.workers.values(), key=lambda r: r.worker_id)
             ],

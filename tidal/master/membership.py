@@ -65,6 +65,8 @@ class WorkerRecord:
     stream_queued: int = -1  # global shuffling: records in its local queue (-1: none)
     stream_forwarded_out: int = 0  # records it forwarded to others, and received from them
     stream_forwarded_in: int = 0
+    stream_batch: int = 0  # records one of its steps takes (0: not said)
+    stream_queue_upper: int = 0  # global shuffling: its local queue's upper threshold (0: none)
     # with data workers: the dispatcher's counters of its last report (ReportRequest's data_*)
     data_counts: dict[str, float] = field(default_factory=dict)
     threads: int = 0  # its torch intra-op threads, as it reports (0: not said)

@@ -208,7 +208,7 @@ class Planning:
 
     # ------------------------------------------------------------------ observation and decision
     def observe_stream(self, now: float, interval_s: float, time_scale: float, committed: int,
-                       members: Sequence[WorkerRecord], ready: bool) -> StreamObservation:
+                       members: Sequence[WorkerRecord], ready: bool, partitions: int = 0) -> StreamObservation:
         """A stream job's side of the observation (Kale), in trace time (``time_scale``): the
         records that arrived since the previous call (those committed since, plus the growth of
         what waits), the backlog the members report, the age of the oldest waiting record (from
@@ -218,7 +218,9 @@ class Planning:
         over the same steps as its busy share (from a worker that does not report it: the rate
         over the busy share). Nothing is measured while a member has not finished its first steps
         of the round (``tidal.worker.stream_loader.ROUND_WARMUP_STEPS``): the sum would mix the
-        old count's window and a new worker's slow start."""
+        old count's window and a new worker's slow start. With it go the stream's ``partitions`` and
+        what the members say of their steps' batch and their local queues' upper threshold (global
+        shuffling), for a planner that prices the queues' wait (kale's ``lag_price``)."""
         backlog = sum(max(0, r.stream_backlog) for r in members)
         before = self._stream_seen or (committed, backlog)
         self._stream_seen = (committed, backlog)
@@ -237,7 +239,10 @@ class Planning:
         measured = ([(float(len(members)), capacity)]
                     if ready and members and utilization >= MEASURE_UTILIZATION and capacity > 0 else [])
         return StreamObservation(interval_s=interval_s * time_scale, arrivals=[float(arrived)], measured=measured,
-                                 backlog=float(backlog), lag_s=lag_s, utilization=min(1.0, utilization))
+                                 backlog=float(backlog), lag_s=lag_s, utilization=min(1.0, utilization),
+                                 partitions=partitions,
+                                 queue_upper=float(max((r.stream_queue_upper for r in members), default=0)),
+                                 step_batch=float(max((r.stream_batch for r in members), default=0)))
 
     def observe(
         self, *, job_id: str, now: float, min_workers: int, max_workers: int, target: int,

@@ -37,9 +37,9 @@ more than it trains (``ceil(P / w)`` of P partitions on w workers: 8 on 6 bring 
 with a sixth of the capacity) keeps its local queue at ``UPPER`` and forwards the rest. While the
 pool keeps up the lag is then at least ``latency_s`` plus the age of the head of that queue: with
 ``shuffle_batch`` B (the records a step takes) the age just after a step took its batch, when a
-live worker reports it (``_queue_head_age``: ``tau - (2B - UPPER) / r`` for B <= UPPER <= 2B, a
-step every ``tau`` s, its partitions bringing r samples/s; at 32:160 with a batch of 128, a
-quarter to a half of a step); without it the whole queue, ``UPPER / (f(w) / w)``. Live, at 96x
+live worker reports it (``tidal.brain.kale.queue_head_age``: ``tau - (2B - UPPER) / r`` for
+B <= UPPER <= 2B, a step every ``tau`` s, its partitions bringing r samples/s; at 32:160 with a
+batch of 128, a quarter to a half of a step); without it the whole queue, ``UPPER / (f(w) / w)``. Live, at 96x
 time compression, a queue of 384 records on a worker training 400 records/s held a record back
 a second, 96 trace seconds; at 32:160, 16-22 trace seconds (bench/RESULTS.md).
 
@@ -74,6 +74,7 @@ import numpy as np
 from tidal.api import ConfigError, JobObservation, StreamObservation
 from tidal.brain import planners
 from tidal.brain.api import Planner, ThroughputConfig
+from tidal.brain.kale import shuffle_wait_s
 from tidal.brain.models import KaleSyncModel, LinearisedModel
 
 __all__ = [
@@ -172,6 +173,9 @@ class SimConfig:
     capacity_reading: float = 1.0
     # the busy share a planner reads is the mean over this much time (None: the interval's own)
     busy_window_s: float | None = None
+    # kale's two knobs for a lag far below the SLO (tidal.brain.kale.KalePlanner; off: Eq. 10)
+    load_headroom: float = 1.0
+    lag_price: float = 0.0
 
 
 @dataclass
@@ -477,6 +481,9 @@ def simulate(
                     backlog=backlog,
                     lag_s=lag,
                     utilization=last_util,
+                    partitions=cfg.partitions or 0,
+                    queue_upper=cfg.shuffle_upper or 0.0,
+                    step_batch=cfg.shuffle_batch or 0.0,
                 ),
             )
             plan = planner.plan(obs)
@@ -518,37 +525,13 @@ def _serve(available: np.ndarray, capacity: float, workers: int | None) -> np.nd
 
 def _shuffle_wait(per_partition: float, workers: int, rate: float, cfg: SimConfig, dt: float) -> float:
     """The lag under global shuffling while the pool keeps up (module docstring): the pipeline,
-    plus, if the busiest worker's partitions bring more than it trains, the age of the head of its
-    local queue (``_queue_head_age``); 0 with nothing arriving."""
+    plus what the busiest worker's local queue holds a record (``tidal.brain.kale.shuffle_wait_s``);
+    0 with nothing arriving."""
     assert cfg.partitions is not None and cfg.shuffle_upper is not None
     if per_partition <= 0:
         return 0.0
-    own = -(-cfg.partitions // workers) * per_partition / dt  # the busiest worker's partitions, samples/s
-    per_worker = rate / workers
-    if own <= per_worker:
-        return cfg.latency_s
-    if cfg.shuffle_batch is None:
-        return cfg.latency_s + cfg.shuffle_upper / per_worker
-    return cfg.latency_s + _queue_head_age(cfg.shuffle_upper, cfg.shuffle_batch, per_worker, own)
-
-
-def _queue_head_age(upper: float, batch: float, trains: float, brings: float) -> float:
-    """The age of the oldest record in a full local queue (Kale 3.5.2's threshold forwarding) just
-    after a step took its batch, the moment a live worker reports it (``tidal.worker.stream_loader``).
-
-    The worker trains ``trains`` records/s in steps of ``batch`` (a step every ``tau = batch /
-    trains`` s); its partitions bring ``brings`` > ``trains``. A step takes the ``batch`` oldest of
-    the ``upper`` queued, the reader refills the queue from its partitions in the next ``batch /
-    brings`` s, and forwards what it reads after that. So the ``m = upper - batch`` records left
-    after a take are the newest kept: with ``m <= batch`` the last ``m`` of the previous refill,
-    whose oldest came ``(batch - m) / brings`` s into a step that began ``tau`` ago; beyond a batch,
-    ``j = ceil(m / batch) - 1`` steps earlier still. Nothing is left when ``upper <= batch``."""
-    left = upper - batch
-    if left <= 0:
-        return 0.0
-    tau = batch / trains
-    back = math.ceil(left / batch - 1e-9) - 1  # whole refills further back than the previous one
-    return max(0.0, tau * (1 + back) - (batch * (1 + back) - left) / brings)
+    return cfg.latency_s + shuffle_wait_s(per_partition * cfg.partitions / dt, cfg.partitions, workers, rate,
+                                          cfg.shuffle_upper, cfg.shuffle_batch or 0.0)
 
 
 def _cum_at(cum: np.ndarray, arrivals: np.ndarray, t: float, dt: float) -> float:
@@ -575,7 +558,8 @@ def _factory(name: str, cfg: SimConfig, mig: Migration) -> Callable[[], Planner]
 
     lead = mig.prep_s + mig.pause_s
     if name == "kale":
-        return lambda: KalePlanner(lead_s=lead, pause_s=mig.pause_s, measure_actions=False, batch_size=cfg.batch_size)
+        return lambda: KalePlanner(lead_s=lead, pause_s=mig.pause_s, measure_actions=False, batch_size=cfg.batch_size,
+                                   headroom=cfg.load_headroom, lag_price=cfg.lag_price)
     if name == "madu":
         return lambda: MaduPlanner(lead_s=lead)
     return lambda: planners.get(name)

@@ -90,7 +90,8 @@ class StreamHost(Protocol):
     def finish(self) -> None: ...
 
     def note_stream(self, lag: dict[int, int], oldest_ms: dict[int, int], busy: float, malformed: int,
-                    shuffle: tuple[int, int, int] = (-1, 0, 0), capacity: float = -1.0) -> None: ...
+                    shuffle: tuple[int, int, int] = (-1, 0, 0), capacity: float = -1.0, *,
+                    batch: int = 0, queue_upper: int = 0) -> None: ...
 
     @property
     def stream_committed(self) -> dict[int, int]: ...
@@ -203,7 +204,8 @@ class StreamLoader:
                 if counted is not None:
                     unit = self._unit
                     shuffle = (-1, 0, 0) if unit is None else (unit.queued, unit.forwarded_out, unit.forwarded_in)
-                    job.note_stream(counted[0], counted[1], min(1.0, busy), self.malformed, shuffle, capacity)
+                    job.note_stream(counted[0], counted[1], min(1.0, busy), self.malformed, shuffle, capacity,
+                                    batch=self.batch_size, queue_upper=0 if self.shuffle is None else self.shuffle[1])
                 if self.trim:
                     self._trim(job.stream_committed)
             if taken is None:
