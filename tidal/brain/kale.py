@@ -375,8 +375,8 @@ class KalePlanner:
     Two knobs for a job whose lag must stay far below the SLO, both off by default (the paper's
     Eq. 10). ``headroom`` h plans on ``h * forecast``: Eq. 10 sizes F(w) just above L, so the
     workers run at 95-98% busy and every forecast error below the traffic becomes a backlog that
-    drains slowly (at 96x time compression the seventeenth live run's kale held a lag of 50 trace
-    s a minute on average, hpa, which keeps its workers under 70% busy, 11). ``lag_price`` p
+    drains slowly (the seventeenth live run: kale's lag 62 trace s a minute on average, hpa's,
+    its workers 65-80% busy, 11). ``lag_price`` p
     (workers per lag-minute) weighs the wait global shuffling leaves in the busiest worker's local
     queue (``shuffle_wait_s``; Kale 3.5) against workers: per bin the planner takes, among the
     counts from Eq. 10's upwards, the one with the fewest ``w + p * wait_min(w)``, the wait read
