@@ -126,6 +126,7 @@ from examples.ctr.stream import ClickRecords
 from tests.redis_server import RedisServer
 from tidal.api import ConfigError, JobObservation, ResourcePlan
 from tidal.brain.api import FitError, ThroughputConfig, ThroughputSample
+from tidal.brain.kale import priced_workers
 from tidal.brain.models import KaleSyncModel, LinearisedModel
 from tidal.cli.sim import read_csv
 from tidal.data.streams import open_source
@@ -590,19 +591,17 @@ class ForesightSchedule:
     def priced(cls, arrivals: np.ndarray, cfg: sim.SimConfig, lead: int, price: float) -> ForesightSchedule:
         """Each interval, of the counts whose throughput covers the most that arrives over the next
         ``lead`` intervals, the one with the fewest workers plus ``price`` per lag-minute of the
-        wait its shuffle queues put on every record (``tidal.sim.online._shuffle_wait``): a
+        wait its shuffle queues put on every record (``tidal.brain.kale.priced_workers``): a
         Lagrangian choice between a count that leaves a worker's partitions over its share and a
         larger one that does not."""
         top = cfg.partitions or cfg.peak_workers
         rate = {w: sim.true_throughput(cfg, w) for w in range(1, top + 1)}
+        queues = (top, cfg.shuffle_upper, cfg.shuffle_batch or 0.0) if cfg.shuffle_upper is not None else None
         dt = cfg.interval_s
         want = []
         for k in range(len(arrivals)):
-            most = float(max(arrivals[k:k + lead + 1]))
-            able = [w for w in rate if rate[w] * dt >= most] or [top]
-            wait = {w: sim._shuffle_wait(most / top, w, rate[w], cfg, dt) if cfg.shuffle_upper is not None else 0.0
-                    for w in able}
-            want.append(min(able, key=lambda w: w + price * wait[w] / 60.0 * dt / 60.0))
+            most = float(max(arrivals[k:k + lead + 1])) / dt
+            want.append(priced_workers(lambda w: rate[w], most, 1, top, price * dt / 60.0, queues).workers)
         return cls(want, dt)
 
     def plan(self, obs: JobObservation) -> ResourcePlan:

@@ -32,6 +32,7 @@ __all__ = [
     "ThresholdFallback",
     "WorkerChoice",
     "minimal_workers",
+    "priced_workers",
     "queue_head_age",
     "require_stream",
     "shuffle_wait_s",
@@ -141,6 +142,27 @@ def queue_head_age(upper: float, batch: float, trains: float, brings: float) -> 
     tau = batch / trains
     back = math.ceil(left / batch - 1e-9) - 1  # whole refills further back than the previous one
     return max(0.0, tau * (1 + back) - (batch * (1 + back) - left) / brings)
+
+
+def priced_workers(throughput: Callable[[int], float], load: float, min_workers: int, max_workers: int,
+                   price: float, queues: tuple[int, float, float] | None) -> WorkerChoice:
+    """Eq. 10's count for ``load`` samples/s; with a ``price`` (workers per lag-minute) and the
+    stream's ``queues`` known (partitions, upper threshold, step batch), the count from there up
+    with the fewest workers plus the price of the wait its shuffle queues put on a record
+    (``shuffle_wait_s``; ``KalePlanner``'s ``lag_price``)."""
+    first = minimal_workers(throughput, load, max_workers, min_workers=min_workers)
+    if not first.feasible or price <= 0 or queues is None:
+        return first
+    partitions, upper, batch = queues
+    best, best_cost = first, math.inf
+    for w in range(first.workers, max_workers + 1):
+        capacity = throughput(w)
+        if capacity <= load:
+            continue
+        cost = w + price * shuffle_wait_s(load, partitions, w, capacity, upper, batch) / 60.0
+        if cost < best_cost:
+            best, best_cost = WorkerChoice(w, capacity, True), cost
+    return best
 
 
 def stabilize(plan: Sequence[int], interval_s: float, tau_s: float, rho: int = 1) -> list[int]:
@@ -615,27 +637,10 @@ class KalePlanner:
         factor = self._load_factor()
         per_bin = []
         for i, load in enumerate(fc):
-            choice = self._choose(factor * float(load) + (on_way if i < drain_bins else 0.0), lo, hi)
+            choice = priced_workers(self.throughput, factor * float(load) + (on_way if i < drain_bins else 0.0),
+                                    lo, hi, self.lag_price, self._queues)
             per_bin.append(choice.workers if choice.feasible else max(choice.workers, min(current, hi)))
         return stabilize(per_bin, self.plan_interval_s, self.tau_s, self.rho)
-
-    def _choose(self, load: float, lo: int, hi: int) -> WorkerChoice:
-        """Eq. 10's count for ``load`` samples/s; with a ``lag_price`` and the stream's queues
-        known, the count from there up with the fewest workers plus the price of its queue wait
-        (see the class docstring)."""
-        first = minimal_workers(self.throughput, load, hi, min_workers=lo)
-        if not first.feasible or self.lag_price <= 0 or self._queues is None:
-            return first
-        partitions, upper, batch = self._queues
-        best, best_cost = first, math.inf
-        for w in range(first.workers, hi + 1):
-            capacity = self.throughput(w)
-            if capacity <= load:
-                continue
-            cost = w + self.lag_price * shuffle_wait_s(load, partitions, w, capacity, upper, batch) / 60.0
-            if cost < best_cost:
-                best, best_cost = WorkerChoice(w, capacity, True), cost
-        return best
 
     def repay_s(self, current: int, target: int) -> float:
         """How long a scale-in from ``current`` to ``target`` workers takes to repay its pause:

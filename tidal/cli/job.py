@@ -479,7 +479,8 @@ def run(
         planner_interval_s=planner_interval, history_path=history_path(history),
         stream_url=stream, stop_when_drained_s=stop_when_drained, trim_after_commit=trim_after_commit,
         time_scale=time_scale, lag_slo_s=1200.0 if lag_slo is None else lag_slo,
-        load_headroom=load_headroom, lag_price=lag_price, traffic_history=seed[0], traffic_history_interval_s=seed[1], ps=ps, ps_max=ps_max, ps_shards=ps_shards,
+        load_headroom=load_headroom, lag_price=lag_price,
+        traffic_history=seed[0], traffic_history_interval_s=seed[1], ps=ps, ps_max=ps_max, ps_shards=ps_shards,
         ps_memory=ps_memory, ps_oom_prevention=not no_ps_oom_prevention, ps_hot_balance=not no_ps_hot_balance,
         ps_oom_horizon_s=ps_oom_horizon, data_workers=data_low, data_workers_max=data_high,
     )
