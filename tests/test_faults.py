@@ -107,6 +107,9 @@ def test_a_checkpoint_dir_that_fills_up_is_reported_while_training_goes_on(
               run_args=["--checkpoint-dir", str(checkpoints), "--checkpoint-every", "10"])
     jobs.append(job.start())
     job.wait_status(lambda s: s["checkpoint_step"] >= 9, 120, "the first flash checkpoint")
+    # checkpoint_step counts a snapshot once it is in shared memory: fill the disk only after the
+    # persister has written one whole (a disk filled before that holds none to keep)
+    wait_for(lambda: any(c.ok for c in list_checkpoints(checkpoints)), 60, "a checkpoint on disk", job)
     filler = fill(checkpoints)
     full = job.wait_status(lambda s: bool(s["checkpoint_problem"]), 60, "the full disk in tidal status")
     assert "No space left on device" in full["checkpoint_problem"], full["checkpoint_problem"]
