@@ -369,13 +369,16 @@ def fill_descriptors() -> Callable[[], None]:
 
 
 class TestLocalBackend(BackendContract):
+    """Nodes started with ``exec`` (``TestForkedLocalBackend``: from the fork server)."""
+
     settle_s = 0.2  # 4 adopted-watch intervals, and time for a second waiter to report
+    fork = False
 
     def make(self) -> Backend:
-        return LocalBackend(poll_interval_s=0.02)
+        return LocalBackend(poll_interval_s=0.02, fork=self.fork)
 
     def restarted(self, first: Backend) -> Backend:
-        return LocalBackend(poll_interval_s=0.02)  # the processes are the machine's
+        return LocalBackend(poll_interval_s=0.02, fork=self.fork)  # the processes are the machine's
 
     def stop_file(self, node_id: str) -> Path:
         return self.tmp / f"{node_id}.exit"
@@ -431,6 +434,13 @@ class TestLocalBackend(BackendContract):
         for proc in self.ours():
             with contextlib.suppress(psutil.Error):
                 proc.send_signal(signal.SIGKILL)
+
+
+class TestForkedLocalBackend(TestLocalBackend):
+    """The same suite with every node forked from the fork server (tidal.backends.forkserver): the
+    nodes are found by the command line they write over the server's."""
+
+    fork = True
 
 
 # ============================================================================== FakeBackend

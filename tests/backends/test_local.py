@@ -1,6 +1,6 @@
 """What only ``LocalBackend`` does, beyond the contract (test_contract.py): the text and the
 retryable flag of a real EMFILE and ENOENT, the log file kept and closed, stdin, one watcher per
-adopted process.
+adopted process (the fork server's own: test_forkserver.py).
 
 The EMFILE test moved here from tests/master/test_connections.py: a master flooded with
 connections runs out of descriptors, and the launch of a replacement must then be reported as the
@@ -30,6 +30,7 @@ from tidal.backends.api import BackendError, BackendState, NodeHandle, NodeSpec
 from tidal.backends.local import LocalBackend
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(60)"]
+FORK_READY_S = 90  # a fork server imports torch before its first node: seconds on CI's loaded cores
 
 
 @pytest.fixture
@@ -75,7 +76,7 @@ def _lowest_free_limit() -> int:
 
 
 def test_launch_out_of_descriptors_is_retryable(tmp_path: Path, backends: list[LocalBackend]) -> None:
-    backend = LocalBackend()
+    backend = LocalBackend(fork=False)
     backends.append(backend)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     specs = [NodeSpec("worker-0", "worker", [sys.executable, "-c", "pass"], log_path=str(tmp_path / "w0.log")),
@@ -104,7 +105,7 @@ def test_launch_out_of_descriptors_is_retryable(tmp_path: Path, backends: list[L
 
 
 def test_launch_of_a_missing_program_is_not_retryable(tmp_path: Path, backends: list[LocalBackend]) -> None:
-    backend = LocalBackend()
+    backend = LocalBackend(fork=False)
     backends.append(backend)
     missing = str(tmp_path / "no-such-python")
     with warnings.catch_warnings(record=True) as caught:  # a file left to the garbage collector warns
@@ -120,36 +121,38 @@ def test_launch_of_a_missing_program_is_not_retryable(tmp_path: Path, backends: 
 
 @pytest.mark.parametrize("argv", [[], ["python\0", "-c", "pass"]], ids=["empty", "nul-byte"])
 def test_a_bad_argv_is_an_error_not_an_exception(argv: list[str], backends: list[LocalBackend]) -> None:
-    backend = LocalBackend()
+    backend = LocalBackend(fork=False)
     backends.append(backend)
     backend.launch([NodeSpec("worker-0", "worker", argv)], "r1")
     errors = backend.poll().errors
     assert [(e.node_id, e.retryable) for e in errors] == [("worker-0", False)], errors
 
 
-def test_log_is_appended_and_stdin_is_empty(tmp_path: Path, backends: list[LocalBackend]) -> None:
-    backend = LocalBackend()
+@pytest.mark.parametrize("fork", [False, True], ids=["exec", "fork"])
+def test_log_is_appended_and_stdin_is_empty(tmp_path: Path, backends: list[LocalBackend], fork: bool) -> None:
+    backend = LocalBackend(fork=fork)
     backends.append(backend)
     log_path = tmp_path / "worker-0.log"
     log_path.write_text("from an earlier run\n")
     script = "import sys; print('read', repr(sys.stdin.read())); print('to stderr', file=sys.stderr); sys.exit(4)"
     backend.launch([NodeSpec("worker-0", "worker", [sys.executable, "-c", script], cwd=str(tmp_path),
                              log_path=str(log_path))], "r1")
-    seen = polled(backend, lambda s: bool(s.ended))
+    seen = polled(backend, lambda s: bool(s.ended), timeout=FORK_READY_S)
     assert [(e.node_id, e.exit_code) for e in seen.ended] == [("worker-0", 4)]
     assert log_path.read_text().splitlines() == ["from an earlier run", "read ''", "to stderr"]
 
 
+@pytest.mark.parametrize("fork", [False, True], ids=["exec", "fork"])
 def test_env_adds_to_the_masters_environment(tmp_path: Path, backends: list[LocalBackend],
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+                                             monkeypatch: pytest.MonkeyPatch, fork: bool) -> None:
     monkeypatch.setenv("TIDAL_FROM_MASTER", "inherited")
-    backend = LocalBackend()
+    backend = LocalBackend(fork=fork)
     backends.append(backend)
     log_path = tmp_path / "worker-0.log"
     script = "import os; print(os.environ['TIDAL_FROM_MASTER'], os.environ['TIDAL_OWN'], os.getcwd())"
     backend.launch([NodeSpec("worker-0", "worker", [sys.executable, "-c", script], env={"TIDAL_OWN": "own"},
                              cwd=str(tmp_path), log_path=str(log_path))], "r1")
-    polled(backend, lambda s: bool(s.ended))
+    polled(backend, lambda s: bool(s.ended), timeout=FORK_READY_S)
     assert log_path.read_text().split() == ["inherited", "own", str(tmp_path)]
 
 
@@ -185,7 +188,7 @@ def test_adopting_a_zombie_reports_it_ended(backends: list[LocalBackend]) -> Non
 
 
 def test_adopting_a_process_it_launched_starts_no_watcher(backends: list[LocalBackend]) -> None:
-    backend = LocalBackend()
+    backend = LocalBackend(fork=False)
     backends.append(backend)
     backend.launch([NodeSpec("worker-0", "worker", SLEEP)], "r1")
     handle = backend.poll().running["worker-0"]

@@ -13,6 +13,12 @@ Why it is built the way it is:
 * A launch that fails for want of descriptors, processes, memory or disk is reported as
   retryable: the machine is at fault, not the script, and the same launch can succeed a moment
   later.
+* A Python node is forked from a fork server that has imported torch once
+  (``tidal.backends.forkserver``): it starts in milliseconds where ``exec`` takes seconds of
+  imports. The first launch starts the server, and what is launched before it is ready waits
+  for it (on two cores that is no slower than starting each with ``exec``). The server is the
+  forked node's parent and reports its exit status; a node the server cannot fork starts with
+  ``exec``.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from dataclasses import dataclass
 
 import psutil
 
+from tidal.backends import forkserver
 from tidal.backends.api import (
     BackendError,
     BackendState,
@@ -67,6 +74,8 @@ class LocalBackend:
 
     Args:
         poll_interval_s: how often the watcher of an adopted node looks whether it is gone.
+        fork: start Python nodes from a fork server (the default unless the environment has
+            ``TIDAL_FORKSERVER=0``).
 
     Raises:
         BackendError: ``poll_interval_s`` is not positive.
@@ -74,10 +83,15 @@ class LocalBackend:
 
     name = "local"
 
-    def __init__(self, poll_interval_s: float = 0.05) -> None:
+    def __init__(self, poll_interval_s: float = 0.05, fork: bool | None = None) -> None:
         if not poll_interval_s > 0:
             raise BackendError(f"poll_interval_s must be positive, got {poll_interval_s}")
         self._poll_interval_s = poll_interval_s
+        self._fork = os.environ.get("TIDAL_FORKSERVER", "1") != "0" if fork is None else fork
+        self._server: forkserver.ForkServer | None = None
+        self._forking: dict[str, NodeSpec] = {}  # asked of the fork server, no pid yet
+        self._kill_on_start: set[str] = set()  # terminated while being forked
+        self._forked: dict[int, str] = {}  # pid -> node id of the nodes the server reports on
         self._lock = threading.Lock()  # the state below, shared with the waiter and watcher threads
         self._nodes: dict[str, _Node] = {}  # running, by node id
         self._gone: set[str] = set()  # node ids whose end was reported (or queued): never twice
@@ -99,7 +113,7 @@ class LocalBackend:
                 return
             for spec in specs:
                 with self._lock:
-                    if spec.node_id in self._nodes:
+                    if spec.node_id in self._nodes or spec.node_id in self._forking:
                         continue
                     if spec.node_id in self._gone:
                         self._errors.append(NodeError(spec.node_id, f"node {spec.node_id} already ran and ended; "
@@ -108,24 +122,109 @@ class LocalBackend:
                 if not spec.argv:
                     self._fail(NodeError(spec.node_id, "cannot start a node with an empty argv"))
                     continue
-                try:
-                    proc = _spawn(spec)
-                except OSError as exc:
-                    self._fail(launch_error(spec, exc))
-                    continue
-                except (ValueError, subprocess.SubprocessError) as exc:  # e.g. a NUL byte in argv
-                    self._fail(NodeError(spec.node_id, f"cannot start {spec.argv[0]}: {exc}"))
-                    continue
-                try:
-                    create_time: float = psutil.Process(proc.pid).create_time()
-                except psutil.Error:  # cannot happen to an unreaped child; a guess beats no handle
-                    create_time = time.time()
-                handle = NodeHandle(spec.node_id, proc.pid, create_time)
+                if not self._fork_node(spec):
+                    self._exec_node(spec)
+
+    def _exec_node(self, spec: NodeSpec) -> None:
+        try:
+            proc = _spawn(spec)
+        except OSError as exc:
+            self._fail(launch_error(spec, exc))
+            return
+        except (ValueError, subprocess.SubprocessError) as exc:  # e.g. a NUL byte in argv
+            self._fail(NodeError(spec.node_id, f"cannot start {spec.argv[0]}: {exc}"))
+            return
+        try:
+            create_time: float = psutil.Process(proc.pid).create_time()
+        except psutil.Error:  # cannot happen to an unreaped child; a guess beats no handle
+            create_time = time.time()
+        handle = NodeHandle(spec.node_id, proc.pid, create_time)
+        with self._lock:
+            self._nodes[spec.node_id] = _Node(proc, handle, spec.resources)
+        log.info("node %s started: pid %d, %s", spec.node_id, proc.pid, spec.resources)
+        threading.Thread(target=self._wait_child, args=(spec.node_id, proc), daemon=True,
+                         name=f"tidal-wait-{spec.node_id}").start()
+
+    # ------------------------------------------------------------------------------ fork server
+    def _fork_node(self, spec: NodeSpec) -> bool:
+        """Ask the fork server for the node; False when it must start with ``exec``."""
+        if not self._fork or any("\0" in a for a in spec.argv) or forkserver.plan(spec.argv) is None:
+            return False  # exec reports a NUL byte in argv
+        env = {**os.environ, **spec.env}
+        server = self._server
+        if server is None:
+            job = {"TIDAL_JOB_ID": env["TIDAL_JOB_ID"]} if "TIDAL_JOB_ID" in env else {}
+            log_dir = os.path.dirname(spec.log_path) if spec.log_path else None
+            server = forkserver.ForkServer(
+                {**os.environ, **job}, os.path.join(log_dir, "forkserver.log") if log_dir else None,
+                started=self._forked_started, failed=self._forked_failed, exited=self._forked_exited,
+                gone=self._server_gone)
+            try:
+                server.start()
+            except OSError as exc:  # the machine is short of something: the next launch tries again
+                log.warning("cannot start the fork server (%s): this node starts with exec", exc)
+                return False
+            self._server = server
+        if not server.accepts(env):
+            return False
+        with self._lock:
+            self._forking[spec.node_id] = spec
+        if server.submit(spec.node_id, spec, spec.argv, env, spec.cwd, spec.log_path):
+            return True
+        with self._lock:
+            self._forking.pop(spec.node_id, None)
+        return False
+
+    def _forked_started(self, node_id: str, pid: int) -> None:
+        try:
+            proc: psutil.Process | None = psutil.Process(pid)
+            create_time = psutil.Process(pid).create_time()
+        except psutil.Error:  # it has ended already: the server's report of its exit follows
+            proc, create_time = None, time.time()
+        with self._lock:
+            spec = self._forking.pop(node_id, None)
+            self._forked[pid] = node_id
+            kill = node_id in self._kill_on_start
+            self._kill_on_start.discard(node_id)
+            if proc is not None and spec is not None:
+                self._nodes[node_id] = _Node(proc, NodeHandle(node_id, pid, create_time), spec.resources)
+        log.info("node %s forked: pid %d", node_id, pid)
+        if kill and proc is not None:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+
+    def _forked_failed(self, node_id: str, exc: OSError) -> None:
+        with self._lock:
+            spec = self._forking.pop(node_id, None)
+            self._kill_on_start.discard(node_id)
+        if spec is not None:
+            self._fail(launch_error(spec, exc))
+
+    def _forked_exited(self, pid: int, code: int) -> None:
+        with self._lock:
+            node_id = self._forked.pop(pid, None)
+        if node_id is not None:
+            self._finish(node_id, code)
+
+    def _server_gone(self, unsent: list[NodeSpec]) -> None:
+        """The fork server ended (or never got ready): its nodes are watched as adopted ones (their
+        status is lost with it), and what it was never sent starts with ``exec``."""
+        with self._lock:
+            orphans = [(n, self._nodes[n].proc) for n in self._forked.values() if n in self._nodes]
+            self._forked.clear()
+        for node_id, proc in orphans:
+            if isinstance(proc, psutil.Process):
+                self._watch(node_id, proc)
+        with self._start_lock:
+            for spec in unsent if not self._closed.is_set() else []:
                 with self._lock:
-                    self._nodes[spec.node_id] = _Node(proc, handle, spec.resources)
-                log.info("node %s started: pid %d, %s", spec.node_id, proc.pid, spec.resources)
-                threading.Thread(target=self._wait_child, args=(spec.node_id, proc), daemon=True,
-                                 name=f"tidal-wait-{spec.node_id}").start()
+                    self._forking.pop(spec.node_id, None)
+                    killed = spec.node_id in self._kill_on_start
+                    self._kill_on_start.discard(spec.node_id)
+                if killed:
+                    self._finish(spec.node_id, -signal.SIGKILL)
+                else:
+                    self._exec_node(spec)
 
     def _fail(self, error: NodeError) -> None:
         log.warning("node %s did not start: %s", error.node_id, error.message)
@@ -143,6 +242,7 @@ class LocalBackend:
             if not self._requests.first("terminate", request_id):
                 return
             procs = [(n, self._nodes[n].proc) for n in node_ids if n in self._nodes]
+            self._kill_on_start.update(n for n in node_ids if n in self._forking)  # killed once forked
         for node_id, proc in procs:
             log.info("node %s: SIGKILL to pid %d", node_id, proc.pid)
             try:
@@ -190,8 +290,12 @@ class LocalBackend:
         with self._lock:
             self._nodes[handle.node_id] = _Node(proc, NodeHandle(handle.node_id, handle.pid, create_time), Resources())
         log.info("node %s adopted: pid %d", handle.node_id, handle.pid)
-        watcher = threading.Thread(target=self._watch_adopted, args=(handle.node_id, proc), daemon=True,
-                                   name=f"tidal-watch-{handle.node_id}")
+        self._watch(handle.node_id, proc)
+
+    def _watch(self, node_id: str, proc: psutil.Process) -> None:
+        """Poll a process that is not our child (adopted, or a fork server's) until it is gone."""
+        watcher = threading.Thread(target=self._watch_adopted, args=(node_id, proc), daemon=True,
+                                   name=f"tidal-watch-{node_id}")
         self._watchers.append(watcher)
         watcher.start()
 
@@ -226,9 +330,12 @@ class LocalBackend:
         return state
 
     def close(self) -> None:
-        """Stop the watchers of adopted nodes (the nodes keep running). The waiters of our own
-        children stay: each ends when its child does, and reaps it."""
+        """Stop the watchers of adopted nodes and the fork server (the nodes keep running; the
+        ends of forked ones are no longer reported). The waiters of our own children stay: each
+        ends when its child does, and reaps it."""
         self._closed.set()
+        if self._server is not None:
+            self._server.close()
         for watcher in self._watchers:
             watcher.join()
 
