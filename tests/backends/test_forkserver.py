@@ -18,7 +18,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tidal.backends.api import BackendState, NodeSpec
+from tests.backends.test_local import polled
+from tidal.backends.api import NodeSpec
 from tidal.backends.local import LocalBackend
 
 READY_S = 90  # the server imports torch before its first node: seconds on CI's loaded cores
@@ -84,18 +85,6 @@ class Nodes:
         tmp.rename(self.stop_path(node_id))
 
 
-def polled(backend: LocalBackend, condition, timeout: float = 30) -> BackendState:  # type: ignore[no-untyped-def]
-    seen = BackendState()
-    deadline = time.monotonic() + timeout
-    while True:
-        state = backend.poll()
-        seen = BackendState(state.running, seen.ended + state.ended, seen.errors + state.errors)
-        if condition(seen):
-            return seen
-        assert time.monotonic() < deadline, f"condition not met in {timeout} s: {seen}"
-        time.sleep(0.01)
-
-
 def server_of(pid: int) -> psutil.Process:
     parent = psutil.Process(pid).parent()
     assert parent is not None and "tidal.backends.forkserver" in " ".join(parent.cmdline()), parent
@@ -118,7 +107,7 @@ def test_a_forked_node_looks_like_one_started_with_exec(tmp_path: Path, backend:
     assert proc.environ()["TIDAL_OWN"] == "own" and proc.environ()["TIDAL_JOB_ID"] == "forked"
     assert "TIDAL_OWN" not in server.environ()
     nodes.stop("worker-0", 3)
-    state = polled(backend, lambda s: bool(s.ended))
+    state = polled(backend, lambda s: bool(s.ended), timeout=30)
     assert [(e.node_id, e.exit_code) for e in state.ended] == [("worker-0", 3)]  # the server reaped it
 
 
@@ -151,7 +140,7 @@ def test_a_server_out_of_descriptors_reports_a_retryable_error(tmp_path: Path, b
     soft, hard = server.rlimit(psutil.RLIMIT_NOFILE)
     server.rlimit(psutil.RLIMIT_NOFILE, (server.num_fds(), hard))  # its next open fails with EMFILE
     backend.launch([nodes.spec("worker-1")], "r2")
-    state = polled(backend, lambda s: bool(s.errors))
+    state = polled(backend, lambda s: bool(s.errors), timeout=30)
     assert [(e.node_id, e.retryable) for e in state.errors] == [("worker-1", True)], state.errors
     assert "EMFILE" in state.errors[0].message and "short of resources" in state.errors[0].message
     server.rlimit(psutil.RLIMIT_NOFILE, (soft, hard))
@@ -171,11 +160,11 @@ def test_a_killed_server_leaves_its_nodes_running_and_exec_takes_over(tmp_path: 
     later = nodes.seen("worker-1")
     assert later["ppid"] == os.getpid()  # started with exec: the server is gone
     nodes.stop("worker-0", 0)
-    state = polled(backend, lambda s: any(e.node_id == "worker-0" for e in s.ended))
+    state = polled(backend, lambda s: any(e.node_id == "worker-0" for e in s.ended), timeout=30)
     # its status went with the server that would have reaped it: unknown, as for an adopted node
     assert [(e.node_id, e.exit_code) for e in state.ended] == [("worker-0", None)]
     nodes.stop("worker-1", 5)
-    state = polled(backend, lambda s: any(e.node_id == "worker-1" for e in s.ended))
+    state = polled(backend, lambda s: any(e.node_id == "worker-1" for e in s.ended), timeout=30)
     assert [(e.node_id, e.exit_code) for e in state.ended] == [("worker-1", 5)]
 
 

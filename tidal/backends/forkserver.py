@@ -227,6 +227,8 @@ def main() -> int:
     os.environ.clear()  # the C library's environ no longer points into the area rewritten next
     _retitle(_areas(), [sys.executable, "-m", "tidal.backends.forkserver"], env)
     os.environ.update(env)
+    # were an import to ask whether CUDA is there, NVML answers without initializing CUDA here
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     try:
         for name in PRELOAD:
             __import__(name)

@@ -50,7 +50,9 @@ MAX_TIMELINE = 3600  # timeline points kept: an hour at one a second
 # What a change of the worker count costs this runtime (wall seconds), a planner's prior until it
 # has measured the job's own actions (kale does): the new workers start while the old ones train
 # (a process importing torch and joining: 3-5 s on the 2-core VM, bench/online_live.py measured
-# 3.2 s from decision to hand-over), then training pauses for the re-form (0.05-0.9 s measured).
+# 3.2 s from decision to hand-over; forked from the local backend's fork server, 0.5-1.5 s,
+# bench/launch.py), then training pauses for the re-form (0.05-0.9 s measured). The prior stays
+# on the slow side: a backend without a fork server (Ray, or TIDAL_FORKSERVER=0) pays it.
 ACTION_LEAD_S = 4.0
 ACTION_PAUSE_S = 0.5
 MEASURE_UTILIZATION = 0.25  # below it, too few records to extrapolate a stream job's capacity from
