@@ -409,7 +409,9 @@ class KalePlanner:
     run's day (bench/online_live.py, --from-live): headroom 1.2 alone 0.61x hpa's accumulated lag
     at 1.33x the lower bound; with price 10, 0.17x at 1.49x; price alone (10) 3.6x at 1.19x. Live
     (headroom 1.15, price 10; bench/RESULTS.md, eighteenth run): 1.57x hpa's lag at 1.48x, where
-    Eq. 10 held 5.72x at 1.16x; most of it the transient of one 4 -> 8 scale-out.
+    Eq. 10 held 5.72x at 1.16x; most of it the transient of one 4 -> 8 scale-out, which took 20 s
+    to form. With the workers forked from the fork server (nineteenth run) it formed in 2 s:
+    0.33x hpa's lag at 1.50x.
 
     ``margin_quantile`` (off by default): plan on ``forecast * (1 + q)`` where q is that
     quantile of the recent one-bin-ahead under-forecasts, clipped to ``max_margin``. The paper
