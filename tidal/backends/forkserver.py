@@ -128,6 +128,7 @@ class ForkServer:
         self._sent: dict[str, Any] = {}  # node id -> token, awaiting the answer
         self._ready = False
         self._ended = False
+        self._closing = False  # close() ended it: its end is no news
         self._proc: subprocess.Popen[bytes] | None = None
         self.pid = 0
 
@@ -162,6 +163,14 @@ class ForkServer:
                 return True
             self._sent[node_id] = token
         return self._send([request])
+
+    def cancel(self, node_id: str) -> bool:
+        """Drop a request the server has not been sent yet; False when it was sent already."""
+        with self._lock:
+            kept = [(t, r) for t, r in self._queue if r["node"] != node_id]
+            dropped = len(kept) != len(self._queue)
+            self._queue = kept
+        return dropped
 
     def _send(self, requests: list[dict[str, Any]]) -> bool:
         assert self._proc is not None and self._proc.stdin is not None
@@ -206,8 +215,9 @@ class ForkServer:
             self._ended = True
             unsent, self._queue = [t for t, _ in self._queue], []
             lost, self._sent = dict(self._sent), {}
-        log.warning("fork server (pid %d) ended with status %s%s", self.pid, code,
-                    "" if self._ready else " before it was ready; nodes start without it")
+        if not self._closing:
+            log.warning("fork server (pid %d) ended with status %s%s", self.pid, code,
+                        "" if self._ready else " before it was ready; nodes start without it")
         for node_id in lost:  # asked, never answered: whether it forked is not known
             self._failed(node_id, OSError(errno.EAGAIN, "the fork server ended before it answered"))
         self._gone(unsent)
@@ -215,7 +225,7 @@ class ForkServer:
     def close(self) -> None:
         """End the server (its stdin closes); the nodes it forked keep running."""
         with self._lock:
-            self._ended = True
+            self._ended = self._closing = True
         if self._proc is not None and self._proc.stdin is not None:
             with contextlib.suppress(OSError):
                 self._proc.stdin.close()

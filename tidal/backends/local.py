@@ -236,13 +236,26 @@ class LocalBackend:
 
     # ------------------------------------------------------------------------------ terminate
     def terminate(self, node_ids: list[str], request_id: str) -> None:
-        """SIGKILL the nodes. Our child is reported with its status (-9); an adopted node, not our
-        child, with None. Unknown and ended ids are ignored."""
+        """SIGKILL the nodes. Our child, or a forked node, is reported with its status (-9); an
+        adopted node, not our child, with None; a node the fork server has not been asked for yet
+        never starts (reported -9). Unknown and ended ids are ignored."""
         with self._lock:
             if not self._requests.first("terminate", request_id):
                 return
             procs = [(n, self._nodes[n].proc) for n in node_ids if n in self._nodes]
-            self._kill_on_start.update(n for n in node_ids if n in self._forking)  # killed once forked
+            forking = [n for n in node_ids if n in self._forking]
+        for node_id in forking:
+            server = self._server
+            if server is not None and server.cancel(node_id):  # never sent: it never runs
+                with self._lock:
+                    self._forking.pop(node_id, None)
+                self._finish(node_id, -signal.SIGKILL)
+                continue
+            with self._lock:  # sent: killed as soon as its pid is known (or now, if it just came)
+                if node_id in self._forking:
+                    self._kill_on_start.add(node_id)
+                elif node_id in self._nodes:
+                    procs.append((node_id, self._nodes[node_id].proc))
         for node_id, proc in procs:
             log.info("node %s: SIGKILL to pid %d", node_id, proc.pid)
             try:
