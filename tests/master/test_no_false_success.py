@@ -358,3 +358,40 @@ def test_progress_counts_from_the_reload_not_from_the_epoch(tmp_path: Path) -> N
     clock.now += 1.0
     master.tick()
     assert backend.terminated == [] and master.workers[1].state is WorkerState.ACTIVE
+
+
+def test_a_worker_that_finishes_before_its_first_heartbeat_succeeds(tmp_path: Path) -> None:
+    """The join answers with the master's incarnation, and the worker's one report (its first,
+    sent as it finishes) finalizes its steps: the job succeeds with every sample trained once."""
+    master, clock, backend = make_master(tmp_path, "1:1")
+    master.tick()
+    joined = master.join(JoinRequest(worker_id=0, pid=10_000))
+    assert joined.incarnation == master.incarnation
+    master.rendezvous(RendezvousRequest(worker_id=0, after_round=-1, applied_step=-1))
+    master.tick()
+    records = train_all(master, [0])
+    last = max(r.step for r in records)
+    master.report(ReportRequest(worker_id=0, round=master.round, applied_step=last, records=records,
+                                incarnation=joined.incarnation))
+    master.finish(FinishRequest(worker_id=0, applied_step=last, records=[]))
+    assert master.finalized_step == last and master.shards.unconsumed() == {}
+    backend.exit("worker-0", 0)
+    clock.now += 1.0
+    master.tick()
+    assert master.state is JobState.SUCCEEDED, master.error
+
+
+def test_a_finish_to_a_master_the_worker_never_reported_to_commits_its_records(tmp_path: Path) -> None:
+    """A worker whose reports never counted here (it joined a predecessor, which died) finishes
+    at once: the records its finish carries are final, and the job succeeds."""
+    master, clock, backend = make_master(tmp_path, "1:1")
+    master.tick()
+    form_round(master, [0])
+    records = train_all(master, [0])
+    last = max(r.step for r in records)
+    master.finish(FinishRequest(worker_id=0, applied_step=last, records=records))
+    assert master.finalized_step == last and master.shards.unconsumed() == {}
+    backend.exit("worker-0", 0)
+    clock.now += 1.0
+    master.tick()
+    assert master.state is JobState.SUCCEEDED, master.error

@@ -307,3 +307,14 @@ def test_after_a_long_outage_the_oldest_steps_go_first_and_no_step_is_claimed_ah
     second = master.last()
     assert [r.step for r in second.records] == list(range(MAX_RECORDS_PER_REQUEST, steps))
     assert second.applied_step == steps - 1
+
+
+def test_the_first_report_counts_for_the_master_the_worker_joined(master: FakeMaster, worker: Worker) -> None:
+    """A worker that trains and finishes before its first report: that report carries the
+    incarnation its join returned, so the master finalizes its steps at once (without it they
+    stayed tentative and the finished job had 'samples never trained')."""
+    worker.reporter.start(HEARTBEAT_S, incarnation="m1")
+    worker.reporter.stop()
+    worker.apply(0)
+    worker.reporter.flush()
+    assert master.last().incarnation == "m1" and steps_of(master.last().records) == [(0, ME)]

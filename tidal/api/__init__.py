@@ -185,6 +185,9 @@ class JoinResponse(_Wire):
     round: int
     heartbeat_interval_s: float
     collective_timeout_s: float
+    # the master process the worker joined: its reports are complete for it from the first one
+    # (a worker that trains and finishes before its first report must not wait to learn it)
+    incarnation: str = ""
 
 
 class RestoreFailure(_Wire):

@@ -405,7 +405,7 @@ class JobMaster:
         return JoinResponse(
             job_id=self.spec.job_id, round=self.round,
             heartbeat_interval_s=self.spec.heartbeat_interval_s,
-            collective_timeout_s=self.spec.collective_timeout_s,
+            collective_timeout_s=self.spec.collective_timeout_s, incarnation=self.incarnation,
         )
 
     @journaled
@@ -849,6 +849,14 @@ class JobMaster:
             raise NotExhaustedError(message)
         rec.finished = True
         self.log.add_metrics(req.metrics)
+        if req.records and self.is_member(req.worker_id):
+            # what it held unacknowledged, every member's, complete up to its applied step (also
+            # for a master it never reported to: one that took over, or before its first report)
+            for r in req.records:
+                if r.step <= req.applied_step:
+                    self.commits.add_reported(r)
+            self.commits.progress.update(req.worker_id, req.applied_step)
+            self.commits.finalize_reported(self._save_meta)
         # its records were flushed before it said so: it no longer holds finalization back
         # (a member that *fails* keeps holding it back until the next round settles its steps)
         self.commits.progress.remove(req.worker_id)

@@ -549,10 +549,11 @@ class Job:
             self._comm = None
 
     # ------------------------------------------------------------------ reporting
-    def start_reporter(self, heartbeat_interval_s: float | None = None) -> None:
-        """Report to the master from a background thread (``heartbeat_interval_s``: the master's)."""
+    def start_reporter(self, heartbeat_interval_s: float | None = None, incarnation: str = "") -> None:
+        """Report to the master from a background thread (``heartbeat_interval_s``: the master's;
+        ``incarnation``: the master process it joined)."""
         if self._reporter is not None:
-            self._reporter.start(heartbeat_interval_s)
+            self._reporter.start(heartbeat_interval_s, incarnation)
 
     def _check_gone(self) -> None:
         """Raise ``WorkerGoneError`` in the training thread once the reporter learned that the
@@ -606,7 +607,7 @@ def init(backend: str | None = None, *, logical_workers: int | None = None,
         job = Job(client, worker_id, os.environ.get("TIDAL_JOB_ID", "job"), backend, logical=logical)
         info = client.post("/v1/workers/join", JoinRequest(worker_id=worker_id, pid=os.getpid()), JoinResponse)
         job.collective_timeout_s = info.collective_timeout_s
-        job.start_reporter(info.heartbeat_interval_s)
+        job.start_reporter(info.heartbeat_interval_s, info.incarnation)
     job.checkpoint_dir = checkpoints
     every = os.environ.get("TIDAL_CHECKPOINT_EVERY")
     if every:

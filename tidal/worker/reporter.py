@@ -172,10 +172,16 @@ class Reporter:
         self.stream_committed: dict[int, int] = {}
 
     # ------------------------------------------------------------------ the thread
-    def start(self, heartbeat_interval_s: float | None = None) -> None:
-        """Report from a daemon thread from now on (``heartbeat_interval_s``: the master's)."""
+    def start(self, heartbeat_interval_s: float | None = None, incarnation: str = "") -> None:
+        """Report from a daemon thread from now on (``heartbeat_interval_s``: the master's;
+        ``incarnation``: the master this worker joined, whose reports then count from the first:
+        a worker that trains and finishes before its first report would otherwise leave its
+        steps unfinalized, the master waiting to know its reports complete)."""
         if heartbeat_interval_s is not None:
             self._heartbeat_interval_s = heartbeat_interval_s
+        if incarnation:
+            with self._lock:
+                self._incarnation = incarnation
         self._thread = threading.Thread(target=self._run, name="tidal-reporter", daemon=True)
         self._thread.start()
 
