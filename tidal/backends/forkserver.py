@@ -141,10 +141,15 @@ class ForkServer:
                                           stderr=out, start_new_session=True)
         self.pid = self._proc.pid
         threading.Thread(target=self._read, daemon=True, name="tidal-forkserver").start()
+        timer = threading.Timer(READY_TIMEOUT_S, self._give_up)
+        timer.daemon = True
+        timer.start()
 
-    @property
-    def ready(self) -> bool:
-        return self._ready
+    def _give_up(self) -> None:
+        """Not ready in time: kill it; the reader then hands what waits for it to exec."""
+        if not self._ready and self._proc is not None:
+            with contextlib.suppress(OSError):
+                self._proc.kill()
 
     def accepts(self, env: dict[str, str]) -> bool:
         """Whether a node with this full environment can be forked from this server."""
@@ -368,14 +373,12 @@ def _run(req: dict[str, Any], log_fd: int) -> int:
     else:
         sys.path[0:1] = [os.getcwd(), *extra]
         sys.argv = ["-c" if what.mode == "code" else what.target, *what.args]
+    import runpy
+
     try:
         if what.mode == "script":
-            import runpy
-
             runpy.run_path(what.target, run_name="__main__")
         elif what.mode == "module":
-            import runpy
-
             runpy.run_module(what.target, run_name="__main__", alter_sys=True)
         else:
             main_module = types.ModuleType("__main__")
@@ -387,17 +390,11 @@ def _run(req: dict[str, Any], log_fd: int) -> int:
         raise
     except BaseException as exc:
         tb = exc.__traceback__
-        while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, _runpy_file()):
+        while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__):
             tb = tb.tb_next
         traceback.print_exception(type(exc), exc, tb)
         return 1
     return 0
-
-
-def _runpy_file() -> str:
-    import runpy
-
-    return runpy.__file__
 
 
 _OLD_STREAMS: list[Any] = []  # the server's stdio objects, kept so that collecting them closes nothing

@@ -177,8 +177,9 @@ class LocalBackend:
 
     def _forked_started(self, node_id: str, pid: int) -> None:
         try:
-            proc: psutil.Process | None = psutil.Process(pid)
-            create_time = psutil.Process(pid).create_time()
+            found = psutil.Process(pid)
+            proc: psutil.Process | None = found
+            create_time = found.create_time()
         except psutil.Error:  # it has ended already: the server's report of its exit follows
             proc, create_time = None, time.time()
         with self._lock:
