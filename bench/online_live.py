@@ -43,7 +43,10 @@ out what passes between steps), so the simulated workers train the fitted capaci
 share while their planners read the capacity itself (``SimConfig.capacity_reading``), as live;
 the cost of an action measured live too (``Migration``: the median time from a decision to the
 pause it caused, and the pause, apart for scale-outs, whose new workers start for about 12 trace
-minutes, and scale-ins, which start nothing: under a minute); the pipeline's floor under the lag (``latency_s``: the 10th
+minutes, and scale-ins, which start nothing: under a minute; and after a scale-in's pause, the
+time until the master is ready again, its leavers exited: ``Migration.scale_in_settle_s``, from
+the timeline's ``ready``; without it the simulated HPA read every scale-in's catch-up as
+saturation and scaled out again at once, 165 actions to live's 45 in the nineteenth run); the pipeline's floor under the lag (``latency_s``: the 10th
 percentile of the live lag, both runs pooled: a worker reads a batch ahead and trains it a step
 later); the window over which a worker measures its busy share (its last wall second, 96 trace
 seconds at 96x: ``SimConfig.busy_window_s``; read over the interval alone, the catch-up after
@@ -375,10 +378,27 @@ class LiveRun:
             "decision_s": [d["at_s"] / self.scale for d in decisions],
             "decision_out": [d["to_workers"] > d["from_workers"] for d in decisions],  # a scale-out
             "pauses": [(p["at_s"], p["seconds"]) for p in pauses],
+            "settle_in_s": settle_spans(points, pauses, [d["at_s"] / self.scale for d in decisions]),
             "history_bins": (after.get("planner") or {}).get("history_bins", 0),
             "hourly": live_hours(points, t0, self.scale),
             "behind_points": behind_points(points),
         }
+
+
+def settle_spans(points: list[dict[str, Any]], pauses: list[dict[str, Any]], decisions_s: list[float]) -> list[float]:
+    """Per scale-in (wall seconds): from the end of its pause to the first timeline point at which
+    the master was ready again (the leavers had exited); a scale-in another decision followed
+    before that is left out. Empty from a master whose points do not say (``ready`` None)."""
+    spans = []
+    for pause in pauses:
+        if not pause["cause"].startswith("scale-in"):
+            continue
+        end = pause["at_s"]
+        first = next((p for p in points if p["t_s"] >= end and p.get("ready") is not None), None)
+        ready = next((p["t_s"] for p in points if p["t_s"] >= end and p.get("ready")), None)
+        if first is not None and ready is not None and not any(end <= d < ready for d in decisions_s):
+            spans.append(ready - end)
+    return spans
 
 
 def behind_points(points: list[dict[str, Any]]) -> list[tuple[int, float, float]]:
@@ -506,7 +526,9 @@ def live_migration(runs: dict[str, dict[str, Any]], scale: float) -> sim.Migrati
         return float(np.median(preps[side])), float(np.median(pauses[side]))
 
     (prep, pause), (in_prep, in_pause) = cost(True), cost(False)
-    return sim.Migration("live", prep_s=prep, pause_s=pause, scale_in_prep_s=in_prep, scale_in_pause_s=in_pause)
+    settles = [s for r in runs.values() for s in r.get("settle_in_s", [])]  # none from an older run
+    return sim.Migration("live", prep_s=prep, pause_s=pause, scale_in_prep_s=in_prep, scale_in_pause_s=in_pause,
+                         scale_in_settle_s=float(np.median(settles)) * scale if settles else 0.0)
 
 
 # ---------------------------------------------------------------------------- by trace hour
@@ -771,7 +793,8 @@ def main(argv: list[str] | None = None) -> int:
                   "predicted_records_per_s": {w: round(sim.true_throughput(cfg, w) * scale, 1)
                                               for w in range(1, args.max_workers + 1)}},
         "migration": {"prep_s": migration.prep_s, "pause_s": migration.pause_s,
-                      "scale_in_prep_s": migration.scale_in_prep_s, "scale_in_pause_s": migration.scale_in_pause_s},
+                      "scale_in_prep_s": migration.scale_in_prep_s, "scale_in_pause_s": migration.scale_in_pause_s,
+                      "scale_in_settle_s": migration.scale_in_settle_s},
         "latency_s": latency,
         "sustained_share": sustained,
         "foresight_schedules": foresight,
@@ -793,7 +816,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.device_ms_per_step:g} ms/step, batch {args.batch_size}; kale --load-headroom "
               f"{args.load_headroom:g} --lag-price {args.lag_price:g}; simulator: {how}; a scale-out "
               f"{migration.prep_s / 60:.1f} + {migration.pause_s / 60:.1f} trace min (prep + pause, measured live), "
-              f"a scale-in {scale_in[0] / 60:.1f} + {scale_in[1] / 60:.1f}; "
+              f"a scale-in {scale_in[0] / 60:.1f} + {scale_in[1] / 60:.1f}, then not ready for "
+              f"{migration.scale_in_settle_s / 60:.1f} (its leavers exit); "
               f"pipeline latency {latency / 60:.1f} trace min (the live lag's 10th percentile); workers with "
               f"records waiting train {sustained:.3f} of the capacity they read (the simulated ones too)")
         print("live capacity (rate / busy share), records/s (wall) per workers: "

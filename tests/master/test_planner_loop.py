@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tests.test_master import form_round, journaled_round, lease, make_master, report
-from tidal.api import JobObservation, JobState, ResourcePlan, StepRecord
+from tidal.api import JobObservation, JobState, RendezvousRequest, ResourcePlan, StepRecord
 from tidal.master.planning import Planning
 
 
@@ -212,3 +212,31 @@ def test_a_job_without_servers_shows_none(tmp_path: Path) -> None:
     master.target_override = None
     master.tick()
     assert planner.seen is not None and planner.seen.ps is None
+
+
+def test_the_timeline_says_when_the_job_is_ready_and_a_leaver_counts_until_it_exits(tmp_path: Path) -> None:
+    """``TimelinePoint.ready``: at the target, nothing starting, re-forming or leaving, as the
+    planner is told. A scaled-in worker keeps the job unready until its process has exited (the
+    simulator models that wait: ``tidal.sim.online.Migration.scale_in_settle_s``)."""
+    master, clock, backend = make_master(tmp_path, "1:2")
+    master.tick()
+    assert master.timeline().points[-1].ready is False  # nobody has joined
+    form_round(master, [0, 1])
+    clock.now += 1.0
+    master.tick()
+    assert master.round == 0 and master.timeline().points[-1].ready is True
+    master.scale(1)
+    first_round = master.round
+    for w in (0, 1):
+        master.rendezvous(RendezvousRequest(worker_id=w, after_round=first_round, applied_step=-1))
+    clock.now += 1.0
+    master.tick()
+    answer = master.rendezvous(RendezvousRequest(worker_id=1, after_round=first_round, applied_step=-1))
+    assert master.round == first_round + 1 and answer.status == "leave"
+    clock.now += 1.0
+    master.tick()
+    assert master.timeline().points[-1].ready is False  # worker 1 is still on its way out
+    backend.exit("worker-1", 0)
+    clock.now += 1.0
+    master.tick()
+    assert master.timeline().points[-1].ready is True

@@ -270,6 +270,35 @@ def test_the_busy_share_is_read_over_the_live_window() -> None:
         sim.simulate(np.ones(3), {"once": Once}, sim.SimConfig(busy_window_s=0.0))
 
 
+def test_after_a_scale_in_the_job_is_not_ready_until_its_leavers_exit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Migration.scale_in_settle_s``: live, a master is not ready while a scaled-in worker is
+    still exiting (2-3 wall s, about 250 trace s at 96x), by which time the survivors have drained
+    the pause's backlog; a planner then never reads that catch-up. A scale-out has no such wait."""
+    monkeypatch.setitem(sim.MIGRATIONS, "settling", sim.Migration(
+        "settling", prep_s=0.0, pause_s=30.0, scale_in_prep_s=0.0, scale_in_pause_s=30.0, scale_in_settle_s=150.0))
+    seen: list[tuple[float, bool, float]] = []
+
+    class DownThenUp:
+        name = "down-then-up"
+
+        def plan(self, obs: JobObservation) -> ResourcePlan:
+            assert obs.stream is not None
+            seen.append((obs.now_s, obs.ready, obs.stream.utilization))
+            return ResourcePlan(workers=6 if obs.now_s < 600 else 4 if obs.now_s < 1200 else 6)
+
+    cfg = sim.SimConfig(peak_workers=8, noise=0.0, migration="settling")
+    sim.simulate(np.full(30, 0.6 * sim.true_throughput(cfg, 4) * 60.0), {"x": DownThenUp}, cfg)
+    ready = {round(t): r for t, r, _ in seen[1:]}
+    # the scale-in decided at 600 s pauses 600-630 s; its leavers exit at 780 s: ready from the
+    # observation at 780 s on, the interval the pause ended in (660 s) and the two after it not
+    assert [ready[t] for t in (600, 660, 720, 780, 840)] == [True, False, False, True, True]
+    # the scale-out decided at 1200 s pauses 1200-1230 s: ready again from 1260 s + 60 s
+    assert [ready[t] for t in (1260, 1320)] == [False, True]
+    # and the first reading after the settle is no longer the catch-up's saturation
+    util = {round(t): u for t, _, u in seen[1:]}
+    assert util[780] < 0.95
+
+
 def test_a_pipeline_latency_is_a_floor_under_the_lag() -> None:
     """With ample workers the lag is the latency: a sample waits for the read ahead and the
     step, then is trained; nothing is lost."""

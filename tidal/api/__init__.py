@@ -605,6 +605,7 @@ class TimelinePoint(_Wire):
     target: int
     lag_s: float | None = None  # a stream job: the lag in trace time (None: not known yet)
     busy: float | None = None  # a stream job: the members' mean busy share (None: not reported yet)
+    ready: bool | None = None  # at its target, nothing starting, re-forming or leaving (None: not said)
 
 
 class TimelineResponse(_Wire):

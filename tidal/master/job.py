@@ -993,7 +993,8 @@ class JobMaster:
                 active = self._active()
                 lag = self._track_lag(now) if self.streams is not None else None
                 busy = stream_busy(self._member_records()) if self.streams is not None else None
-                self.planning.record(now, sum(r.samples_per_s for r in active), len(active), self.target, lag, busy)
+                self.planning.record(now, sum(r.samples_per_s for r in active), len(active), self.target, lag, busy,
+                                     ready=self._ready(active))
             if self.streams is not None and self.spec.stop_when_drained_s is not None:
                 self._check_drained(now)
             if self.spec.ps:
@@ -1206,12 +1207,17 @@ class JobMaster:
             log.error("job %s: %s", self.spec.job_id, problem, exc_info=exc)
 
     def _measure(self, now: float, active: list[WorkerRecord]) -> bool:
-        """Close the throughput interval since the previous call; whether the job ran at its
-        target with nothing starting or re-forming (only then does the interval count)."""
-        ready = (not self.reforming and len(active) == self.target
-                 and all(r.state in (W.ACTIVE, W.SUCCEEDED, W.FAILED) for r in self.workers.values()))
+        """Close the throughput interval since the previous call; whether the job is ``_ready``
+        (only then does the interval count)."""
+        ready = self._ready(active)
         self.planning.measure(now, len(active), self.committed_samples(), ready)
         return ready
+
+    def _ready(self, active: list[WorkerRecord]) -> bool:
+        """Whether the job runs at its target with nothing starting, re-forming or leaving (a
+        scaled-in worker counts until it has exited)."""
+        return (not self.reforming and len(active) == self.target
+                and all(r.state in (W.ACTIVE, W.SUCCEEDED, W.FAILED) for r in self.workers.values()))
 
     def _observe(self, now: float, active: list[WorkerRecord], ready: bool) -> JobObservation:
         """What the planner sees now."""

@@ -101,13 +101,21 @@ class Migration:
     A scale-in may cost less than a scale-out (``scale_in_prep_s`` / ``scale_in_pause_s``; None:
     the same): tidal's runtime starts no process to shrink, so live a scale-in's preparation is
     the leaver's goodbye (under a trace minute at 96x) where a scale-out's is the new workers'
-    start (about 12 trace minutes). Restart and seamless (Kale 4.4) cost the same both ways."""
+    start (about 12 trace minutes). Restart and seamless (Kale 4.4) cost the same both ways.
+
+    ``scale_in_settle_s``: after a scale-in's pause the survivors train at the new count, but the
+    job is not ``ready`` until the leavers have exited (a live master measures nothing while a
+    worker is still leaving: ``JobMaster._measure``); live, 2-3 wall seconds, about 250 trace
+    seconds at 96x, in which the survivors drain the pause's backlog. Without it the first
+    reading after every scale-in was that catch-up (busy 1.0), and the simulated HPA scaled out
+    again at once: 165 actions on the nineteenth live run's day where the live HPA made 45."""
 
     name: str
     prep_s: float
     pause_s: float
     scale_in_prep_s: float | None = None
     scale_in_pause_s: float | None = None
+    scale_in_settle_s: float = 0.0
 
     def cost(self, scale_out: bool) -> tuple[float, float]:
         """(prep, pause) seconds of an action growing the job (``scale_out``) or shrinking it."""
@@ -349,6 +357,7 @@ class _Job:
     action_end: float = 0.0
     actions: int = 0
     downtime_s: float = 0.0
+    settled_at: float = 0.0  # the end of a scale-in's leavers' exit: not ready before it
 
 
 def simulate(
@@ -432,6 +441,8 @@ def simulate(
                 train_s -= paused
                 job.downtime_s += paused
                 if job.action_end <= t1:
+                    if job.action_new < job.workers:
+                        job.settled_at = job.action_end + mig.scale_in_settle_s
                     job.workers = job.action_new
                     job.action_new = None
                     ended = True
@@ -472,7 +483,7 @@ def simulate(
                 # not ready while a scaling action is under way, nor in the interval it ends in: its
                 # workers have just started and its busy share mixes the pause with the catch-up
                 # after it (Kubernetes' HPA samples no pod before it is ready)
-                ready=job.action_new is None and not ended,
+                ready=job.action_new is None and not ended and t1 >= job.settled_at,
                 throughput=[], workers=[], pauses=[],  # given: pydantic's default factories are slow
                 stream=StreamObservation.model_construct(
                     interval_s=dt,
