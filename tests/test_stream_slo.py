@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 from tests import chromium
@@ -141,3 +144,40 @@ def test_the_stream_options_need_a_stream(tmp_path: Path) -> None:
     out = run("--lag-price", "5", str(script), cwd=tmp_path)
     assert out.returncode == 2 and out.stderr.strip() == (
         "tidal: error: --load-headroom and --lag-price need --stream"), out.stderr
+
+
+def test_the_arrival_rate_a_stream_job_sees_is_the_producers(tmp_path: Path) -> None:
+    """``tidal produce`` writes 20 records per trace second (1,200 a minute) into 2 partitions at
+    --speedup 12: 240 records/s of wall time. The job replays at --time-scale 12, so its status and
+    /metrics show the trace's rate, counted from what was appended to the partitions (the rate a
+    stream planner is handed: ``tidal.master.planning.ArrivalMeter``)."""
+    trace = tmp_path / "trace.csv"
+    trace.write_text("minute,records\n" + "".join(f"{m},1200\n" for m in range(30)))
+    with redis_server(tmp_path / "redis") as server:
+        url = server.url("clicks")
+        produce(url, 2, [1, 1])  # the partitions exist when the workers first look
+        job = Job(tmp_path, "1:1", ARGS, run_args=["--stream", url, "--time-scale", "12"]).start()
+        producer = None
+        try:
+            job.wait_status(lambda s: s["finalized_step"] >= 0, 120, "the first step")
+            producer = subprocess.Popen([TIDAL, "produce", "--stream", url, "--partitions", "2", "--trace", str(trace),
+                                         "--speedup", "12", "--first-index", "2", "-q"], start_new_session=True,
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            job.wait_status(lambda s: ((s["stream_lag"] or {}).get("arrivals_per_s") or 0.0) > 10.0, 60,
+                            "records arriving")  # the producer started (it imports numpy and the example)
+            time.sleep(1.0)  # the count from before it started is out of the window
+            rates = []
+            for _ in range(6):  # a reading a second for six seconds
+                rates.append(job.status()["stream_lag"]["arrivals_per_s"])
+                time.sleep(1.0)
+            assert producer.poll() is None, "the producer ended before the readings"
+            assert abs(float(np.median(rates)) - 20.0) <= 3.0, rates
+            info = job.info()
+            metrics = httpx.get(info["url"] + "/metrics", timeout=5,
+                                headers={"Authorization": f"Bearer {info['token']}"}).text
+            assert abs(metric(metrics, "tidal_stream_arrivals_per_second") - 20.0) <= 4.0
+        finally:
+            if producer is not None:
+                os.killpg(producer.pid, signal.SIGKILL)
+                producer.wait()
+            job.kill_all()

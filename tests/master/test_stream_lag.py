@@ -251,5 +251,49 @@ def test_a_stream_jobs_capacity_is_measured_from_its_busy_share() -> None:
     shuffled = members(0.5)
     for r in shuffled:
         r.stream_batch, r.stream_queue_upper = 128, 160
-    seen = planning.observe_stream(15.0, 1.0, 2.0, 0, shuffled, ready=True, partitions=8)
+    seen = planning.observe_stream(15.0, 1.0, 2.0, 0, shuffled, ready=True, partitions=list(range(8)))
     assert (seen.partitions, seen.queue_upper, seen.step_batch) == (8, 160.0, 128.0)
+
+
+def test_the_arrival_rate_is_the_slope_of_what_was_appended() -> None:
+    """``ArrivalMeter``: per partition, the slope of its reader's counts of the records ever
+    appended over the last second (and the count before it); a new reader starts again (two
+    workers' clocks are not compared), a report resent is ignored, and a partition nobody has
+    counted for ``stale_s`` makes the rate unknown."""
+    from tidal.master.planning import ArrivalMeter
+
+    meter = ArrivalMeter(window_s=1.0, stale_s=3.0)
+    assert meter.rate([0, 1], now=0.0) is None
+    for i, t in enumerate([10.0, 10.5, 11.0, 11.5, 12.0]):
+        meter.note(reader=0, at_s=t, appended={0: 100 * i, 1: 40 * i}, now=t)
+    meter.note(reader=0, at_s=12.0, appended={0: 999, 1: 999}, now=12.1)  # resent: same time, ignored
+    # partition 0: 100 records per half second, partition 1: 40
+    assert meter.rate([0, 1], now=12.1) == pytest.approx(200.0 + 80.0)
+    assert meter.rate([0], now=12.1) == pytest.approx(200.0)
+    assert meter.rate([0, 1, 2], now=12.1) is None  # partition 2 not counted yet
+    meter.note(reader=1, at_s=500.0, appended={1: 1000}, now=12.6)  # a new reader, another clock
+    assert meter.rate([0, 1], now=12.6) is None  # no slope from it yet
+    meter.note(reader=1, at_s=501.0, appended={1: 1030}, now=13.6)
+    assert meter.rate([1], now=13.6) == pytest.approx(30.0)
+    assert meter.rate([0, 1], now=15.2) is None  # partition 0's reader has said nothing for 3.2 s
+
+
+def test_the_observed_arrivals_follow_the_appended_counts_not_the_commits(tmp_path: Path) -> None:
+    """The arrivals a stream planner reads: from the records appended (reported by the readers)
+    when they say it; the commits land a step's batch at a time, so read over one interval the
+    older estimate (committed plus the growth of the backlog) swings by a batch either way."""
+    from tidal.api import WorkerState
+    from tidal.master.membership import WorkerRecord
+
+    counted, uncounted = Planning(MaxWorkersPlanner(), 0.0), Planning(MaxWorkersPlanner(), 0.0)
+    member = WorkerRecord(worker_id=0, state=WorkerState.ACTIVE, launched_at=0.0)
+    member.stream_backlog = 0
+    # 1,000 records/s arrive; the worker commits 512-record batches: 0, 512, 1536, 2048 at the calls
+    seen, older = [], []
+    for k, committed in enumerate([0, 512, 1536, 2048]):
+        now = 10.0 + k
+        counted.arrivals.note(0, now, {0: 1000 * k}, now)
+        seen.append(counted.observe_stream(now, 1.0, 1.0, committed, [member], ready=True, partitions=[0]).arrivals)
+        older.append(uncounted.observe_stream(now, 1.0, 1.0, committed, [member], ready=True, partitions=[0]).arrivals)
+    assert seen == [[0.0], [1000.0], [1000.0], [1000.0]]  # no slope at the first call: the older estimate
+    assert older == [[0.0], [512.0], [1024.0], [512.0]]  # workers that do not count: commits' batches

@@ -297,6 +297,9 @@ class ReportRequest(_Wire):
     # epoch, its clock; 0: not said), so that the master ages the lag from then, not from the report
     stream_oldest_by_partition: dict[int, _NonNegI64] = Field(default_factory=dict, max_length=65536)
     stream_measured_ms: int = Field(default=0, ge=0, le=_I64)
+    # records ever appended to each partition it reads, as it read them then (the master's
+    # arrival rate; empty: not said)
+    stream_appended: dict[int, _NonNegI64] = Field(default_factory=dict, max_length=65536)
     stream_busy: float = Field(default=-1.0, ge=-1.0, le=1.0)
     # records per second its steps trained while busy (the same steps as stream_busy, less the
     # round's first ones; -1: unknown; 0: the round's first steps are not over, not measured yet)
@@ -543,6 +546,9 @@ class StreamLagStatus(_Wire):
     observed_s: float = 0.0
     violation_ratio: float = 0.0
     accumulated_lag_min: float = 0.0
+    # records per second arriving in the stream (trace time), from the records appended to its
+    # partitions as their readers last counted them (None: not counted yet)
+    arrivals_per_s: float | None = None
 
 
 class StatusResponse(_Wire):

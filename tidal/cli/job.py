@@ -923,7 +923,8 @@ def _lag_line(lag: StreamLagStatus) -> str:
     scale = f", wall time / {lag.time_scale:g}" if lag.time_scale != 1.0 else ""
     return (f"stream lag {lag.lag_s:.1f} s vs SLO {lag.slo_s:g} s (trace time{scale}): "
             f"{'OVER' if lag.lag_s > lag.slo_s else 'within'}; SLO violated {100 * lag.violation_ratio:.1f}% "
-            f"of {lag.observed_s / 60:.1f} min, accumulated lag {lag.accumulated_lag_min:.1f} min")
+            f"of {lag.observed_s / 60:.1f} min, accumulated lag {lag.accumulated_lag_min:.1f} min"
+            + (f"; arriving {lag.arrivals_per_s:g} records/s" if lag.arrivals_per_s is not None else ""))
 
 
 def _render_status(st: StatusResponse) -> None:

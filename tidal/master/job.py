@@ -69,6 +69,7 @@ from tidal.api import (
     ServerReport,
     ShardCounts,
     StatusResponse,
+    StreamLagStatus,
     StreamPartitionStatus,
     TimelineResponse,
     WorkerInfo,
@@ -700,6 +701,8 @@ class JobMaster:
             rec.stream_capacity = req.stream_capacity
             rec.stream_oldest_by_partition = dict(req.stream_oldest_by_partition)
             rec.stream_measured_ms = req.stream_measured_ms
+            if req.stream_appended:
+                self.planning.arrivals.note(req.worker_id, req.stream_measured_ms / 1000.0 or now, req.stream_appended, now)
             rec.stream_queued = req.stream_queued
             rec.stream_forwarded_out, rec.stream_forwarded_in = req.stream_forwarded_out, req.stream_forwarded_in
             rec.stream_batch, rec.stream_queue_upper = req.stream_batch, req.stream_queue_upper
@@ -1057,6 +1060,23 @@ class JobMaster:
                                              worker=owner, lag=lag, lag_s=lag_s))
         return out
 
+    def _stream_lag_status(self) -> StreamLagStatus | None:
+        """The stream's lag against its SLO and the rate records arrive at (trace time)."""
+        if self.streams is None:
+            return None
+        status = self.planning.lag.status(self.spec.time_scale)
+        if status is not None:
+            status.arrivals_per_s = self.stream_arrivals_per_s()
+        return status
+
+    def stream_arrivals_per_s(self) -> float | None:
+        """Records arriving per second in trace time (``planning.ArrivalMeter``; None: not
+        counted yet, or not a stream job)."""
+        if self.streams is None:
+            return None
+        rate = self.planning.arrivals.rate(sorted(self.streams.partitions), self.clock())
+        return None if rate is None else round(rate / self.spec.time_scale, 3)
+
     def _member_records(self) -> list[WorkerRecord]:
         """The records of the round's members (those the master still knows)."""
         return [self.workers[m] for m in self.rounds.members if m in self.workers]
@@ -1227,7 +1247,7 @@ class JobMaster:
             members = self._member_records()
             stream = self.planning.observe_stream(
                 now, self.spec.planner_interval_s, self.spec.time_scale, self.committed_samples(), members, ready,
-                partitions=len(self.streams.partitions))
+                partitions=sorted(self.streams.partitions))
         return self.planning.observe(
             job_id=self.spec.job_id, now=now, min_workers=self.spec.min_workers, max_workers=self.spec.max_workers,
             target=self.target, active=active, ready=ready, applied_step=self.finalized_step,
@@ -1507,7 +1527,7 @@ class JobMaster:
             planner=self.planning.status(overridden=self.target_override is not None),
             checkpoint_step=self.checkpoint_step, checkpoint_problem=self.checkpoint_problem,
             stream=self.stream_status(), stream_stop=self.stream_stop,
-            stream_lag=self.planning.lag.status(self.spec.time_scale) if self.streams is not None else None,
+            stream_lag=self._stream_lag_status(),
             servers=self.servers.info(), ps_shard_map=self.servers.shard_map,
             ps_target=self.servers.target if self.spec.ps else 0,
             ps_range=list(self.spec.ps_range) if self.spec.ps else [],

@@ -33,6 +33,7 @@ A stream job adds (``tidal.master.planning.StreamLag``; trace time, as ``tidal s
 * ``tidal_stream_partition_lag_seconds{partition}``: the age of the oldest of them, trace time;
 * ``tidal_stream_lag_seconds``: the age of the oldest waiting record, and
   ``tidal_stream_lag_slo_seconds`` the SLO it is held to (``--lag-slo``);
+  ``tidal_stream_arrivals_per_second``: the rate records arrive at (trace time);
 * ``tidal_stream_slo_violation_ratio``: the share of the job's stream time whose lag exceeded the SLO;
 * ``tidal_stream_accumulated_lag_minutes_total``: Kale's accumulated lag (Eq. 11), minutes of lag
   times minutes; like the ratio, journaled, so both survive a master failover;
@@ -262,6 +263,13 @@ def _stream_slo(master: JobMaster) -> Iterator[Metric]:
                                       "minutes of lag times minutes, trace time.")
     accumulated.add_metric([], book.accumulated_lag_min)
     yield accumulated
+    rate = master.stream_arrivals_per_s()
+    if rate is not None:
+        arrivals = GaugeMetricFamily("tidal_stream_arrivals_per_second",
+                                     "Records arriving in the stream per second, trace time (from the "
+                                     "records appended to its partitions).")
+        arrivals.add_metric([], rate)
+        yield arrivals
 
 
 def _step_seconds(active: list[WorkerRecord]) -> GaugeMetricFamily:

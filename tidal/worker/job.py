@@ -216,18 +216,20 @@ class Job:
 
     def note_stream(self, lag: dict[int, int], oldest_ms: dict[int, int], busy: float, malformed: int,
                     shuffle: tuple[int, int, int] = (-1, 0, 0), capacity: float = -1.0, *,
-                    batch: int = 0, queue_upper: int = 0) -> None:
+                    batch: int = 0, queue_upper: int = 0, appended: dict[int, int] | None = None) -> None:
         """A stream loader's records waiting per partition, the arrival of the oldest waiting in
         each (where one waits), its busy share, the records/s it trained while busy (``capacity``,
         -1: unknown) and its malformed records, for the master's next report; with global
         shuffling, the records in its local queue and those it forwarded and received; the
-        records a step takes and the local queue's upper threshold (0: no shuffling)."""
+        records a step takes and the local queue's upper threshold (0: no shuffling); the records
+        ever appended to each partition (``appended``: the master's arrival rate)."""
         if self._reporter is not None:
             r = self._reporter
             r.stream_lag, r.stream_backlog, r.stream_malformed = lag, sum(lag.values()), malformed
             r.stream_oldest_by_partition, r.stream_busy, r.stream_capacity = oldest_ms, busy, capacity
             r.stream_oldest_ms = min(oldest_ms.values(), default=0)
             r.stream_measured_ms = int(time.time() * 1000)
+            r.stream_appended = dict(appended or {})
             r.stream_queued, r.stream_forwarded_out, r.stream_forwarded_in = shuffle
             r.stream_batch, r.stream_queue_upper = batch, queue_upper
 

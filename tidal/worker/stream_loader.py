@@ -91,7 +91,7 @@ class StreamHost(Protocol):
 
     def note_stream(self, lag: dict[int, int], oldest_ms: dict[int, int], busy: float, malformed: int,
                     shuffle: tuple[int, int, int] = (-1, 0, 0), capacity: float = -1.0, *,
-                    batch: int = 0, queue_upper: int = 0) -> None: ...
+                    batch: int = 0, queue_upper: int = 0, appended: dict[int, int] | None = None) -> None: ...
 
     @property
     def stream_committed(self) -> dict[int, int]: ...
@@ -205,7 +205,8 @@ class StreamLoader:
                     unit = self._unit
                     shuffle = (-1, 0, 0) if unit is None else (unit.queued, unit.forwarded_out, unit.forwarded_in)
                     job.note_stream(counted[0], counted[1], min(1.0, busy), self.malformed, shuffle, capacity,
-                                    batch=self.batch_size, queue_upper=0 if self.shuffle is None else self.shuffle[1])
+                                    batch=self.batch_size, queue_upper=0 if self.shuffle is None else self.shuffle[1],
+                                    appended=counted[2])
                 if self.trim:
                     self._trim(job.stream_committed)
             if taken is None:
@@ -353,11 +354,11 @@ class StreamLoader:
             self._counter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tidal-stream-count")
         self._counting = self._counter.submit(count)
 
-    def _lag(self) -> tuple[dict[int, int], dict[int, int]] | None:
+    def _lag(self) -> tuple[dict[int, int], dict[int, int], dict[int, int]] | None:
         """Records waiting after what this worker has read, per partition it reads, and the
         arrival time (ms, from the id) of the oldest of them, per partition where one waits; with
-        global shuffling, plus what waits in its local queue; None while the round's first count
-        runs."""
+        global shuffling, plus what waits in its local queue; and the records ever appended to
+        each (the master's arrival rate); None while the round's first count runs."""
         if self._counting is not None:
             if not self._counting.done():
                 return None
@@ -370,8 +371,10 @@ class StreamLoader:
             self._counting = None
         lag: dict[int, int] = {}
         oldest: dict[int, int] = {}
+        appended: dict[int, int] = {}
         for p, pos in self._positions.items():
-            arrived = self.source.appended(p) - self._appended0.get(p, 0)
+            appended[p] = self.source.appended(p)
+            arrived = appended[p] - self._appended0.get(p, 0)
             lag[p] = max(0, self._backlog0.get(p, 0) + arrived - self._taken.get(p, 0))
             if lag[p]:
                 head = self.source.read(p, unpack_id(pos), 1)
@@ -383,4 +386,4 @@ class StreamLoader:
                 lag[p] = lag.get(p, 0) + n
             for p, ms in queued_oldest.items():
                 oldest[p] = min(oldest.get(p, ms), ms)
-        return lag, oldest
+        return lag, oldest, appended
