@@ -534,16 +534,20 @@ def live_migration(runs: dict[str, dict[str, Any]], scale: float) -> sim.Migrati
 # ---------------------------------------------------------------------------- by trace hour
 def live_hours(points: list[dict[str, Any]], t0: float, scale: float) -> list[dict[str, float | None]]:
     """Per trace hour of a live run's timeline: the workers (allocated, as worker-min counts
-    them), the lag's median and largest (trace seconds) and the median busy share."""
+    them), the lag's median and largest (trace seconds), the median busy share, and the arrival
+    rate the master counted (trace records/s: mean, and the spread of its readings)."""
     out = []
     for hour in range(24):
         inside = [p for p in points if hour * 3600 <= (p["t_s"] - t0) * scale < (hour + 1) * 3600]
         lags = [p["lag_s"] for p in inside if p["lag_s"] is not None]
         busy = [p["busy"] for p in inside if p.get("busy") is not None]
+        arrivals = [p["arrivals_per_s"] for p in inside if p.get("arrivals_per_s") is not None]
         out.append({"workers": float(np.mean([max(p["workers"], p["target"]) for p in inside])) if inside else None,
                     "lag_p50_s": float(np.median(lags)) if lags else None,
                     "lag_max_s": float(np.max(lags)) if lags else None,
-                    "busy": float(np.median(busy)) if busy else None})
+                    "busy": float(np.median(busy)) if busy else None,
+                    "arrivals_per_s": float(np.mean(arrivals)) if arrivals else None,
+                    "arrivals_sd": float(np.std(arrivals)) if arrivals else None})
     return out
 
 
@@ -573,8 +577,10 @@ def hour_table(name: str, rows: list[dict[str, Any]]) -> str:
     def num(v: float | None, fmt: str) -> str:
         return "-" if v is None else format(v, fmt)
 
-    head = [["hour", "arrivals/s", "need", "live w", "lag p50", "max", "busy", "sim w", "lag p50", "max"]]
-    body = [[str(r["hour"]), f"{r['arrivals_per_s']:.1f}", f"{r['need_workers']:.1f}",
+    head = [["hour", "arrivals/s", "live read", "need", "live w", "lag p50", "max", "busy", "sim w", "lag p50", "max"]]
+    body = [[str(r["hour"]), f"{r['arrivals_per_s']:.1f}",
+             "-" if r["live"].get("arrivals_per_s") is None else
+             f"{r['live']['arrivals_per_s']:.1f} ± {r['live']['arrivals_sd']:.1f}", f"{r['need_workers']:.1f}",
              num(r["live"].get("workers"), ".1f"), num(r["live"].get("lag_p50_s"), ".0f"),
              num(r["live"].get("lag_max_s"), ".0f"), num(r["live"].get("busy"), ".2f"),
              f"{r['sim']['workers']:.1f}", f"{r['sim']['lag_p50_s']:.0f}", f"{r['sim']['lag_max_s']:.0f}"]

@@ -612,6 +612,7 @@ class TimelinePoint(_Wire):
     lag_s: float | None = None  # a stream job: the lag in trace time (None: not known yet)
     busy: float | None = None  # a stream job: the members' mean busy share (None: not reported yet)
     ready: bool | None = None  # at its target, nothing starting, re-forming or leaving (None: not said)
+    arrivals_per_s: float | None = None  # a stream job: records arriving per second, trace time (None: not counted)
 
 
 class TimelineResponse(_Wire):

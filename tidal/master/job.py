@@ -997,7 +997,7 @@ class JobMaster:
                 lag = self._track_lag(now) if self.streams is not None else None
                 busy = stream_busy(self._member_records()) if self.streams is not None else None
                 self.planning.record(now, sum(r.samples_per_s for r in active), len(active), self.target, lag, busy,
-                                     ready=self._ready(active))
+                                     ready=self._ready(active), arrivals_per_s=self.stream_arrivals_per_s())
             if self.streams is not None and self.spec.stop_when_drained_s is not None:
                 self._check_drained(now)
             if self.spec.ps:

@@ -238,12 +238,14 @@ class Planning:
         return self.meter.throughput()
 
     def record(self, now: float, samples_per_s: float, workers: int, target: int,
-               lag_s: float | None = None, busy: float | None = None, ready: bool | None = None) -> None:
+               lag_s: float | None = None, busy: float | None = None, ready: bool | None = None,
+               arrivals_per_s: float | None = None) -> None:
         """One timeline point (the caller calls it once a second)."""
         self.timeline.append(TimelinePoint(t_s=round(now - self.started_at, 3), samples_per_s=round(samples_per_s, 1),
                                            workers=workers, target=target,
                                            lag_s=None if lag_s is None else round(lag_s, 1),
-                                           busy=None if busy is None else round(busy, 3), ready=ready))
+                                           busy=None if busy is None else round(busy, 3), ready=ready,
+                                           arrivals_per_s=arrivals_per_s))
 
     def seed_history(self, arrivals: Sequence[float], interval_s: float) -> int:
         """Hand the stream's past traffic (records per ``interval_s`` trace seconds, oldest first) to
