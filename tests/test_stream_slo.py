@@ -176,6 +176,13 @@ def test_the_arrival_rate_a_stream_job_sees_is_the_producers(tmp_path: Path) -> 
             metrics = httpx.get(info["url"] + "/metrics", timeout=5,
                                 headers={"Authorization": f"Bearer {info['token']}"}).text
             assert abs(metric(metrics, "tidal_stream_arrivals_per_second") - 20.0) <= 4.0
+            if chromium.available():  # and the dashboard shows it
+                with chromium.Browser(timeout=20) as browser:
+                    browser.navigate(f"{info['url']}/dashboard?token={info['token']}")
+                    browser.wait_until("document.getElementById('arrivals-now').dataset.value > 0", timeout=20)
+                    shown = browser.evaluate("Number(document.getElementById('arrivals-now').dataset.value)")
+                    assert abs(shown - 20.0) <= 4.0, shown
+                    assert browser.errors() == []
         finally:
             if producer is not None:
                 os.killpg(producer.pid, signal.SIGKILL)
