@@ -116,6 +116,8 @@ def run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
         (None, ["--load-headroom", "0"], "--load-headroom must be between 0.5 and 10"),
         (None, ["--lag-price", "-1"], "--lag-price must be between 0 and"),
         (None, ["--planner", "hpa", "--lag-price", "5"], "--load-headroom and --lag-price are kale's; planner hpa"),
+        (None, ["--planned-lag", "0"], "--planned-lag must be between"),
+        (None, ["--planner", "hpa", "--planned-lag", "90"], "--planned-lag is kale's; planner hpa has none"),
     ],
 )
 def test_bad_traffic_history_or_slo_is_one_line(tmp_path: Path, csv: str | None, options: list[str],
@@ -141,9 +143,10 @@ def test_the_stream_options_need_a_stream(tmp_path: Path) -> None:
         out = run(*options, str(script), cwd=tmp_path)
         assert out.returncode == 2 and out.stderr.strip() == (
             "tidal: error: --lag-slo, --traffic-history and --traffic-column need --stream"), out.stderr
-    out = run("--lag-price", "5", str(script), cwd=tmp_path)
-    assert out.returncode == 2 and out.stderr.strip() == (
-        "tidal: error: --load-headroom and --lag-price need --stream"), out.stderr
+    for options in (["--lag-price", "5"], ["--planned-lag", "90"]):
+        out = run(*options, str(script), cwd=tmp_path)
+        assert out.returncode == 2 and out.stderr.strip() == (
+            "tidal: error: --load-headroom, --lag-price and --planned-lag need --stream"), out.stderr
 
 
 def test_the_arrival_rate_a_stream_job_sees_is_the_producers(tmp_path: Path) -> None:

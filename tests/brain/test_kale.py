@@ -291,6 +291,10 @@ def test_the_master_builds_kale_with_the_runtimes_action_cost():
     assert (default.headroom, default.lag_price) == (1.0, 0.0)  # off: the paper's Eq. 10
     knobs = planners.get("kale", PlannerContext(load_headroom=1.15, lag_price=10.0))
     assert (knobs.headroom, knobs.lag_price) == (1.15, 10.0)  # tidal run --load-headroom --lag-price
+    # the lag it acts before: a quarter of the SLO, unless given (tidal run --planned-lag)
+    assert default.planned_lag_s == 300.0
+    assert planners.get("kale", PlannerContext(lag_slo_s=600.0)).planned_lag_s == 150.0
+    assert planners.get("kale", PlannerContext(lag_slo_s=600.0, planned_lag_s=90.0)).planned_lag_s == 90.0
 
 
 def test_a_decision_says_what_the_planner_believed():

@@ -347,6 +347,15 @@ def test_cli_sim_online(tmp_path: Path):
     assert json.loads(out.read_text())["oracle_violations"] == 0.03
     assert json.loads(out.read_text())["oracle_worker_hours"] <= data["oracle_worker_hours"] + 1e-6
     assert runner.invoke(app, ["sim", "online", "--trace", str(trace), "--bound-violations", "1"]).exit_code == 2
+    # kale acting before a smaller lag (--planned-lag): no more lag, at least as many workers
+    eager = runner.invoke(app, ["sim", "online", "--trace", str(trace), "--days", "1", "--peak-workers", "10",
+                                "--policies", "kale", "--planned-lag", "60", "--json", str(out)])
+    assert eager.exit_code == 0, eager.output
+    eager_kale = json.loads(out.read_text())["policies"]["kale"]
+    assert eager_kale["accumulated_lag_min"] <= data["policies"]["kale"]["accumulated_lag_min"] + 1e-9
+    assert eager_kale["worker_hours"] >= data["policies"]["kale"]["worker_hours"] - 1e-9
+    refused = runner.invoke(app, ["sim", "online", "--trace", str(trace), "--planned-lag", "0"])
+    assert isinstance(refused.exception, ConfigError) and "--planned-lag must be between" in str(refused.exception)
     # the bound that pays every action: above the free one, below what kale used
     paid = runner.invoke(app, ["sim", "online", "--trace", str(trace), "--days", "1", "--peak-workers", "10",
                                "--policies", "kale", "--paid-bound", "--json", str(out)])

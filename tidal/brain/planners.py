@@ -50,6 +50,7 @@ class PlannerContext:
             (kale does). None: the planner's own default (kale's: a 10-minute restart).
         load_headroom, lag_price: kale's knobs for a lag far below the SLO (``KalePlanner``'s
             ``headroom`` and ``lag_price``; 1 and 0: off, the paper's Eq. 10).
+        planned_lag_s: the lag kale acts before (trace time; None: a quarter of ``lag_slo_s``).
     """
 
     job_id: str = ""
@@ -61,6 +62,7 @@ class PlannerContext:
     action_pause_s: float | None = None
     load_headroom: float = 1.0
     lag_price: float = 0.0
+    planned_lag_s: float | None = None
 
 
 class MaxWorkersPlanner:
@@ -92,7 +94,8 @@ def _builtin() -> dict[str, Callable[[PlannerContext], Planner]]:
         "dlrover": lambda ctx: DLRoverWorkers(cpus=ctx.cpus),
         "dlrover-rm": lambda ctx: DLRoverRMWorkers(features=ctx.features, history=ctx.history),
         # at the default SLO (20 min) these are KalePlanner's own defaults: 5, 15 and 5 minutes
-        "kale": lambda ctx: KalePlanner(planned_lag_s=ctx.lag_slo_s / 4,
+        "kale": lambda ctx: KalePlanner(planned_lag_s=ctx.lag_slo_s / 4 if ctx.planned_lag_s is None
+                                        else ctx.planned_lag_s,
                                         fallback=ThresholdFallback(lag_bound_s=ctx.lag_slo_s * 3 / 4,
                                                                    utilization_lag_s=ctx.lag_slo_s / 4),
                                         lead_s=ctx.action_lead_s, pause_s=ctx.action_pause_s,

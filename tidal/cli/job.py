@@ -49,6 +49,10 @@ LOAD_HEADROOM_HELP = (
     "kale plans on H times the forecast traffic (default 1: Eq. 10, the workers just keep up and run "
     "95-98% busy, so a forecast error below the traffic becomes a backlog; 1.15-1.2 keeps the lag far "
     "below the SLO for 15-20% more workers; see tidal.brain.kale.KalePlanner).")
+PLANNED_LAG_HELP = (
+    "kale scales out when, as things are, the lag would pass SECONDS (trace time) within the time an action "
+    "takes (default a quarter of --lag-slo: 300 at the default SLO). A job whose lag must stay far below the "
+    "SLO sets it lower: kale then acts on a smaller shortfall, for more workers.")
 LAG_PRICE_HELP = (
     "With --global-shuffle, kale weighs each minute a record waits in the busiest worker's local queue "
     "as WORKERS workers (default 0: off). A count that leaves one worker more partitions than it trains "
@@ -337,6 +341,8 @@ def run(
     load_headroom: float = typer.Option(
         1.0, "--load-headroom", metavar="H", help="With --stream: " + LOAD_HEADROOM_HELP),
     lag_price: float = typer.Option(0.0, "--lag-price", metavar="WORKERS", help=LAG_PRICE_HELP),
+    planned_lag: float | None = typer.Option(
+        None, "--planned-lag", metavar="SECONDS", help="With --stream: " + PLANNED_LAG_HELP),
     traffic_history: Path | None = typer.Option(
         None, "--traffic-history", metavar="CSV",
         help="With --stream: the stream's past traffic, seeded into the planner's forecaster before its first "
@@ -382,9 +388,9 @@ def run(
         raise fail("--lag-slo, --traffic-history and --traffic-column need --stream")
     if lag_slo is not None:
         check_range("--lag-slo", lag_slo, (0.001, 1e9), " seconds")
-    if stream is None and (load_headroom != 1.0 or lag_price != 0.0):
-        raise fail("--load-headroom and --lag-price need --stream")
-    check_kale_knobs(load_headroom, lag_price, planner)
+    if stream is None and (load_headroom != 1.0 or lag_price != 0.0 or planned_lag is not None):
+        raise fail("--load-headroom, --lag-price and --planned-lag need --stream")
+    check_kale_knobs(load_headroom, lag_price, planner, planned_lag)
     if traffic_column is not None and traffic_history is None:
         raise fail("--traffic-column needs --traffic-history")
     seed: tuple[list[float], float] = ([], 60.0)
@@ -479,7 +485,7 @@ def run(
         planner_interval_s=planner_interval, history_path=history_path(history),
         stream_url=stream, stop_when_drained_s=stop_when_drained, trim_after_commit=trim_after_commit,
         time_scale=time_scale, lag_slo_s=1200.0 if lag_slo is None else lag_slo,
-        load_headroom=load_headroom, lag_price=lag_price,
+        load_headroom=load_headroom, lag_price=lag_price, planned_lag_s=planned_lag,
         traffic_history=seed[0], traffic_history_interval_s=seed[1], ps=ps, ps_max=ps_max, ps_shards=ps_shards,
         ps_memory=ps_memory, ps_oom_prevention=not no_ps_oom_prevention, ps_hot_balance=not no_ps_hot_balance,
         ps_oom_horizon_s=ps_oom_horizon, data_workers=data_low, data_workers_max=data_high,
@@ -515,12 +521,17 @@ def _detach(script: str, job_dir: Path | None, address: str) -> None:
                f"follow it with `tidal status --job-dir {directory}`", err=True)
 
 
-def check_kale_knobs(load_headroom: float, lag_price: float, planner: str) -> None:
-    """``--load-headroom`` and ``--lag-price``: in range, and only for kale, or a one-line error."""
+def check_kale_knobs(load_headroom: float, lag_price: float, planner: str, planned_lag: float | None = None) -> None:
+    """``--load-headroom``, ``--lag-price`` and ``--planned-lag``: in range, and only for kale, or
+    a one-line error."""
     check_range("--load-headroom", load_headroom, (0.5, 10.0))
     check_range("--lag-price", lag_price, (0.0, 1e6), " workers a lag-minute")
+    if planned_lag is not None:
+        check_range("--planned-lag", planned_lag, (0.001, 1e9), " seconds")
     if planner != "kale" and (load_headroom != 1.0 or lag_price != 0.0):
         raise fail(f"--load-headroom and --lag-price are kale's; planner {planner} has neither")
+    if planner != "kale" and planned_lag is not None:
+        raise fail(f"--planned-lag is kale's; planner {planner} has none")
 
 
 def shuffle_thresholds(text: str) -> tuple[int, int]:

@@ -11,7 +11,7 @@ import typer
 
 from tidal.api import ConfigError
 from tidal.cli import app, fail
-from tidal.cli.job import LAG_PRICE_HELP, LOAD_HEADROOM_HELP, check_kale_knobs
+from tidal.cli.job import LAG_PRICE_HELP, LOAD_HEADROOM_HELP, PLANNED_LAG_HELP, check_kale_knobs
 
 sim_app = typer.Typer(help="Evaluate scaling policies in simulation on real traces.", no_args_is_help=True)
 app.add_typer(sim_app, name="sim")
@@ -56,6 +56,7 @@ def online(
              "queued, and a sample waits behind them"),
     load_headroom: float = typer.Option(1.0, "--load-headroom", metavar="H", help=LOAD_HEADROOM_HELP),
     lag_price: float = typer.Option(0.0, "--lag-price", metavar="WORKERS", help=LAG_PRICE_HELP),
+    planned_lag: float | None = typer.Option(None, "--planned-lag", metavar="SECONDS", help=PLANNED_LAG_HELP),
     policies: str = typer.Option("kale,hpa,autopilot,madu,adequate", "--policies"),
     bound_violations: float = typer.Option(
         0.0, "--bound-violations",
@@ -94,7 +95,7 @@ def online(
         upper = float(shuffle_thresholds(global_shuffle)[1])
     if not 0 <= bound_violations < 1:
         raise fail("--bound-violations must be in [0, 1)")
-    check_kale_knobs(load_headroom, lag_price, "kale")
+    check_kale_knobs(load_headroom, lag_price, "kale", planned_lag)
     names = [p.strip() for p in policies.split(",") if p.strip()]
     if not names:
         raise fail("--policies is empty")
@@ -103,7 +104,8 @@ def online(
         counts, interval = sim.load_trace(rows, column)
         cfg = sim.SimConfig(peak_workers=peak_workers, migration=migration, seed=seed, interval_s=interval,
                             true_model=sim.JOBS[job](), partitions=partitions,
-                            shuffle_upper=upper, load_headroom=load_headroom, lag_price=lag_price)
+                            shuffle_upper=upper, load_headroom=load_headroom, lag_price=lag_price,
+                            planned_lag_s=300.0 if planned_lag is None else planned_lag)
         skip = round(skip_days * 86400 / interval)
         if skip >= len(counts) - 1:
             raise ConfigError(f"--skip-days {skip_days:g} leaves nothing of the trace")

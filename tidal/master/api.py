@@ -128,6 +128,7 @@ class JobSpec:
     # kale's knobs for a lag far below the SLO (``--load-headroom``, ``--lag-price``; 1 and 0: off)
     load_headroom: float = 1.0
     lag_price: float = 0.0
+    planned_lag_s: float | None = None  # ``--planned-lag``: the lag kale acts before (None: a quarter of the SLO)
     # the stream's past traffic (``--traffic-history``): records per interval of
     # ``traffic_history_interval_s`` trace seconds, oldest first; kept in the spec (and so in the
     # journal) so that a master that takes over seeds its planner with it again

@@ -227,7 +227,8 @@ def planner_for(spec: JobSpec) -> tuple[Planner, str]:
     planner = planners.get(spec.planner, PlannerContext(
         job_id=spec.job_id, features=job_features(spec), history=history, cpus=available_cpus(),
         lag_slo_s=spec.lag_slo_s, action_lead_s=ACTION_LEAD_S * spec.time_scale,
-        action_pause_s=ACTION_PAUSE_S * spec.time_scale, load_headroom=spec.load_headroom, lag_price=spec.lag_price))
+        action_pause_s=ACTION_PAUSE_S * spec.time_scale, load_headroom=spec.load_headroom, lag_price=spec.lag_price,
+        planned_lag_s=spec.planned_lag_s))
     warm = getattr(planner, "warm_from", "")
     return planner, (f"from {warm}" if warm else note)
 

@@ -184,6 +184,7 @@ class SimConfig:
     # kale's two knobs for a lag far below the SLO (tidal.brain.kale.KalePlanner; off: Eq. 10)
     load_headroom: float = 1.0
     lag_price: float = 0.0
+    planned_lag_s: float = 300.0  # kale's (its default: a quarter of the 20-minute SLO)
 
 
 @dataclass
@@ -570,7 +571,8 @@ def _factory(name: str, cfg: SimConfig, mig: Migration) -> Callable[[], Planner]
     lead = mig.prep_s + mig.pause_s
     if name == "kale":
         return lambda: KalePlanner(lead_s=lead, pause_s=mig.pause_s, measure_actions=False, batch_size=cfg.batch_size,
-                                   headroom=cfg.load_headroom, lag_price=cfg.lag_price)
+                                   headroom=cfg.load_headroom, lag_price=cfg.lag_price,
+                                   planned_lag_s=cfg.planned_lag_s)
     if name == "madu":
         return lambda: MaduPlanner(lead_s=lead)
     return lambda: planners.get(name)
