@@ -403,9 +403,8 @@ def settle_spans(points: list[dict[str, Any]], pauses: list[dict[str, Any]], dec
         if not pause["cause"].startswith("scale-in"):
             continue
         end = pause["at_s"]
-        first = next((p for p in points if p["t_s"] >= end and p.get("ready") is not None), None)
         ready = next((p["t_s"] for p in points if p["t_s"] >= end and p.get("ready")), None)
-        if first is not None and ready is not None and not any(end <= d < ready for d in decisions_s):
+        if ready is not None and not any(end <= d < ready for d in decisions_s):
             spans.append(ready - end)
     return spans
 

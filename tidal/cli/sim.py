@@ -105,7 +105,7 @@ def online(
         cfg = sim.SimConfig(peak_workers=peak_workers, migration=migration, seed=seed, interval_s=interval,
                             true_model=sim.JOBS[job](), partitions=partitions,
                             shuffle_upper=upper, load_headroom=load_headroom, lag_price=lag_price,
-                            planned_lag_s=300.0 if planned_lag is None else planned_lag)
+                            planned_lag_s=sim.SimConfig.planned_lag_s if planned_lag is None else planned_lag)
         skip = round(skip_days * 86400 / interval)
         if skip >= len(counts) - 1:
             raise ConfigError(f"--skip-days {skip_days:g} leaves nothing of the trace")
