@@ -46,9 +46,8 @@ pause it caused, and the pause, apart for scale-outs, whose new workers start fo
 minutes, and scale-ins, which start nothing: under a minute; and after a scale-in's pause, the
 time until the master is ready again, its leavers exited: ``Migration.scale_in_settle_s``, from
 the timeline's ``ready``; without it the simulated HPA read every scale-in's catch-up as
-saturation and scaled out again at once, 165 actions to live's 45 in the nineteenth run); the pipeline's floor under the lag (``latency_s``: the 10th
-percentile of the live lag, both runs pooled: a worker reads a batch ahead and trains it a step
-later); the window over which a worker measures its busy share (its last wall second, 96 trace
+saturation and scaled out again at once, 165 actions to live's 45 in the nineteenth run); the pipeline's floor under the lag (``latency_s``: the mean
+live lag at rest, both runs pooled: a worker reads a batch ahead and trains it a step later); the window over which a worker measures its busy share (its last wall second, 96 trace
 seconds at 96x: ``SimConfig.busy_window_s``; read over the interval alone, the catch-up after
 every pause read as saturation, and the simulated HPA scaled out again after each scale-in, 171
 actions to live's 19); and how records reach the workers. The jobs run with Kale's global shuffling
@@ -120,6 +119,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +151,8 @@ SETTLED_S = 3.0  # ... and the count has held this long since the last pause (wa
 # the searched priced schedules (``foresight_schedules``): look-aheads (intervals) and prices (workers per lag-minute)
 PRICE_LEADS = (5, 10, 20, 30, 40, 60)
 PRICES = (0.0, 2.0, 5.0, 7.0, 10.0, 14.0, 20.0, 40.0)
+# a falling-behind point tells what a saturated count sustains only when its workers were this busy
+SATURATED_BUSY = 0.9
 BEHIND_S, BEHIND_LAG_S = 10, 20.0  # a point is "falling behind" when the lag grows this much (trace s) over the next 10 points
 SLO_S = sim.SLO_LAG_S
 # kale's knobs for a lag far below the SLO (tidal.brain.kale.KalePlanner's headroom and lag_price)
@@ -384,6 +386,7 @@ class LiveRun:
                             if (p.get("busy") or 0.0) >= MIN_BUSY and p["workers"] == p["target"]
                             and p["samples_per_s"] > 0 and settled(p["t_s"])],
             "lags": [p["lag_s"] for p in points if p["lag_s"] is not None],  # trace seconds
+            "rest_lags": rest_lags(points, self.args.max_workers, settled),
             "decision_s": [d["at_s"] / self.scale for d in decisions],
             "decision_out": [d["to_workers"] > d["from_workers"] for d in decisions],  # a scale-out
             "pauses": [(p["at_s"], p["seconds"]) for p in pauses],
@@ -478,18 +481,23 @@ def fitted_model(busy: list[tuple[int, float]], scale: float) -> tuple[Linearise
 
 def sustained_share(live: dict[str, dict[str, Any]]) -> float:
     """What the workers train while records wait over the capacity they read (rate over busy
-    share) at the same count, the median over every point where the lag grew, the runs pooled
-    (1.0 with fewer than ``MIN_POINTS`` such points). A step's busy time leaves out what passes
-    between steps, so the reading is a little above what a saturated count sustains: in the
-    sixteenth run 0.978 of it at 3 workers and 0.992 at 4. Kale plans to run at 95-98% of its
-    capacity, where a 2% error is a third of the spare capacity that drains a backlog."""
+    share) at the same count, the median over every point where the lag grew with the workers at
+    least ``SATURATED_BUSY`` busy, the runs pooled (1.0 with fewer than ``MIN_POINTS`` such
+    points). A step's busy time leaves out what passes between steps, so the reading is a little
+    above what a saturated count sustains: in the sixteenth run 0.978 of it at 3 workers and 0.992
+    at 4. Kale plans to run at 95-98% of its capacity, where a 2% error is a third of the spare
+    capacity that drains a backlog. A point where the lag grew on workers 55-85% busy measures
+    no capacity: its lag grew on the partitions of one worker (counts that do not divide the
+    partitions) or through a pause, and its rate is the arrivals'. Pooled, the twenty-second
+    run's eight such points (with one saturated, too few alone) read 0.716 and made the simulated workers 28%
+    slower than live (simulated kale lag 51x live's)."""
     shares = []
     for r in live.values():
         caps: dict[int, list[float]] = defaultdict(list)
         for w, c in r["busy_points"]:
             caps[int(w)].append(c)
-        for w, rate, _ in r.get("behind_points", []):
-            if caps.get(int(w)):
+        for w, rate, busy in r.get("behind_points", []):
+            if busy >= SATURATED_BUSY and caps.get(int(w)):
                 shares.append(rate / float(np.median(caps[int(w)])))
     return float(np.median(shares)) if len(shares) >= MIN_POINTS else 1.0
 
@@ -501,12 +509,32 @@ def shuffle_upper(shuffle: str) -> float | None:
 
 
 def live_latency(runs: dict[str, dict[str, Any]]) -> float:
-    """The pipeline's floor under the lag (trace seconds): the 10th percentile of the live lag
-    over the day, the runs pooled. A worker reads a batch ahead and trains it a step later, so
-    even a job that keeps up shows a record waiting a step or two; at 96x a 0.3 s step is half
-    a trace minute."""
+    """The pipeline's floor under the lag (trace seconds): the mean live lag at rest (``rest_lags``:
+    a steady count that divides the partitions, settled since the last pause, its workers short of
+    saturation), the runs pooled. A worker reads a batch ahead and trains it a step later, so even
+    a job that keeps up shows a record waiting a step or two. The accumulated lag is a time
+    integral, so the floor the simulator adds to each minute is the mean: the 10th percentile used
+    before read 0.0 in the twenty-second run (a reading just after a commit finds nothing waiting)
+    where the mean at rest is 1-2 trace s, and a day of it is 24-48 lag-min. A run recorded before
+    ``rest_lags`` was: the 10th percentile of all its lags, as then."""
+    rest = [lag for r in runs.values() for lag in r.get("rest_lags", [])]
+    if rest:
+        return float(np.mean(rest))
     lags = [lag for r in runs.values() for lag in r["lags"]]
     return float(np.percentile(lags, 10)) if lags else 0.0
+
+
+def rest_lags(points: list[dict[str, Any]], partitions: int, settled: Callable[[float], bool]) -> list[float]:
+    """The lag (trace seconds) at the timeline points where the job was at rest (``live_latency``):
+    as many workers as the target, ready, a count that divides ``partitions`` (no worker with more
+    partitions than another, so no queue held at its upper threshold), busy under
+    ``SATURATED_BUSY`` but at least ``MIN_BUSY`` (records flowing: the first reading, before the
+    day's traffic, is the age of the records that created the partitions), and ``settled`` (no
+    pause just before)."""
+    return [p["lag_s"] for p in points
+            if p["lag_s"] is not None and p["workers"] == p["target"] and p["workers"] > 0
+            and p.get("ready") is not False and partitions % p["workers"] == 0
+            and MIN_BUSY <= (p.get("busy") or 0.0) < SATURATED_BUSY and settled(p["t_s"])]
 
 
 def live_migration(runs: dict[str, dict[str, Any]], scale: float) -> sim.Migration:
@@ -835,7 +863,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{migration.prep_s / 60:.1f} + {migration.pause_s / 60:.1f} trace min (prep + pause, measured live), "
               f"a scale-in {scale_in[0] / 60:.1f} + {scale_in[1] / 60:.1f}, then not ready for "
               f"{migration.scale_in_settle_s / 60:.1f} (its leavers exit); "
-              f"pipeline latency {latency / 60:.1f} trace min (the live lag's 10th percentile); workers with "
+              f"pipeline latency {latency:.1f} trace s (the live lag's mean at rest); workers with "
               f"records waiting train {sustained:.3f} of the capacity they read (the simulated ones too)")
         print("live capacity (rate / busy share), records/s (wall) per workers: "
               + ", ".join(f"{w}: {r}" for w, r in result["model"]["measured_records_per_s"].items())
