@@ -489,8 +489,8 @@ def sustained_share(live: dict[str, dict[str, Any]]) -> float:
     capacity that drains a backlog. A point where the lag grew on workers 55-85% busy measures
     no capacity: its lag grew on the partitions of one worker (counts that do not divide the
     partitions) or through a pause, and its rate is the arrivals'. Pooled, the twenty-second
-    run's eight such points (with one saturated, too few alone) read 0.716 and made the simulated workers 28%
-    slower than live (simulated kale lag 51x live's)."""
+    run's eight such points (with one saturated, too few alone) read 0.716 and made the
+    simulated workers 28% slower than live (simulated kale lag 51x live's)."""
     shares = []
     for r in live.values():
         caps: dict[int, list[float]] = defaultdict(list)
@@ -514,8 +514,8 @@ def live_latency(runs: dict[str, dict[str, Any]]) -> float:
     saturation), the runs pooled. A worker reads a batch ahead and trains it a step later, so even
     a job that keeps up shows a record waiting a step or two. The accumulated lag is a time
     integral, so the floor the simulator adds to each minute is the mean: the 10th percentile used
-    before read 0.0 in the twenty-second run (a reading just after a commit finds nothing waiting)
-    where the mean at rest is 1-2 trace s, and a day of it is 24-48 lag-min. A run recorded before
+    before read 0.0 in the twentieth and twenty-second runs (a reading just after a commit finds
+    nothing waiting) where the mean at rest is about 1 trace s, 23 lag-min over the day. A run recorded before
     ``rest_lags`` was: the 10th percentile of all its lags, as then."""
     rest = [lag for r in runs.values() for lag in r.get("rest_lags", [])]
     if rest:

@@ -417,7 +417,8 @@ class KalePlanner:
     an hour before the plan acted: 0.61x hpa's lag at 1.43x. A job that wants its lag far below
     the SLO sets ``planned_lag_s`` lower too (``tidal run --planned-lag``): in the simulator on
     that run's figures, 90 s gave 62 lag-min against 135 at 1.44x the bound against 1.43x; live
-    (twenty-first run) 0.33x hpa's lag at 1.51x.
+    0.33x hpa's lag at 1.51x (twenty-first run); 0.31-0.32x at 1.56x, 1.42x and 1.56x
+    (twenty-second to twenty-fourth: worker-minutes within 2%, the bound fitted per run 8%).
 
     ``margin_quantile`` (off by default): plan on ``forecast * (1 + q)`` where q is that
     quantile of the recent one-bin-ahead under-forecasts, clipped to ``max_margin``. The paper
