@@ -33,35 +33,35 @@ counted from the moment production began, and the job is stopped:
 
 Then the simulator, on the very arrivals produced (records per trace minute) with the throughput
 model fitted live: Kale's Eq. 6 fitted (NNLS) to the capacity the workers showed, the rate over
-their busy share (what the master hands a planner as its measurement), at the timeline points
-where they were at least half busy at a steady count, pooled over the live runs (a line through
-the origin at the median per-worker rate when fewer than two counts were measured). The rate
-alone, where records waited, is not a capacity once partitions are uneven: 8 partitions on 5
-workers keep three of them busy and two half idle. A worker with records waiting trains a little
-less than that reading (``sustained_share``: 0.987 in the sixteenth run; a step's busy time leaves
-out what passes between steps), so the simulated workers train the fitted capacity times that
-share while their planners read the capacity itself (``SimConfig.capacity_reading``), as live;
-the cost of an action measured live too (``Migration``: the median time from a decision to the
-pause it caused, and the pause, apart for scale-outs, whose new workers start for about 12 trace
-minutes, and scale-ins, which start nothing: under a minute; and after a scale-in's pause, the
-time until the master is ready again, its leavers exited: ``Migration.scale_in_settle_s``, from
-the timeline's ``ready``; without it the simulated HPA read every scale-in's catch-up as
-saturation and scaled out again at once, 165 actions to live's 45 in the nineteenth run); the pipeline's floor under the lag (``latency_s``: the mean
-live lag at rest, both runs pooled: a worker reads a batch ahead and trains it a step later); the window over which a worker measures its busy share (its last wall second, 96 trace
-seconds at 96x: ``SimConfig.busy_window_s``; read over the interval alone, the catch-up after
-every pause read as saturation, and the simulated HPA scaled out again after each scale-in, 171
-actions to live's 19); and how records reach the workers. The jobs run with Kale's global shuffling
-(``--shuffle``, default ``32:160``): a worker over its upper threshold forwards what it reads to
-those under the lower one, so the workers train as one pool, and the simulator pools them too
-(``SimConfig.shuffle_upper``); but a worker whose partitions bring more than it trains (two of 8
-partitions on 5-7 workers) keeps its queue at the upper threshold, and its records wait behind
-it. A worker reports the age of its queue's head just after a step took its batch, which the
-simulator models (``SimConfig.shuffle_batch``, ``tidal.brain.kale.queue_head_age``): at 32:160
-with a batch of 128, 9-14 trace seconds against 16-22 live (the whole queue, 160 records at
-400 records/s, would be 38). With ``--shuffle none``
-each worker trains only the partitions the master assigned it, and the simulator does the same
-(``SimConfig.partitions``: 8 partitions on 6 workers leave two workers with a quarter of the
-traffic each, so 5-7 workers are no faster than 4). The lower bound is
+their busy share (what the master hands a planner as its measurement), at the timeline points where
+they were at least half busy at a steady count, pooled over the live runs (a line through the origin
+at the median per-worker rate when fewer than two counts were measured). The rate alone, where
+records waited, is not a capacity once partitions are uneven: 8 partitions on 5 workers keep three
+of them busy and two half idle. A worker with records waiting trains a little less than that reading
+(``sustained_share``: 0.987 in the sixteenth run; a step's busy time leaves out what passes between
+steps), so the simulated workers train the fitted capacity times that share while their planners
+read the capacity itself (``SimConfig.capacity_reading``), as live; the cost of an action measured
+live too (``Migration``: the median time from a decision to the pause it caused, and the pause,
+apart for scale-outs, whose new workers start for about 12 trace minutes, and scale-ins, which start
+nothing: under a minute; and after a scale-in's pause, the time until the master is ready again, its
+leavers exited: ``Migration.scale_in_settle_s``, from the timeline's ``ready``; without it the
+simulated HPA read every scale-in's catch-up as saturation and scaled out again at once, 165 actions
+to live's 45 in the nineteenth run); the pipeline's floor under the lag (``latency_s``: the mean
+live lag at rest, both runs pooled: a worker reads a batch ahead and trains it a step later); the
+window over which a worker measures its busy share (its last wall second, 96 trace seconds at 96x:
+``SimConfig.busy_window_s``; read over the interval alone, the catch-up after every pause read as
+saturation, and the simulated HPA scaled out again after each scale-in, 171 actions to live's 19);
+and how records reach the workers. The jobs run with Kale's global shuffling (``--shuffle``, default
+``32:160``): a worker over its upper threshold forwards what it reads to those under the lower one,
+so the workers train as one pool, and the simulator pools them too (``SimConfig.shuffle_upper``);
+but a worker whose partitions bring more than it trains (two of 8 partitions on 5-7 workers) keeps
+its queue at the upper threshold, and its records wait behind it. A worker reports the age of its
+queue's head just after a step took its batch, which the simulator models
+(``SimConfig.shuffle_batch``, ``tidal.brain.kale.queue_head_age``): at 32:160 with a batch of 128,
+9-14 trace seconds against 16-22 live (the whole queue, 160 records at 400 records/s, would be 38).
+With ``--shuffle none`` each worker trains only the partitions the master assigned it, and the
+simulator does the same (``SimConfig.partitions``: 8 partitions on 6 workers leave two workers with
+a quarter of the traffic each, so 5-7 workers are no faster than 4). The lower bound is
 ``oracle_worker_hours`` on the same arrivals and model (keeping the SLO in every minute).
 
 Live kale is built as the master builds it (``tidal.brain.planners``): its action cost starts
@@ -372,9 +372,11 @@ class LiveRun:
         pauses = [p for p in timeline["pauses"] if p["at_s"] >= t0]
         ends = sorted(p["at_s"] for p in timeline["pauses"])
 
-        def settled(t: float) -> bool:
-            before = [e for e in ends if e <= t]
-            return not before or t - before[-1] >= SETTLED_S
+        def steady(p: dict[str, Any]) -> bool:
+            """A point that reads the workers as they run: busy, at the target, no pause just before."""
+            before = [e for e in ends if e <= p["t_s"]]
+            settled = not before or p["t_s"] - before[-1] >= SETTLED_S
+            return (p.get("busy") or 0.0) >= MIN_BUSY and p["workers"] == p["target"] and settled
 
         return {
             "slo_violation_rate": max(0.0, violated / observed) if observed > 0 else 0.0,  # a difference: -1e-17 read "-0.0%"
@@ -383,10 +385,9 @@ class LiveRun:
             "scaling_actions": len(decisions),
             # what the simulator is fitted on
             "busy_points": [(p["workers"], p["samples_per_s"] / p["busy"]) for p in points
-                            if (p.get("busy") or 0.0) >= MIN_BUSY and p["workers"] == p["target"]
-                            and p["samples_per_s"] > 0 and settled(p["t_s"])],
+                            if steady(p) and p["samples_per_s"] > 0],
             "lags": [p["lag_s"] for p in points if p["lag_s"] is not None],  # trace seconds
-            "rest_lags": rest_lags(points, self.args.max_workers, settled),
+            "rest_lags": rest_lags(points, self.args.max_workers, steady),
             "decision_s": [d["at_s"] / self.scale for d in decisions],
             "decision_out": [d["to_workers"] > d["from_workers"] for d in decisions],  # a scale-out
             "pauses": [(p["at_s"], p["seconds"]) for p in pauses],
@@ -515,8 +516,8 @@ def live_latency(runs: dict[str, dict[str, Any]]) -> float:
     a job that keeps up shows a record waiting a step or two. The accumulated lag is a time
     integral, so the floor the simulator adds to each minute is the mean: the 10th percentile used
     before read 0.0 in the twentieth and twenty-second runs (a reading just after a commit finds
-    nothing waiting) where the mean at rest is about 1 trace s, 23 lag-min over the day. A run recorded before
-    ``rest_lags`` was: the 10th percentile of all its lags, as then."""
+    nothing waiting) where the mean at rest is about 1 trace s, 23 lag-min over the day. A run
+    recorded before ``rest_lags`` was: the 10th percentile of all its lags, as then."""
     rest = [lag for r in runs.values() for lag in r.get("rest_lags", [])]
     if rest:
         return float(np.mean(rest))
@@ -524,17 +525,15 @@ def live_latency(runs: dict[str, dict[str, Any]]) -> float:
     return float(np.percentile(lags, 10)) if lags else 0.0
 
 
-def rest_lags(points: list[dict[str, Any]], partitions: int, settled: Callable[[float], bool]) -> list[float]:
+def rest_lags(points: list[dict[str, Any]], partitions: int, steady: Callable[[dict[str, Any]], bool]) -> list[float]:
     """The lag (trace seconds) at the timeline points where the job was at rest (``live_latency``):
-    as many workers as the target, ready, a count that divides ``partitions`` (no worker with more
-    partitions than another, so no queue held at its upper threshold), busy under
-    ``SATURATED_BUSY`` but at least ``MIN_BUSY`` (records flowing: the first reading, before the
-    day's traffic, is the age of the records that created the partitions), and ``settled`` (no
-    pause just before)."""
+    ``steady`` (at least ``MIN_BUSY`` busy, so records flow: the first reading, before the day's
+    traffic, is the age of the records that created the partitions), ready, under
+    ``SATURATED_BUSY``, and at a count that divides ``partitions`` (no worker with more partitions
+    than another, so no queue held at its upper threshold)."""
     return [p["lag_s"] for p in points
-            if p["lag_s"] is not None and p["workers"] == p["target"] and p["workers"] > 0
-            and p.get("ready") is not False and partitions % p["workers"] == 0
-            and MIN_BUSY <= (p.get("busy") or 0.0) < SATURATED_BUSY and settled(p["t_s"])]
+            if p["lag_s"] is not None and steady(p) and p.get("ready") is not False
+            and p["busy"] < SATURATED_BUSY and partitions % p["workers"] == 0]
 
 
 def live_migration(runs: dict[str, dict[str, Any]], scale: float) -> sim.Migration:
