@@ -117,6 +117,29 @@ def test_overflow_goes_to_the_idle_worker_and_every_record_is_taken_once(
     source.close()
 
 
+def test_a_step_takes_what_reached_the_partition_while_the_reader_waited(tmp_path: Path) -> None:
+    """The reader, caught up, waits for a step (here a whole second); a step that finds less than
+    its batch queued has it read first, and trains the records that came meanwhile."""
+    source = FileStreamSource(f"file://{tmp_path}/clicks")
+    source.append(0, [{"n": str(i).encode()} for i in range(10)])
+    unit = ShuffleUnit(TOKEN, lower=64, upper=128, batch_size=32, poll_s=1.0)
+    try:
+        unit.start_round(1, 0, 1, None, reader(source, 0, 32))
+        deadline = time.monotonic() + 10
+        while unit.queued < 10 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)  # the reader has gone to wait for a step
+        source.append(0, [{"n": str(i).encode()} for i in range(10, 15)])
+        runs = unit.take_runs(1, 0.5, 32, 4)
+        assert [n for b in runs for n in decode([r.fields for r in b.records])[0]] == list(range(15))
+        assert unit.queued == 0
+        # nothing new: the next step finds nothing, as before
+        assert unit.take_runs(1, 0.1, 32, 4) == []
+    finally:
+        unit.close()
+        source.close()
+
+
 def test_messages_not_of_the_job_or_of_the_round_or_of_broken_sizes_are_dropped(
         units: tuple[ShuffleUnit, ShuffleUnit]) -> None:
     a, _ = units
