@@ -241,6 +241,7 @@ class LiveRun:
         self.work.mkdir(parents=True, exist_ok=True)
         self.url = ""
         self.auth: dict[str, str] = {}
+        self.queues: list[dict[str, Any]] = []  # the workers' shuffle queues, a status a second (queue_sample)
 
     def get(self, path: str) -> Any:
         r = httpx.get(self.url + path, headers=self.auth, timeout=10)
@@ -315,12 +316,14 @@ class LiveRun:
             note(f"{self.policy}: producing the day over {a.minutes:g} min (time scale {self.scale:g}), "
                  f"{self.initial} workers to begin with, load average {load_average():.1f}")
             next_line = time.monotonic() + 30
+            self.queues = []
             while producer.poll() is None:
                 if job.poll() is not None:
                     raise RuntimeError(f"{self.policy}: tidal run exited ({job.returncode}) while producing")
+                st = self.get("/v1/status")
+                self.queues.append(queue_sample(st))
                 if time.monotonic() >= next_line:
                     next_line += 30
-                    st = self.get("/v1/status")
                     lag = st["stream_lag"] or {}
                     note(f"{self.policy}: target {st['target_workers']}, lag {lag.get('lag_s', 0) / 60:.1f} min, "
                          f"over the SLO {100 * lag.get('violation_ratio', 0):.1f}%")
@@ -395,6 +398,7 @@ class LiveRun:
             "history_bins": (after.get("planner") or {}).get("history_bins", 0),
             "hourly": live_hours(points, t0, self.scale),
             "behind_points": behind_points(points),
+            "queues_by_count": queues_by_count(self.queues, self.args.batch_size, self.scale),
         }
 
 
@@ -424,6 +428,44 @@ def behind_points(points: list[dict[str, Any]]) -> list[tuple[int, float, float]
                 and q["lag_s"] is not None and q["lag_s"] > p["lag_s"] + BEHIND_LAG_S and p["samples_per_s"] > 0:
             out.append((p["workers"], p["samples_per_s"], p["busy"]))
     return out
+
+
+def queue_sample(status: dict[str, Any]) -> dict[str, Any]:
+    """What the active workers' shuffle queues hold and have forwarded (``tidal status``), at one
+    moment: the count, the target, the most records queued at one worker, and each worker's
+    forwarded total."""
+    active = [w for w in status["workers"] if w["state"] == "active"]
+    return {"workers": len(active), "target": status["target_workers"],
+            "queued_max": max((w["stream_queued"] for w in active), default=-1),
+            "forwarded": {str(w["worker_id"]): w["stream_forwarded_out"] for w in active}}
+
+
+def queues_by_count(samples: list[dict[str, Any]], batch: int, scale: float) -> dict[str, dict[str, float]]:
+    """Per steady count (keyed by it), over the samples a second apart at it: how many, the records
+    the workers forwarded per trace minute (a worker over its upper threshold forwards what it
+    reads), and the share of samples in which some worker held more than a step's ``batch``
+    queued (records that wait a step more). Tells whether a count's lag is records held behind
+    a full queue, or only how it is read."""
+    out: dict[str, dict[str, float]] = {}
+    for a, b in itertools.pairwise(samples):
+        if not a["workers"] == a["target"] == b["workers"] == b["target"]:
+            continue
+        row = out.setdefault(str(b["workers"]), {"seconds": 0.0, "forwarded": 0.0, "over_batch": 0.0})
+        row["seconds"] += 1
+        row["forwarded"] += sum(max(0, n - a["forwarded"].get(w, n)) for w, n in b["forwarded"].items())
+        row["over_batch"] += b["queued_max"] > batch
+    return {w: {"seconds": r["seconds"], "forwarded_per_trace_min": r["forwarded"] / (r["seconds"] * scale / 60),
+                "over_batch_share": r["over_batch"] / r["seconds"]} for w, r in sorted(out.items(), key=lambda x: int(x[0]))}
+
+
+def queues_table(live: dict[str, dict[str, Any]]) -> str:
+    """``queues_by_count`` per policy, as a table (runs recorded before it: nothing)."""
+    rows = [["policy", "workers", "seconds", "forwarded records / trace min", "a worker over a batch queued"]]
+    for name, r in live.items():
+        for w, q in (r.get("queues_by_count") or {}).items():
+            rows.append([name, w, f"{q['seconds']:.0f}", f"{q['forwarded_per_trace_min']:.1f}",
+                         f"{q['over_batch_share']:.0%}"])
+    return "\n".join("| " + " | ".join(r) + " |" for r in [rows[0], ["---"] * len(rows[0]), *rows[1:]])
 
 
 def behind_table(live: dict[str, dict[str, Any]]) -> str:
@@ -877,6 +919,7 @@ def main(argv: list[str] | None = None) -> int:
                         and bound > 0 else "-"]
                        for name, f in foresight.items()]))
         print("\nworkers with records waiting (the lag growing), against their measured capacity:\n" + behind_table(live))
+        print("\nshuffle queues per steady count (a status a second):\n" + queues_table(live))
         for name, rows in result.get("by_hour", {}).items():
             print("\n" + hour_table(name, rows))
     return 1 if errors else 0
