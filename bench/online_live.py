@@ -101,7 +101,10 @@ worker-minutes within 15% of live and simulated lag within 30%, per policy. Besi
 policy and count, the workers' measured capacity against what they trained while the lag grew
 (records waiting, so that rate is what they sustain) and their busy share then
 (``behind_points``): a busy share under 1 there means the capacity the planner and the
-simulator are given is above what the workers sustain.
+simulator are given is above what the workers sustain. And per policy and steady count, from
+``tidal status`` read every second (``queues_by_count``): the records the workers forwarded per
+trace minute and how often one held more than a step's batch, which tells a count's lag held
+behind full shuffle queues (5 workers on 8 partitions near saturation) from one only read so.
 
 Every process a run starts ends with it: ``tidal run`` and ``tidal produce`` run in sessions of
 their own and are stopped by process group, the job's workers are found by their
