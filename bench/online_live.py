@@ -319,7 +319,6 @@ class LiveRun:
             note(f"{self.policy}: producing the day over {a.minutes:g} min (time scale {self.scale:g}), "
                  f"{self.initial} workers to begin with, load average {load_average():.1f}")
             next_line = time.monotonic() + 30
-            self.queues = []
             while producer.poll() is None:
                 if job.poll() is not None:
                     raise RuntimeError(f"{self.policy}: tidal run exited ({job.returncode}) while producing")
@@ -461,6 +460,11 @@ def queues_by_count(samples: list[dict[str, Any]], batch: int, scale: float) -> 
                 "over_batch_share": r["over_batch"] / r["seconds"]} for w, r in sorted(out.items(), key=lambda x: int(x[0]))}
 
 
+def markdown_table(rows: list[list[str]]) -> str:
+    """``rows`` (the first the header) as a Markdown table, to paste into bench/RESULTS.md."""
+    return "\n".join("| " + " | ".join(r) + " |" for r in [rows[0], ["---"] * len(rows[0]), *rows[1:]])
+
+
 def queues_table(live: dict[str, dict[str, Any]]) -> str:
     """``queues_by_count`` per policy, as a table (runs recorded before it: nothing)."""
     rows = [["policy", "workers", "seconds", "forwarded records / trace min", "a worker over a batch queued"]]
@@ -468,7 +472,7 @@ def queues_table(live: dict[str, dict[str, Any]]) -> str:
         for w, q in (r.get("queues_by_count") or {}).items():
             rows.append([name, w, f"{q['seconds']:.0f}", f"{q['forwarded_per_trace_min']:.1f}",
                          f"{q['over_batch_share']:.0%}"])
-    return "\n".join("| " + " | ".join(r) + " |" for r in [rows[0], ["---"] * len(rows[0]), *rows[1:]])
+    return markdown_table(rows)
 
 
 def behind_table(live: dict[str, dict[str, Any]]) -> str:
@@ -489,7 +493,7 @@ def behind_table(live: dict[str, dict[str, Any]]) -> str:
             rows.append([name, str(w), f"{cap:.0f}" if cap else "-", str(len(got)),
                          f"{np.median([b for _, b in got]):.3f}" if got else "-",
                          f"{rate / cap:.3f}" if cap and rate else "-"])
-    return "\n".join("| " + " | ".join(r) + " |" for r in [rows[0], ["---"] * len(rows[0]), *rows[1:]])
+    return markdown_table(rows)
 
 
 def kill_workers(job_id: str) -> None:
