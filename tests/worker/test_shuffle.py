@@ -140,6 +140,39 @@ def test_a_step_takes_what_reached_the_partition_while_the_reader_waited(tmp_pat
         source.close()
 
 
+def test_a_short_read_has_the_reader_read_its_other_partitions_before_it_waits(tmp_path: Path) -> None:
+    """After one partition's short read the reader reads the others at once (a sweep) and waits
+    for a step (here a whole second) only once a read finds nothing: a second partition is not
+    left unread for a wait while the queue holds a batch and no step asks for a top-up."""
+    source = FileStreamSource(f"file://{tmp_path}/clicks")
+    for p in (0, 1):
+        source.append(p, [{"n": str(10 * p + i).encode()} for i in range(5)])
+    reads = [reader(source, 0, 32), reader(source, 1, 32)]
+    turn = [0]
+
+    def read(block: bool) -> tuple[int, int, list[StreamRecord]] | None:
+        for i in range(2):  # one partition's records a read, in turn (as PartitionReader, runs=1)
+            got = reads[(turn[0] + i) % 2](False)
+            if got is not None:
+                turn[0] = (turn[0] + i + 1) % 2
+                return got
+        return None
+
+    unit = ShuffleUnit(TOKEN, lower=64, upper=128, batch_size=32, poll_s=1.0)
+    try:
+        unit.start_round(1, 0, 1, None, read)
+        deadline = time.monotonic() + 0.5  # well within the reader's wait
+        while unit.queued < 10 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert unit.queued == 10, "the second partition waited for the reader's wait"
+        runs = unit.take_runs(1, 0.1, 32, 4)
+        assert sorted(n for b in runs for n in decode([r.fields for r in b.records])[0]) == \
+            [0, 1, 2, 3, 4, 10, 11, 12, 13, 14]
+    finally:
+        unit.close()
+        source.close()
+
+
 def test_messages_not_of_the_job_or_of_the_round_or_of_broken_sizes_are_dropped(
         units: tuple[ShuffleUnit, ShuffleUnit]) -> None:
     a, _ = units

@@ -15,14 +15,17 @@ or more, the next batches it reads are *overflow* and go to another worker that 
   accepting, the sender stops reading until its queue has room: the records wait in the stream.
 * Each step takes the next batch of the local queue, then the queued batches after it up to the
   step's batch size, joining those that continue each other (``take_runs``: up to
-  ``STEP_RANGES`` partitions a step): a worker that keeps up reads a few records at a time, and
-  the reader waits for a step after such a read rather than read again at once. A step that
-  finds less than its batch queued while the reader so waits first has it read what reached the
-  partitions since (a *top-up*, waiting at most ``TOPUP_WAIT_S``): a record that arrived during
-  the reader's wait is trained by this step rather than the next. Without it a record waited in
-  the stream for up to ``poll_s`` (50 ms) and, when a step began meanwhile, a whole step more; at
-  a day compressed 96x that is 4.8 trace s on every partition, and the live lag at rest read 4.1
-  trace s, four times what a step's own pipeline leaves (RESULTS, Kale live, twenty-fifth run).
+  ``STEP_RANGES`` partitions a step): a worker that keeps up reads a few records at a time, so
+  after such a read the reader reads its other partitions at once (a *sweep*) and, once a read
+  finds nothing, waits for a step rather than read again at once. Waiting after each partition's
+  short read left a worker's second partition unread for up to two waits (100 ms, 9.6 trace s at
+  a 96x compression) whenever its queue held a batch, which near saturation it always does.
+  A step that finds less than its batch queued while the reader so waits first has it sweep
+  (a *top-up*, waiting at most ``TOPUP_WAIT_S``): a record that arrived during the reader's wait
+  is trained by this step rather than the next. Without it a record waited in the stream for up
+  to ``poll_s`` (50 ms) and, when a step began meanwhile, a whole step more; at a day compressed
+  96x that is 4.8 trace s on every partition, and the live lag at rest read 4.1 trace s, four
+  times what a step's own pipeline leaves (RESULTS, Kale live, twenty-fifth run).
 * Messages go through a *forwarding unit* thread that owns the sending sockets (ZeroMQ PUSH to
   each peer's PULL socket); a batch it cannot hand to ZeroMQ within ``SEND_TIMEOUT_S``
   comes back to the sender's own queue, so no batch is stranded while its round lasts.
@@ -300,30 +303,29 @@ class ShuffleUnit:
     # ------------------------------------------------------------------ reading and forwarding
     def _feed(self, round_: int, read: Reader) -> None:
         """Fill the local queue from this worker's partitions; overflow goes to a receiver. After a
-        short read it waits for a step (or ``poll_s``); a step that asks for a top-up has it read
-        without waiting until nothing more is there (``take_runs``)."""
-        topup = 0  # the top-up under way (its number), 0: none
+        short read it reads on without waiting (a *sweep*: one read is one partition's records)
+        until a read finds nothing, then waits for a step (or ``poll_s``); a step that asks for a
+        top-up while it waits has it sweep again first (``take_runs``)."""
+        sweeping = False  # reading on without waiting until nothing more is there
         while not self._closed.is_set():
             with self._cond:
                 if self._round != round_:
                     return
                 full = self.queued >= self.upper
                 if full and not self._receivers():
-                    self._end_topup(topup)  # the queue is full: the step has all it can take
-                    topup = 0
+                    self._end_topups()  # the queue is full: the step has all it can take
+                    sweeping = False
                     self._cond.wait(self.poll_s)  # nobody accepts: leave the records in the stream
                     continue
             try:
-                got = read(not full and not topup)
+                got = read(not full and not sweeping)
             except Exception as exc:  # the stream unavailable: the training thread sees it too
                 log.info("shuffle: reading failed: %s", exc)
                 time.sleep(self.poll_s)
                 continue
             if got is None:
-                if topup:  # everything that had arrived is queued
-                    with self._cond:
-                        self._end_topup(topup)
-                    topup = 0
+                if sweeping:  # everything that had arrived is read: wait for a step
+                    sweeping = self._gather()
                 elif full:  # a read that did not wait: nothing there, do not spin
                     time.sleep(self.poll_s)
                 continue
@@ -341,19 +343,25 @@ class ShuffleUnit:
             with self._cond:
                 if not self._enqueue(batch):
                     return
-                if len(records) < self.batch_size and not topup:
-                    # caught up: let records gather until a step takes from the queue (no tight
-                    # loop of reads of a few records each); the step may ask for a top-up first
-                    self._gathering = True
-                    self._cond.wait(self.poll_s)
-                    self._gathering = False
-                    if self._topups_asked > self._topups_done:
-                        topup = self._topups_asked
+            # a short read: caught up on this partition, the others may hold records as old
+            sweeping = sweeping or len(records) < self.batch_size
 
-    def _end_topup(self, topup: int) -> None:
-        """A top-up is over: the step that asked takes from the queue (lock held)."""
-        if topup:
-            self._topups_done = max(self._topups_done, topup)
+    def _gather(self) -> bool:
+        """A sweep found nothing more: every top-up asked so far is done; let records gather until
+        a step takes from the queue (no tight loop of reads of a few records each), or until a
+        step asks for a top-up (then True: sweep again)."""
+        with self._cond:
+            self._end_topups()
+            self._gathering = True
+            self._cond.wait(self.poll_s)
+            self._gathering = False
+            return self._topups_asked > self._topups_done
+
+    def _end_topups(self) -> None:
+        """The reader read what had arrived: the steps that asked for a top-up take from the queue
+        (lock held)."""
+        if self._topups_done < self._topups_asked:
+            self._topups_done = self._topups_asked
             self._cond.notify_all()
 
     def _receivers(self) -> list[int]:
