@@ -401,6 +401,7 @@ class LiveRun:
             "hourly": live_hours(points, t0, self.scale),
             "behind_points": behind_points(points),
             "queues_by_count": queues_by_count(self.queues, self.args.batch_size, self.scale),
+            "queue_samples": self.queues,  # bench-only: the raw samples, per worker
         }
 
 
@@ -437,8 +438,14 @@ def queue_sample(status: dict[str, Any]) -> dict[str, Any]:
     moment: the count, the target, the most records queued at one worker, and each worker's
     forwarded total."""
     active = [w for w in status["workers"] if w["state"] == "active"]
+    lags: dict[str, list[float]] = {}  # per worker: its partitions' lags, trace s
+    for p in status.get("stream") or []:
+        if p["worker"] is not None and p["lag_s"] >= 0:
+            lags.setdefault(str(p["worker"]), []).append(p["lag_s"])
     return {"workers": len(active), "target": status["target_workers"],
             "queued_max": max((w["stream_queued"] for w in active), default=-1),
+            "queued": {str(w["worker_id"]): w["stream_queued"] for w in active},
+            "lags": lags, "arrivals_per_s": (status.get("stream_lag") or {}).get("arrivals_per_s"),
             "forwarded": {str(w["worker_id"]): w["stream_forwarded_out"] for w in active}}
 
 
