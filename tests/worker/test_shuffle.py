@@ -117,6 +117,27 @@ def test_overflow_goes_to_the_idle_worker_and_every_record_is_taken_once(
     source.close()
 
 
+def test_a_read_past_the_upper_threshold_keeps_what_fits_and_forwards_the_rest(
+        units: tuple[ShuffleUnit, ShuffleUnit]) -> None:
+    """With somebody accepting, a queue never holds more than ``upper``: of a read of 50 records
+    into an empty queue of upper 30, 30 stay and the next 20 go to the other worker, as the range
+    after the last one kept (the two tile the read)."""
+    a, b = units
+    a.upper, a.lower = 30, 10
+    records = [StreamRecord(0, f"1-{i}", {"n": str(i).encode()}) for i in range(1, 51)]
+    fed = iter([(0, 0, records)] + [None] * 10**6)
+    store = RoundStore()
+    b.start_round(3, 1, 2, store, lambda block: None)
+    deadline = time.monotonic() + 10
+    a.start_round(3, 0, 2, store, lambda block: next(fed) if a._receivers() or time.monotonic() > deadline else None)
+    kept = a.take(3, 5.0, 64)
+    got = b.take(3, 5.0, 64)
+    assert kept is not None and (kept.after, kept.last, len(kept.records)) == (0, pack_id("1-30"), 30)
+    assert got is not None and got.forwarded and (got.after, got.last, len(got.records)) == \
+        (pack_id("1-30"), pack_id("1-50"), 20)
+    assert a.forwarded_out == b.forwarded_in == 20 and a.queued == 0
+
+
 def test_a_step_takes_what_reached_the_partition_while_the_reader_waited(tmp_path: Path) -> None:
     """The reader, caught up, waits for a step (here a whole second); a step that finds less than
     its batch queued has it read first, and trains the records that came meanwhile."""
@@ -168,6 +189,35 @@ def test_a_short_read_has_the_reader_read_its_other_partitions_before_it_waits(t
         runs = unit.take_runs(1, 0.1, 32, 4)
         assert sorted(n for b in runs for n in decode([r.fields for r in b.records])[0]) == \
             [0, 1, 2, 3, 4, 10, 11, 12, 13, 14]
+    finally:
+        unit.close()
+        source.close()
+
+
+def test_the_intake_spread_is_what_the_partitions_brought_between_steps(tmp_path: Path) -> None:
+    """``intake_spread``: the coefficient of variation of the records read between two takes
+    (what the queue model's ``spread`` is): 10 and 30 records in turn are a mean of 20 and a
+    standard deviation of 10; not measured before ``INTAKE_MIN`` steps, nor in a new round."""
+    from tidal.worker.shuffle import INTAKE_MIN
+
+    source = FileStreamSource(f"file://{tmp_path}/clicks")
+    unit = ShuffleUnit(TOKEN, lower=64, upper=128, batch_size=64, poll_s=0.01)
+    try:
+        unit.start_round(1, 0, 1, None, reader(source, 0, 64))
+        n = 0
+        for k in range(2 * INTAKE_MIN):
+            if k < INTAKE_MIN or k % 2 == 0:  # an even count of steps: as many 30s as 10s
+                assert unit.intake_spread() == (-1.0 if k < INTAKE_MIN else pytest.approx(0.5))
+            amount = 10 if k % 2 else 30
+            source.append(0, [{"n": str(n + i).encode()} for i in range(amount)])
+            n += amount
+            deadline = time.monotonic() + 10
+            while unit.queued < amount and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert len([r for b in unit.take_runs(1, 1.0, 64, 4) for r in b.records]) == amount
+        assert unit.intake_spread() == pytest.approx(0.5)
+        unit.start_round(2, 0, 1, None, reader(source, 0, 64))
+        assert unit.intake_spread() == -1.0
     finally:
         unit.close()
         source.close()

@@ -313,6 +313,9 @@ class ReportRequest(_Wire):
     # (0: not said / no shuffling): what a stream planner needs to price the queue's wait
     stream_batch: int = Field(default=0, ge=0, le=_I64)
     stream_queue_upper: int = Field(default=0, ge=0, le=_I64)
+    # with global shuffling: the coefficient of variation of the records its partitions brought
+    # between its last steps (tidal.worker.shuffle.ShuffleUnit.intake_spread; -1: not measured)
+    stream_intake_spread: float = Field(default=-1.0, ge=-1.0, le=1e6)
     # with data workers (``--data-workers``; tidal.data.dispatch), counts so far: batches received
     # from data workers, built by this worker itself, consumed, re-dispatched, dropped (duplicates);
     # batches waiting in its queue now, and seconds it waited for one (-1 queued: no data workers)
@@ -413,7 +416,7 @@ class WorkerInfo(_Wire):
     # it trained while busy (-1: not reported); with global shuffling (--global-shuffle): records
     # in its local queue (-1: none), forwarded to other workers and received from them; the records
     # a step takes and its local queue's upper threshold (0: not said / no shuffling), as the
-    # planner sees them
+    # planner sees them; the spread of its steps' intake (-1: not measured)
     stream_backlog: int = -1
     stream_busy: float = -1.0
     stream_capacity: float = -1.0
@@ -422,6 +425,7 @@ class WorkerInfo(_Wire):
     stream_forwarded_in: int = 0
     stream_batch: int = 0
     stream_queue_upper: int = 0
+    stream_intake_spread: float = -1.0
 
 
 class ServerReport(_Wire):
@@ -729,6 +733,9 @@ class StreamObservation(_Wire):
         queue_upper: with global shuffling (Kale 3.5), a worker's local queue's upper threshold
             in records (0: no shuffling, or not known).
         step_batch: records one step of a worker takes (0: not known).
+        intake_spread: with global shuffling, the coefficient of variation of the records the
+            partitions of a busiest worker (one reading the most) bring between its steps
+            (``tidal.worker.shuffle.ShuffleUnit.intake_spread``; 0: not known, taken as clockwork).
     """
 
     interval_s: float = Field(default=60.0, gt=0)
@@ -740,6 +747,7 @@ class StreamObservation(_Wire):
     partitions: int = Field(default=0, ge=0)
     queue_upper: float = Field(default=0.0, ge=0)
     step_batch: float = Field(default=0.0, ge=0)
+    intake_spread: float = Field(default=0.0, ge=0)
 
 
 class PSObservation(_Wire):

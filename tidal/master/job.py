@@ -706,6 +706,7 @@ class JobMaster:
             rec.stream_queued = req.stream_queued
             rec.stream_forwarded_out, rec.stream_forwarded_in = req.stream_forwarded_out, req.stream_forwarded_in
             rec.stream_batch, rec.stream_queue_upper = req.stream_batch, req.stream_queue_upper
+            rec.stream_intake_spread = req.stream_intake_spread
         if req.threads:
             rec.threads = req.threads
         if req.data_queued >= 0:
@@ -1515,6 +1516,7 @@ class JobMaster:
                     stream_queued=r.stream_queued,
                     stream_forwarded_out=r.stream_forwarded_out, stream_forwarded_in=r.stream_forwarded_in,
                     stream_batch=r.stream_batch, stream_queue_upper=r.stream_queue_upper,
+                    stream_intake_spread=round(r.stream_intake_spread, 4),
                 )
                 for r in sorted(self.workers.values(), key=lambda r: r.worker_id)
             ],

@@ -67,6 +67,7 @@ class WorkerRecord:
     stream_forwarded_in: int = 0
     stream_batch: int = 0  # records one of its steps takes (0: not said)
     stream_queue_upper: int = 0  # global shuffling: its local queue's upper threshold (0: none)
+    stream_intake_spread: float = -1.0  # global shuffling: the spread of its steps' intake (-1: not measured)
     # with data workers: the dispatcher's counters of its last report (ReportRequest's data_*)
     data_counts: dict[str, float] = field(default_factory=dict)
     threads: int = 0  # its torch intra-op threads, as it reports (0: not said)

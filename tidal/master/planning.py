@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import os
+import statistics
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ from tidal.brain.api import Planner
 from tidal.brain.meter import ThroughputMeter
 from tidal.master.membership import WorkerRecord
 
-__all__ = ["MAX_DECISIONS", "MAX_TIMELINE", "ArrivalMeter", "Planning", "StreamLag", "partition_lag_s", "stream_busy", "stream_lag_s"]
+__all__ = ["MAX_DECISIONS", "MAX_TIMELINE", "ArrivalMeter", "Planning", "StreamLag", "intake_spread", "partition_lag_s", "stream_busy", "stream_lag_s"]
 
 MAX_DECISIONS = 200  # decisions kept (and journaled); the count of all of them is kept too
 MAX_TIMELINE = 3600  # timeline points kept: an hour at one a second
@@ -76,6 +77,15 @@ def stream_busy(members: Sequence[WorkerRecord]) -> float | None:
     """The members' mean busy share (``tidal.worker.stream_loader``); None: none reported it."""
     busy = [r.stream_busy for r in members if r.stream_busy >= 0]
     return min(1.0, sum(busy) / len(busy)) if busy else None
+
+
+def intake_spread(members: Sequence[WorkerRecord]) -> float:
+    """The median spread of the step intake (``WorkerRecord.stream_intake_spread``) of the
+    members reading the most partitions, whose queues decide the shuffle wait
+    (``tidal.brain.kale.shuffle_wait_s``); 0 when none measured it."""
+    most = max((len(r.stream_lag) for r in members), default=0)
+    spreads = [r.stream_intake_spread for r in members if len(r.stream_lag) == most and r.stream_intake_spread >= 0]
+    return float(statistics.median(spreads)) if spreads else 0.0
 
 
 def partition_lag_s(now: float, time_scale: float, reader: WorkerRecord, partition: int) -> float:
@@ -298,7 +308,8 @@ class Planning:
                                  backlog=float(backlog), lag_s=lag_s, utilization=min(1.0, utilization),
                                  partitions=len(partitions),
                                  queue_upper=float(max((r.stream_queue_upper for r in members), default=0)),
-                                 step_batch=float(max((r.stream_batch for r in members), default=0)))
+                                 step_batch=float(max((r.stream_batch for r in members), default=0)),
+                                 intake_spread=intake_spread(members))
 
     def observe(
         self, *, job_id: str, now: float, min_workers: int, max_workers: int, target: int,

@@ -216,13 +216,15 @@ class Job:
 
     def note_stream(self, lag: dict[int, int], oldest_ms: dict[int, int], busy: float, malformed: int,
                     shuffle: tuple[int, int, int] = (-1, 0, 0), capacity: float = -1.0, *,
-                    batch: int = 0, queue_upper: int = 0, appended: dict[int, int] | None = None) -> None:
+                    batch: int = 0, queue_upper: int = 0, appended: dict[int, int] | None = None,
+                    intake_spread: float = -1.0) -> None:
         """A stream loader's records waiting per partition, the arrival of the oldest waiting in
         each (where one waits), its busy share, the records/s it trained while busy (``capacity``,
         -1: unknown) and its malformed records, for the master's next report; with global
         shuffling, the records in its local queue and those it forwarded and received; the
         records a step takes and the local queue's upper threshold (0: no shuffling); the records
-        ever appended to each partition (``appended``: the master's arrival rate)."""
+        ever appended to each partition (``appended``: the master's arrival rate); with global
+        shuffling, the spread of its steps' intake (``ShuffleUnit.intake_spread``; -1: unknown)."""
         if self._reporter is not None:
             r = self._reporter
             r.stream_lag, r.stream_backlog, r.stream_malformed = lag, sum(lag.values()), malformed
@@ -232,6 +234,7 @@ class Job:
             r.stream_appended = dict(appended or {})
             r.stream_queued, r.stream_forwarded_out, r.stream_forwarded_in = shuffle
             r.stream_batch, r.stream_queue_upper = batch, queue_upper
+            r.stream_intake_spread = intake_spread
 
     def round_store(self) -> Any:
         """A client of this round's store (``tidal.worker.store.MasterStore``) on a connection of

@@ -164,6 +164,7 @@ class Reporter:
         self.stream_malformed = 0
         self.stream_queued, self.stream_forwarded_out, self.stream_forwarded_in = -1, 0, 0  # global shuffling
         self.stream_batch, self.stream_queue_upper = 0, 0
+        self.stream_intake_spread = -1.0
         self.stream_stop = False
         # with data workers (tidal.data.dispatch): the loader's dispatcher, whose counters go into
         # each report, and the data workers' addresses as of the last answer
@@ -313,7 +314,8 @@ class Reporter:
             stream_capacity=self.stream_capacity,
             stream_queued=self.stream_queued, stream_forwarded_out=self.stream_forwarded_out,
             stream_forwarded_in=self.stream_forwarded_in, stream_batch=self.stream_batch,
-            stream_queue_upper=self.stream_queue_upper, **self._data_counts(),
+            stream_queue_upper=self.stream_queue_upper, stream_intake_spread=self.stream_intake_spread,
+            **self._data_counts(),
         )
         try:
             resp = self._client.post("/v1/report", req, ReportResponse, patience_s=REPORT_PATIENCE_S)

@@ -2,9 +2,10 @@
 
 Partitions are uneven (Kale 2.3): a worker whose partitions carry most of the traffic falls
 behind while the others idle. Each worker's ``ShuffleUnit`` keeps a *local queue* of batches
-read from its own partitions; a reader thread fills it. When the queue holds ``upper`` records
-or more, the next batches it reads are *overflow* and go to another worker that accepts them
-(Kale 3.5.2, the threshold-based forwarding policy):
+read from its own partitions; a reader thread fills it up to ``upper`` records: of a read that
+would take it past them it keeps what fits, and the rest, like every read while it is full, is
+*overflow* and goes to another worker that accepts it (Kale 3.5.2, the threshold-based
+forwarding policy):
 
 * A worker *accepts* while its queue is short: it stops accepting once its queue holds more than
   ``upper`` records and accepts again once it holds fewer than ``lower`` (hysteresis). Each
@@ -87,6 +88,8 @@ MAX_BATCH_RECORDS = 1 << 16
 MAX_MESSAGE_BYTES = 256 << 20
 PEERS_TIMEOUT_S = 30.0  # how long a round's unit waits for every peer's address
 TOPUP_WAIT_S = 0.02  # how long a step waits for the reader's top-up (a non-blocking read of each partition)
+INTAKE_WINDOW = 256  # the steps whose intakes intake_spread measures (a minute or so of steps)
+INTAKE_MIN = 16  # fewer steps than this in a round: no spread reported
 
 
 @dataclass
@@ -138,6 +141,8 @@ class ShuffleUnit:
         self.forwarded_out = self.forwarded_in = 0  # records
         self._gathering = False  # the reader waits for a step after a short read (it has caught up)
         self._topups_asked = self._topups_done = 0  # steps that had the reader top up the queue first
+        self._intake = 0  # records read from this worker's partitions since the last step took (kept or forwarded)
+        self._intakes: deque[int] = deque(maxlen=INTAKE_WINDOW)  # the last steps' intakes (intake_spread)
         self._outbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self._closed = threading.Event()
         self._feeder: threading.Thread | None = None
@@ -156,6 +161,8 @@ class ShuffleUnit:
             self._round, self._rank = round_, rank
             self._queue.clear()
             self.queued = 0
+            self._intake = 0
+            self._intakes.clear()  # another round, maybe other partitions: another intake
             self.accepting = True
             self._connected, self._refusing = set(), set()  # everyone starts with an empty queue
             self._cond.notify_all()
@@ -233,6 +240,8 @@ class ShuffleUnit:
                 if left <= 0:
                     return []
                 self._cond.wait(left)
+            self._intakes.append(self._intake)  # what this step's interval brought (intake_spread)
+            self._intake = 0
             taken: list[Batch] = []
             total = 0
             kept: deque[Batch] = deque()
@@ -262,6 +271,18 @@ class ShuffleUnit:
             self._note_state()
             self._cond.notify_all()  # the reader may have room again
             return taken
+
+    def intake_spread(self) -> float:
+        """The coefficient of variation of the records this worker's partitions brought between
+        its last steps' takes (``INTAKE_WINDOW`` of them; -1 before ``INTAKE_MIN`` steps or with
+        nothing read): what makes records wait in its queue below saturation
+        (``tidal.brain.kale.shuffle_wait_s``'s ``spread``)."""
+        with self._cond:
+            if len(self._intakes) < INTAKE_MIN:
+                return -1.0
+            n = np.fromiter(self._intakes, dtype=np.float64)
+        mean = float(n.mean())
+        return float(n.std()) / mean if mean > 0 else -1.0
 
     def waiting(self) -> tuple[dict[int, int], dict[int, int]]:
         """Records in the local queue per partition, and the arrival (ms) of each one's oldest."""
@@ -333,16 +354,20 @@ class ShuffleUnit:
             with self._cond:
                 if self._round != round_:
                     return
-                receivers = self._receivers() if self.queued >= self.upper else []
-            if receivers:
-                to = self.rng.choice(receivers)
-                self._outbox.put(("to", round_, to, self._batch_frames(round_, partition, after, records),
-                                  (partition, after, records)))
-                continue
-            batch = Batch(round_, partition, after, records)
-            with self._cond:
-                if not self._enqueue(batch):
+                self._intake += len(records)
+                # what fits under the upper threshold stays; with somebody accepting, the rest is
+                # overflow (keeping a whole read past the threshold held 42 records after a take
+                # on average where the threshold leaves 32: RESULTS, Kale live, twenty-ninth run)
+                receivers = self._receivers()
+                keep = len(records) if not receivers else max(0, min(len(records), self.upper - self.queued))
+                if keep and not self._enqueue(Batch(round_, partition, after, records[:keep])):
                     return
+            if keep < len(records):
+                rest, rest_after = records[keep:], after if not keep else pack_id(records[keep - 1].id)
+                to = self.rng.choice(receivers)
+                self._outbox.put(("to", round_, to, self._batch_frames(round_, partition, rest_after, rest),
+                                  (partition, rest_after, rest)))
+                continue
             # a short read: caught up on this partition, the others may hold records as old
             sweeping = sweeping or len(records) < self.batch_size
 

@@ -91,7 +91,8 @@ class StreamHost(Protocol):
 
     def note_stream(self, lag: dict[int, int], oldest_ms: dict[int, int], busy: float, malformed: int,
                     shuffle: tuple[int, int, int] = (-1, 0, 0), capacity: float = -1.0, *,
-                    batch: int = 0, queue_upper: int = 0, appended: dict[int, int] | None = None) -> None: ...
+                    batch: int = 0, queue_upper: int = 0, appended: dict[int, int] | None = None,
+                    intake_spread: float = -1.0) -> None: ...
 
     @property
     def stream_committed(self) -> dict[int, int]: ...
@@ -206,7 +207,8 @@ class StreamLoader:
                     shuffle = (-1, 0, 0) if unit is None else (unit.queued, unit.forwarded_out, unit.forwarded_in)
                     job.note_stream(counted[0], counted[1], min(1.0, busy), self.malformed, shuffle, capacity,
                                     batch=self.batch_size, queue_upper=0 if self.shuffle is None else self.shuffle[1],
-                                    appended=counted[2])
+                                    appended=counted[2],
+                                    intake_spread=-1.0 if unit is None else unit.intake_spread())
                 if self.trim:
                     self._trim(job.stream_committed)
             if taken is None:
