@@ -13,6 +13,7 @@ from tidal.brain.baselines import AutopilotPlanner, HPAPlanner, MaduPlanner
 from tidal.brain.kale import (
     KalePlanner,
     ThresholdFallback,
+    leftover_mean,
     minimal_workers,
     queue_head_age,
     shuffle_wait_s,
@@ -322,6 +323,40 @@ def test_the_shuffle_wait_is_the_busiest_workers_queue_head_only_when_its_partit
     assert queue_head_age(160.0, 128.0, 120.0, 200.0) == pytest.approx(tau - 96.0 / 200.0)
     assert shuffle_wait_s(800.0, 8, 6, 6 * 120.0, 160.0, 0.0) == pytest.approx(160.0 / 120.0)
     assert shuffle_wait_s(800.0, 8, 6, 6 * 120.0, 128.0, 128.0) == 0.0  # nothing left after a take
+
+
+@pytest.mark.parametrize("spread", [0.05, 0.1, 0.2])
+@pytest.mark.parametrize("rho", [0.85, 0.95, 1.0, 1.05, 1.2])
+def test_the_leftover_after_a_take_is_lindleys_recursion_in_the_long_run(rho: float, spread: float) -> None:
+    """``leftover_mean`` against the recursion it solves, run step by step: a step's intake normal
+    of mean ``rho * B`` and coefficient of variation ``spread``, a take of B, the rest kept up to
+    the room (upper - B) beyond which the reader forwards."""
+    batch, room = 128.0, 32.0
+    intake = np.random.default_rng(7).normal(rho * batch, spread * rho * batch, 60_000)
+    left, total = 0.0, 0.0
+    for i, n in enumerate(intake):
+        left = min(max(left + n - batch, 0.0), room)
+        total += left if i >= 1000 else 0.0
+    walked = total / (len(intake) - 1000)
+    assert leftover_mean(rho, batch, room, spread) == pytest.approx(walked, abs=0.6, rel=0.08)
+
+
+def test_a_spread_of_the_intake_leaves_records_waiting_below_saturation_and_meets_the_full_queue_above() -> None:
+    """5 workers on 8 partitions, 3 of them reading two: their wait grows with their utilisation
+    from nothing (far below) through half the room's worth at saturation to the full queue's head
+    far above; with no spread it is the deterministic queue's (nothing below, the head above)."""
+    trains, batch, upper = 405.0, 128.0, 160.0
+
+    def wait(rho: float, spread: float) -> float:
+        return shuffle_wait_s(rho * trains * 4, 8, 5, 5 * trains, upper, batch, spread)
+
+    rhos = [0.7, 0.8, 0.9, 0.95, 0.99, 1.0, 1.01, 1.05, 1.2, 2.0]
+    waits = [wait(r, 0.1) for r in rhos]
+    assert waits == sorted(waits) and waits[0] < 1e-3 and waits[3] > 0.005
+    assert wait(1.0, 0.1) == pytest.approx(16.0 / trains, rel=0.02)  # half the room of 32
+    assert wait(2.0, 0.1) == pytest.approx(queue_head_age(upper, batch, trains, 2 * trains), rel=0.01)
+    assert [wait(r, 0.0) for r in rhos] == \
+        [0.0] * 6 + [queue_head_age(upper, batch, trains, r * trains) for r in rhos[6:]]
 
 
 @pytest.mark.parametrize("price_workers", [0.0, 0.3, 5.0])

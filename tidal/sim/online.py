@@ -41,7 +41,11 @@ live worker reports it (``tidal.brain.kale.queue_head_age``: ``tau - (2B - UPPER
 B <= UPPER <= 2B, a step every ``tau`` s, its partitions bringing r samples/s; at 32:160 with a
 batch of 128, a quarter to a half of a step); without it the whole queue, ``UPPER / (f(w) / w)``. Live, at 96x
 time compression, a queue of 384 records on a worker training 400 records/s held a record back
-a second, 96 trace seconds; at 32:160, 16-22 trace seconds (bench/RESULTS.md).
+a second, 96 trace seconds; at 32:160, 16-22 trace seconds (bench/RESULTS.md). Steps and
+arrivals are not like clockwork: with ``shuffle_spread`` (the coefficient of variation of the
+records one step's interval brings) records are left over after a take below saturation too,
+as Lindley's recursion leaves them (``tidal.brain.kale.leftover_mean``), and the lag grows
+smoothly into the full queue's instead of jumping there at saturation.
 
 Busy window (``SimConfig.busy_window_s``). A live worker measures its busy share over the last
 second of wall time (``tidal.worker.stream_loader``): at 96x time compression 96 trace seconds,
@@ -176,6 +180,9 @@ class SimConfig:
     shuffle_upper: float | None = None  # with partitions: global shuffling, a local queue of this many samples
     # records a worker's step takes from its local queue (None: a record waits the whole UPPER ahead of it)
     shuffle_batch: float | None = None
+    # the coefficient of variation of the records one step's interval brings a worker (its step time and
+    # the traffic within it vary): records left over after a take below saturation (kale.shuffle_wait_s)
+    shuffle_spread: float = 0.0
     # the capacity handed to planners over the throughput trained (live: a worker's rate over its busy
     # share reads a little above what it sustains with records waiting; bench/online_live.py)
     capacity_reading: float = 1.0
@@ -382,6 +389,8 @@ def simulate(
         raise ConfigError(f"capacity_reading must be positive, got {cfg.capacity_reading:g}")
     if cfg.shuffle_batch is not None and not cfg.shuffle_batch > 0:
         raise ConfigError(f"shuffle_batch must be positive, got {cfg.shuffle_batch:g}")
+    if not cfg.shuffle_spread >= 0:
+        raise ConfigError(f"shuffle_spread must not be negative, got {cfg.shuffle_spread:g}")
     if cfg.busy_window_s is not None and not cfg.busy_window_s > 0:
         raise ConfigError(f"busy_window_s must be positive, got {cfg.busy_window_s:g}")
     if not 0 <= cfg.latency_s < cfg.interval_s * max(1, len(arrivals)):
@@ -496,6 +505,7 @@ def simulate(
                     partitions=cfg.partitions or 0,
                     queue_upper=cfg.shuffle_upper or 0.0,
                     step_batch=cfg.shuffle_batch or 0.0,
+                    intake_spread=cfg.shuffle_spread,
                 ),
             )
             plan = planner.plan(obs)
@@ -543,7 +553,7 @@ def _shuffle_wait(per_partition: float, workers: int, rate: float, cfg: SimConfi
     if per_partition <= 0:
         return 0.0
     return cfg.latency_s + shuffle_wait_s(per_partition * cfg.partitions / dt, cfg.partitions, workers, rate,
-                                          cfg.shuffle_upper, cfg.shuffle_batch or 0.0)
+                                          cfg.shuffle_upper, cfg.shuffle_batch or 0.0, cfg.shuffle_spread)
 
 
 def _cum_at(cum: np.ndarray, arrivals: np.ndarray, t: float, dt: float) -> float:
