@@ -59,6 +59,10 @@ its queue at the upper threshold, and its records wait behind it. A worker repor
 queue's head just after a step took its batch, which the simulator models
 (``SimConfig.shuffle_batch``, ``tidal.brain.kale.queue_head_age``): at 32:160 with a batch of 128,
 9-14 trace seconds against 16-22 live (the whole queue, 160 records at 400 records/s, would be 38).
+Steps and arrivals are not like clockwork, so records are left over after a take below
+saturation too: each worker measures the spread of the records its partitions bring between its
+steps (``tidal status``: ``stream_intake_spread``), and the simulator's queue model takes the
+median over the busiest workers (``live_spread``, ``SimConfig.shuffle_spread``).
 With ``--shuffle none`` each worker trains only the partitions the master assigned it, and the
 simulator does the same (``SimConfig.partitions``: 8 partitions on 6 workers leave two workers with
 a quarter of the traffic each, so 5-7 workers are no faster than 4). The lower bound is
@@ -445,6 +449,8 @@ def queue_sample(status: dict[str, Any]) -> dict[str, Any]:
     return {"workers": len(active), "target": status["target_workers"],
             "queued_max": max((w["stream_queued"] for w in active), default=-1),
             "queued": {str(w["worker_id"]): w["stream_queued"] for w in active},
+            "spreads": {str(w["worker_id"]): w.get("stream_intake_spread", -1.0) for w in active},
+            "capacities": {str(w["worker_id"]): w["stream_capacity"] for w in active},
             "lags": lags, "arrivals_per_s": (status.get("stream_lag") or {}).get("arrivals_per_s"),
             "forwarded": {str(w["worker_id"]): w["stream_forwarded_out"] for w in active}}
 
@@ -563,6 +569,24 @@ def shuffle_upper(shuffle: str) -> float | None:
     """The upper threshold of ``--shuffle LOWER:UPPER`` (records; the simulator's local queue), or
     None for ``none``."""
     return None if shuffle == "none" else float(shuffle.partition(":")[2])
+
+
+def live_spread(runs: dict[str, dict[str, Any]]) -> float:
+    """The spread of a busiest worker's intake between steps, measured live (``tidal status``,
+    ``stream_intake_spread``: the coefficient of variation of the records its partitions brought
+    per step), the simulator's ``shuffle_spread``: the median over the samples a second apart at
+    a steady count, of the workers reading the most partitions then (their queue decides the
+    wait, ``tidal.brain.kale.shuffle_wait_s``). 0 (clockwork) for a run recorded before workers
+    measured it."""
+    spreads = []
+    for r in runs.values():
+        for sample in r.get("queue_samples", []):
+            lags, measured = sample.get("lags", {}), sample.get("spreads", {})
+            if sample["workers"] != sample["target"] or not lags:
+                continue
+            most = max(len(v) for v in lags.values())
+            spreads += [measured[w] for w, v in lags.items() if len(v) == most and measured.get(w, -1.0) >= 0]
+    return float(np.median(spreads)) if spreads else 0.0
 
 
 def live_latency(runs: dict[str, dict[str, Any]]) -> float:
@@ -715,7 +739,8 @@ class ForesightSchedule:
         larger one that does not."""
         top = cfg.partitions or cfg.peak_workers
         rate = {w: sim.true_throughput(cfg, w) for w in range(1, top + 1)}
-        queues = (top, cfg.shuffle_upper, cfg.shuffle_batch or 0.0) if cfg.shuffle_upper is not None else None
+        queues = ((top, cfg.shuffle_upper, cfg.shuffle_batch or 0.0, cfg.shuffle_spread)
+                  if cfg.shuffle_upper is not None else None)
         dt = cfg.interval_s
         want = []
         for k in range(len(arrivals)):
@@ -861,10 +886,11 @@ def main(argv: list[str] | None = None) -> int:
         migration = live_migration(live, scale)
         sim.MIGRATIONS["live"] = migration  # the simulator looks actions up by name (this process only)
         latency = live_latency(live)
+        spread = live_spread(live)
         cfg = sim.SimConfig(peak_workers=args.max_workers, migration="live", seed=args.seed, batch_size=1.0,
                             interval_s=60.0, true_model=trained, latency_s=latency,
                             partitions=args.max_workers, shuffle_upper=shuffle_upper(args.shuffle),
-                            shuffle_batch=float(args.batch_size),
+                            shuffle_batch=float(args.batch_size), shuffle_spread=spread,
                             # the simulated workers sustain what live ones did; planners read what live ones read
                             capacity_reading=1.0 / sustained,
                             busy_window_s=BUSY_WINDOW_S * scale,
@@ -894,6 +920,7 @@ def main(argv: list[str] | None = None) -> int:
                       "scale_in_prep_s": migration.scale_in_prep_s, "scale_in_pause_s": migration.scale_in_pause_s,
                       "scale_in_settle_s": migration.scale_in_settle_s},
         "latency_s": latency,
+        "shuffle_spread": spread,
         "sustained_share": sustained,
         "foresight_schedules": foresight,
         "setup": {"day": args.day, "minutes": args.minutes, "time_scale": scale, "peak_records_per_s": peak_rate,
@@ -918,7 +945,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{migration.prep_s / 60:.1f} + {migration.pause_s / 60:.1f} trace min (prep + pause, measured live), "
               f"a scale-in {scale_in[0] / 60:.1f} + {scale_in[1] / 60:.1f}, then not ready for "
               f"{migration.scale_in_settle_s / 60:.1f} (its leavers exit); "
-              f"pipeline latency {latency:.1f} trace s (the live lag's mean at rest); workers with "
+              f"pipeline latency {latency:.1f} trace s (the live lag's mean at rest); a busiest worker's intake "
+              f"per step spread {spread:.3f} (its coefficient of variation, measured live); workers with "
               f"records waiting train {sustained:.3f} of the capacity they read (the simulated ones too)")
         print("live capacity (rate / busy share), records/s (wall) per workers: "
               + ", ".join(f"{w}: {r}" for w, r in result["model"]["measured_records_per_s"].items())
