@@ -62,7 +62,10 @@ queue's head just after a step took its batch, which the simulator models
 Steps and arrivals are not like clockwork, so records are left over after a take below
 saturation too: each worker measures the spread of the records its partitions bring between its
 steps (``tidal status``: ``stream_intake_spread``), and the simulator's queue model takes the
-median over the busiest workers (``live_spread``, ``SimConfig.shuffle_spread``).
+median over the busiest workers (``live_spread``, ``SimConfig.shuffle_spread``); and a worker's
+reader brings records in chunks, one a partition every ``tidal.worker.shuffle.READ_POLL_S`` at
+most, so the oldest record left over waited about one such read unread
+(``SimConfig.shuffle_read_s``).
 With ``--shuffle none`` each worker trains only the partitions the master assigned it, and the
 simulator does the same (``SimConfig.partitions``: 8 partitions on 6 workers leave two workers with
 a quarter of the traffic each, so 5-7 workers are no faster than 4). The lower bound is
@@ -147,6 +150,7 @@ from tidal.cli.sim import read_csv
 from tidal.data.streams import open_source
 from tidal.sim import online as sim
 from tidal.sim.paid_bound import lag_priced_worker_hours
+from tidal.worker.shuffle import READ_POLL_S
 from tidal.worker.stream_loader import BACKLOG_EVERY_S as BUSY_WINDOW_S  # a worker's busy share's window
 
 TRACE = ROOT.parent / "shared" / "traces" / "worldcup98-requests-per-minute.csv"
@@ -891,6 +895,7 @@ def main(argv: list[str] | None = None) -> int:
                             interval_s=60.0, true_model=trained, latency_s=latency,
                             partitions=args.max_workers, shuffle_upper=shuffle_upper(args.shuffle),
                             shuffle_batch=float(args.batch_size), shuffle_spread=spread,
+                            shuffle_read_s=READ_POLL_S * scale,
                             # the simulated workers sustain what live ones did; planners read what live ones read
                             capacity_reading=1.0 / sustained,
                             busy_window_s=BUSY_WINDOW_S * scale,

@@ -357,6 +357,9 @@ def test_a_spread_of_the_intake_leaves_records_waiting_below_saturation_and_meet
     assert wait(2.0, 0.1) == pytest.approx(queue_head_age(upper, batch, trains, 2 * trains), rel=0.01)
     assert [wait(r, 0.0) for r in rhos] == \
         [0.0] * 6 + [queue_head_age(upper, batch, trains, r * trains) for r in rhos[6:]]
+    # a reader reading every 50 ms: the leftover's oldest waited a read more, as often as there is one
+    read = [shuffle_wait_s(r * trains * 4, 8, 5, 5 * trains, upper, batch, 0.1, 0.05) - w for r, w in zip(rhos, waits, strict=True)]
+    assert read[0] < 1e-3 and 0.01 < read[5] < 0.05 and read[-1] == pytest.approx(0.05)
 
 
 @pytest.mark.parametrize("price_workers", [0.0, 0.3, 5.0])

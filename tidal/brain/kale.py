@@ -108,7 +108,7 @@ def minimal_workers(
 
 
 def shuffle_wait_s(arrivals: float, partitions: int, workers: int, capacity: float,
-                   upper: float, batch: float, spread: float = 0.0) -> float:
+                   upper: float, batch: float, spread: float = 0.0, read_s: float = 0.0) -> float:
     """The wait global shuffling (Kale 3.5.2's threshold forwarding) leaves a record in a local
     queue, in seconds, as a live worker reports it just after a step took its batch.
     ``arrivals`` samples/s spread evenly over ``partitions`` assigned round-robin to ``workers``
@@ -126,7 +126,10 @@ def shuffle_wait_s(arrivals: float, partitions: int, workers: int, capacity: flo
     step's intake ``n`` (mean ``rho B``, standard deviation ``spread rho B``, ``rho`` the busiest
     worker's utilisation); ``leftover_mean`` solves its stationary law. The leftover's oldest
     record waited ``E[L]`` records' arrivals below saturation, and ``queue_head_age`` of a queue
-    holding ``B + E[L]`` above it: the two meet at saturation."""
+    holding ``B + E[L]`` above it: the two meet at saturation. A reader that reads every
+    ``read_s`` seconds brings records in chunks, each a partition's arrivals since its last
+    read, so the leftover's oldest record, the oldest of its chunk, also waited about a read
+    unread: ``read_s`` is added as often as something is left over."""
     if arrivals <= 0 or partitions < 1 or workers < 1 or capacity <= 0:
         return 0.0
     brings = -(-partitions // workers) * arrivals / partitions
@@ -137,17 +140,26 @@ def shuffle_wait_s(arrivals: float, partitions: int, workers: int, capacity: flo
     if room <= 0:
         return 0.0
     rho = brings / trains
-    left = leftover_mean(rho, batch, room, spread)
-    if rho <= 1:
-        return left / brings
-    return queue_head_age(batch + left, batch, trains, brings)
+    left, something_left = _leftover_law(rho, batch, room, spread)
+    head = left / brings if rho <= 1 else queue_head_age(batch + left, batch, trains, brings)
+    return head + read_s * something_left
 
 
 LEFTOVER_BINS = 64  # the grid leftover_mean solves Lindley's recursion on (at most; one record a bin when fewer)
 
 
+def _leftover_law(rho: float, batch: float, room: float, spread: float) -> tuple[float, float]:
+    """``leftover_mean`` and the share of steps after which something is left over."""
+    if room <= 0:
+        return 0.0, 0.0
+    if spread <= 0:
+        return (0.0, 0.0) if rho <= 1 else (float(room), 1.0)
+    # rounded so that the planner's and the simulator's many calls share a few solutions
+    return _solved_leftover(round(rho, 3), float(batch), float(room), round(spread, 3))
+
+
 @functools.lru_cache(maxsize=4096)
-def _leftover_mean(rho: float, batch: float, room: float, spread: float) -> float:
+def _solved_leftover(rho: float, batch: float, room: float, spread: float) -> tuple[float, float]:
     bins = int(min(LEFTOVER_BINS, max(1.0, math.ceil(room))))
     width = room / bins
     grid = np.arange(bins + 1) * width  # the leftover's values, 0 .. room
@@ -167,8 +179,9 @@ def _leftover_mean(rho: float, batch: float, room: float, spread: float) -> floa
     a = np.vstack([(move - np.eye(bins + 1)).T, np.ones(bins + 1)])
     b = np.zeros(bins + 2)
     b[-1] = 1.0
-    pi = np.linalg.lstsq(a, b, rcond=None)[0]
-    return float(np.clip(pi, 0, None) @ grid / max(1e-12, float(np.clip(pi, 0, None).sum())))
+    pi = np.clip(np.linalg.lstsq(a, b, rcond=None)[0], 0, None)
+    pi /= max(1e-12, float(pi.sum()))
+    return float(pi @ grid), float(1.0 - pi[0])
 
 
 def leftover_mean(rho: float, batch: float, room: float, spread: float) -> float:
@@ -179,12 +192,7 @@ def leftover_mean(rho: float, batch: float, room: float, spread: float) -> float
     a grid of at most ``LEFTOVER_BINS`` cells. ``spread`` 0 is the deterministic queue: empty
     below saturation, full above it. Heavy-traffic formulas (Kingman's) were 2.4x off this at
     ``rho`` 0.95, ``spread`` 0.1, a batch of 128 and a room of 32."""
-    if room <= 0:
-        return 0.0
-    if spread <= 0:
-        return 0.0 if rho <= 1 else float(room)
-    # rounded so that the planner's and the simulator's many calls share a few solutions
-    return _leftover_mean(round(rho, 3), float(batch), float(room), round(spread, 3))
+    return _leftover_law(rho, batch, room, spread)[0]
 
 
 def queue_head_age(upper: float, batch: float, trains: float, brings: float) -> float:

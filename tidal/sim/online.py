@@ -183,6 +183,9 @@ class SimConfig:
     # the coefficient of variation of the records one step's interval brings a worker (its step time and
     # the traffic within it vary): records left over after a take below saturation (kale.shuffle_wait_s)
     shuffle_spread: float = 0.0
+    # a worker's reader reads its partitions this often (trace s; tidal.worker.shuffle.READ_POLL_S times the
+    # time scale live): the oldest record of a chunk waited about that long unread (kale.shuffle_wait_s)
+    shuffle_read_s: float = 0.0
     # the capacity handed to planners over the throughput trained (live: a worker's rate over its busy
     # share reads a little above what it sustains with records waiting; bench/online_live.py)
     capacity_reading: float = 1.0
@@ -391,6 +394,8 @@ def simulate(
         raise ConfigError(f"shuffle_batch must be positive, got {cfg.shuffle_batch:g}")
     if not cfg.shuffle_spread >= 0:
         raise ConfigError(f"shuffle_spread must not be negative, got {cfg.shuffle_spread:g}")
+    if not cfg.shuffle_read_s >= 0:
+        raise ConfigError(f"shuffle_read_s must not be negative, got {cfg.shuffle_read_s:g}")
     if cfg.busy_window_s is not None and not cfg.busy_window_s > 0:
         raise ConfigError(f"busy_window_s must be positive, got {cfg.busy_window_s:g}")
     if not 0 <= cfg.latency_s < cfg.interval_s * max(1, len(arrivals)):
@@ -553,7 +558,8 @@ def _shuffle_wait(per_partition: float, workers: int, rate: float, cfg: SimConfi
     if per_partition <= 0:
         return 0.0
     return cfg.latency_s + shuffle_wait_s(per_partition * cfg.partitions / dt, cfg.partitions, workers, rate,
-                                          cfg.shuffle_upper, cfg.shuffle_batch or 0.0, cfg.shuffle_spread)
+                                          cfg.shuffle_upper, cfg.shuffle_batch or 0.0, cfg.shuffle_spread,
+                                          cfg.shuffle_read_s)
 
 
 def _cum_at(cum: np.ndarray, arrivals: np.ndarray, t: float, dt: float) -> float:

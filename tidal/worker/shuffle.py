@@ -88,6 +88,7 @@ MAX_BATCH_RECORDS = 1 << 16
 MAX_MESSAGE_BYTES = 256 << 20
 PEERS_TIMEOUT_S = 30.0  # how long a round's unit waits for every peer's address
 TOPUP_WAIT_S = 0.02  # how long a step waits for the reader's top-up (a non-blocking read of each partition)
+READ_POLL_S = 0.05  # a caught-up reader reads again after this long, or when a step takes (at most)
 INTAKE_WINDOW = 256  # the steps whose intakes intake_spread measures (a minute or so of steps)
 INTAKE_MIN = 16  # fewer steps than this in a round: no spread reported
 
@@ -115,7 +116,7 @@ class ShuffleUnit:
     """A worker's local queue and its forwarding (module docstring). ``start_round`` for each
     round the worker enters; ``take`` for each step; ``close`` once."""
 
-    def __init__(self, token: str, lower: int, upper: int, *, batch_size: int, poll_s: float = 0.05,
+    def __init__(self, token: str, lower: int, upper: int, *, batch_size: int, poll_s: float = READ_POLL_S,
                  rng: random.Random | None = None) -> None:
         if not 0 <= lower <= upper:
             raise ValueError(f"shuffle thresholds need 0 <= lower <= upper, got {lower}:{upper}")

@@ -38,7 +38,7 @@ from tidal.api.streams import STEP_RANGES, pack_id, parse_id, unpack_id
 from tidal.data.api import StreamSource
 from tidal.data.streams import open_source
 from tidal.worker.api import UsageError
-from tidal.worker.shuffle import ShuffleUnit
+from tidal.worker.shuffle import READ_POLL_S, ShuffleUnit
 from tidal.worker.step import StepRunner
 from tidal.worker.stream_reader import READER_ENV, Decode, PartitionReader, Picked, ReadAhead, Run, Taken
 
@@ -304,7 +304,7 @@ class StreamLoader:
         if self.shuffle is not None:
             if self._unit is None:
                 self._unit = ShuffleUnit(job.token, *self.shuffle, batch_size=self.batch_size,
-                                         poll_s=min(self.poll_s, 0.05))
+                                         poll_s=min(self.poll_s, READ_POLL_S))
             positions = self._positions
             self._unit.start_round(job.round, job.rank, job.world_size, job.round_store(),
                                    lambda block: self._shuffle_read(positions, block))
