@@ -443,15 +443,14 @@ def behind_points(points: list[dict[str, Any]]) -> list[tuple[int, float, float]
 
 def queue_sample(status: dict[str, Any]) -> dict[str, Any]:
     """What the active workers' shuffle queues hold and have forwarded (``tidal status``), at one
-    moment: the count, the target, the most records queued at one worker, and each worker's
-    forwarded total."""
+    moment: the count, the target, the arrivals, and per worker its queue, forwarded total,
+    intake spread, capacity and its partitions' lags."""
     active = [w for w in status["workers"] if w["state"] == "active"]
     lags: dict[str, list[float]] = {}  # per worker: its partitions' lags, trace s
     for p in status.get("stream") or []:
         if p["worker"] is not None and p["lag_s"] >= 0:
             lags.setdefault(str(p["worker"]), []).append(p["lag_s"])
     return {"workers": len(active), "target": status["target_workers"],
-            "queued_max": max((w["stream_queued"] for w in active), default=-1),
             "queued": {str(w["worker_id"]): w["stream_queued"] for w in active},
             "spreads": {str(w["worker_id"]): w.get("stream_intake_spread", -1.0) for w in active},
             "capacities": {str(w["worker_id"]): w["stream_capacity"] for w in active},
@@ -472,7 +471,7 @@ def queues_by_count(samples: list[dict[str, Any]], batch: int, scale: float) -> 
         row = out.setdefault(str(b["workers"]), {"seconds": 0.0, "forwarded": 0.0, "over_batch": 0.0})
         row["seconds"] += 1
         row["forwarded"] += sum(max(0, n - a["forwarded"].get(w, n)) for w, n in b["forwarded"].items())
-        row["over_batch"] += b["queued_max"] > batch
+        row["over_batch"] += max(b["queued"].values(), default=-1) > batch
     return {w: {"seconds": r["seconds"], "forwarded_per_trace_min": r["forwarded"] / (r["seconds"] * scale / 60),
                 "over_batch_share": r["over_batch"] / r["seconds"]} for w, r in sorted(out.items(), key=lambda x: int(x[0]))}
 

@@ -545,7 +545,7 @@ class KalePlanner:
         self._pauses: deque[float] = deque(maxlen=ACTIONS_KEPT)
         self.headroom = headroom
         self.lag_price = lag_price
-        # (partitions, queue upper threshold, step batch) as the stream last said; None: not said
+        # (partitions, queue upper threshold, step batch, intake spread) as the stream last said; None: not said
         self._queues: tuple[int, float, float, float] | None = None
         self.margin_quantile = margin_quantile
         self.max_margin = max_margin

@@ -359,8 +359,11 @@ class ShuffleUnit:
                 # what fits under the upper threshold stays; with somebody accepting, the rest is
                 # overflow (keeping a whole read past the threshold held 42 records after a take
                 # on average where the threshold leaves 32: RESULTS, Kale live, twenty-ninth run)
-                receivers = self._receivers()
-                keep = len(records) if not receivers else max(0, min(len(records), self.upper - self.queued))
+                keep, receivers = len(records), []
+                if self.queued + keep > self.upper:  # asked only when the read would overflow
+                    receivers = self._receivers()
+                    if receivers:
+                        keep = max(0, self.upper - self.queued)
                 if keep and not self._enqueue(Batch(round_, partition, after, records[:keep])):
                     return
             if keep < len(records):
