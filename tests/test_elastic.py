@@ -119,7 +119,9 @@ def test_master_failover_keeps_workers_and_ledger(tmp_path: Path, jobs: list[Job
 
 
 def test_straggler_gets_smaller_shards(tmp_path: Path, jobs: list[Job]) -> None:
-    samples, epochs, batch = 150_000, 1, 256
+    # two epochs: the straggler is judged after ~7 s of a ~10 s epoch here, later on a loaded
+    # machine, where one epoch could be all leased by then and nothing smaller left to give
+    samples, epochs, batch = 150_000, 2, 256
     job = Job(tmp_path, "2:2", example_args(samples, epochs, batch, 0.0, "--slow-worker", "1", "--slowdown", "6")).start()
     jobs.append(job)
     st = job.wait_status(lambda s: any(e["kind"] == "straggler" for e in s["events"]), 90, "a straggler event")
