@@ -52,13 +52,14 @@ window over which a worker measures its busy share (its last wall second, 96 tra
 ``SimConfig.busy_window_s``; read over the interval alone, the catch-up after every pause read as
 saturation, and the simulated HPA scaled out again after each scale-in, 171 actions to live's 19);
 and how records reach the workers. The jobs run with Kale's global shuffling (``--shuffle``, default
-``32:160``): a worker over its upper threshold forwards what it reads to those under the lower one,
+``32:128``): a worker over its upper threshold forwards what it reads to those under the lower one,
 so the workers train as one pool, and the simulator pools them too (``SimConfig.shuffle_upper``);
 but a worker whose partitions bring more than it trains (two of 8 partitions on 5-7 workers) keeps
-its queue at the upper threshold, and its records wait behind it. A worker reports the age of its
-queue's head just after a step took its batch, which the simulator models
+its queue at the upper threshold, and what it keeps past a batch waits a step more. A worker
+reports the age of its queue's head just after a step took its batch, which the simulator models
 (``SimConfig.shuffle_batch``, ``tidal.brain.kale.queue_head_age``): at 32:160 with a batch of 128,
-9-14 trace seconds against 16-22 live (the whole queue, 160 records at 400 records/s, would be 38).
+9-14 trace seconds against 16-22 live (the whole queue, 160 records at 400 records/s, would be 38);
+at 32:128, one batch, a take leaves nothing behind and the simulator puts no wait there.
 Steps and arrivals are not like clockwork, so records are left over after a take below
 saturation too: each worker measures the spread of the records its partitions bring between its
 steps (``tidal status``: ``stream_intake_spread``), and the simulator's queue model takes the
@@ -185,7 +186,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--device-ms-per-step", type=float, default=300.0)
     p.add_argument("--trace", type=Path, default=TRACE)
-    p.add_argument("--shuffle", default="32:160",
+    p.add_argument("--shuffle", default="32:128",
                    help="the jobs' --global-shuffle LOWER:UPPER (Kale 3.5), or 'none': partitions stay where "
                         "the master assigned them, and 8 partitions make 5-7 workers no faster than 4")
     p.add_argument("--load-headroom", type=float, default=KALE_HEADROOM,

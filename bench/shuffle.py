@@ -1,7 +1,7 @@
 """Global shuffling (Kale 3.5, issue 18): tail lag and queue spread with and without it.
 
     .venv/bin/python bench/shuffle.py [--workers 4] [--partitions 4] [--skew 2] [--rate 2400]
-                                      [--seconds 30] [--shuffle 32:160] [--json]
+                                      [--seconds 30] [--shuffle 32:128] [--json]
 
 A redis-server on 127.0.0.1; records of the example (examples/ctr/stream.py) produced live at
 ``--rate`` records/s for ``--seconds`` s into ``--partitions`` partitions, partition p taking the
@@ -165,9 +165,9 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=30.0, help="how long records are produced")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--step-sleep", type=float, default=0.1, help="EMULATED device seconds per step")
-    p.add_argument("--shuffle", default="32:160",
-                   help="--global-shuffle LOWER:UPPER of the shuffled run (UPPER just over a batch: a record waits "
-                        "behind about UPPER records)")
+    p.add_argument("--shuffle", default="32:128",
+                   help="--global-shuffle LOWER:UPPER of the shuffled run (UPPER at a step's batch: what a "
+                        "saturated worker keeps past one batch waits a step more)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--keep", type=Path, default=None, help="keep logs, stamps and ledgers here")
     args = p.parse_args()

@@ -220,9 +220,9 @@ def run(
         help="With --stream: Kale's global shuffling (tidal.worker.shuffle). Each worker keeps a local queue "
              "of records read from its partitions; above UPPER records it forwards what it reads next to "
              "workers that accept (those whose queue fell below LOWER), over ZeroMQ on 127.0.0.1. Evens out "
-             "uneven partitions; every record is still trained exactly once. A record waits behind about UPPER "
-             "queued records, so keep UPPER just over one step's batch and LOWER a fraction of it: e.g. 32:160 "
-             "with a batch of 128 (bench/shuffle.py: p99 lag 0.45 s, against 0.87 s at 128:512)."),
+             "uneven partitions; every record is still trained exactly once. A record waits behind what is queued "
+             "before it, so keep UPPER at one step's batch and LOWER a fraction of it: e.g. 32:128 with a "
+             "batch of 128 (bench/shuffle.py: p99 lag 0.25 s, against 0.32 s at 32:160 and 0.87 s at 128:512)."),
     ps_text: str | None = typer.Option(
         None, "--ps", metavar="N|MIN:MAX",
         help="Start N (or MIN) parameter servers (tidal.ps) for the script's embedding tables "
