@@ -328,3 +328,37 @@ def test_a_step_takes_several_partitions_runs_up_to_its_batch(units: tuple[Shuff
     [rest] = a.take_runs(1, 1, 12, 2)
     assert (rest.partition, len(rest.records)) == (2, 2) and a.queued == 0
     assert a.take_runs(1, 0.05, 12, 2) == []
+
+
+
+def test_a_worker_its_partitions_saturate_accepts_nothing_though_a_take_leaves_its_queue_short(
+        tmp_path: Path) -> None:
+    """A worker whose partitions bring more than a batch a step holds few records for a moment
+    after each take; once ``SATURATION_STEPS`` steps found a batch of its own records it must not
+    accept then (others' records would take its own's place), and once a step finds its queue
+    empty it accepts again."""
+    from tidal.worker.shuffle import SATURATION_STEPS
+
+    source = FileStreamSource(f"file://{tmp_path}/clicks")
+    unit = ShuffleUnit(TOKEN, lower=24, upper=32, batch_size=32, poll_s=0.01)
+    n = 0
+    try:
+        unit.start_round(1, 0, 1, None, reader(source, 0, 20))
+        for k in range(SATURATION_STEPS + 2):
+            source.append(0, [{"n": str(n + i).encode()} for i in range(40)])  # more than a batch a step
+            n += 40
+            deadline = time.monotonic() + 10
+            while unit.queued < 32 and time.monotonic() < deadline:  # nobody else accepts: it stops at 32
+                time.sleep(0.005)
+            assert not unit.accepting  # over upper
+            assert len([r for b in unit.take_runs(1, 1.0, 32, 4) for r in b.records]) == 32
+            assert unit.queued < 24  # short, below lower
+            assert unit.accepting == (k < SATURATION_STEPS - 1)
+        taken = n - 32 * (SATURATION_STEPS + 2)
+        while taken > 0:  # what waited in the stream, then nothing: a step finds its queue empty
+            taken -= len([r for b in unit.take_runs(1, 1.0, 32, 4) for r in b.records])
+        assert not unit.take_runs(1, 0.1, 32, 4)
+        assert unit.accepting
+    finally:
+        unit.close()
+        source.close()

@@ -8,9 +8,13 @@ would take it past them it keeps what fits, and the rest, like every read while 
 forwarding policy):
 
 * A worker *accepts* while its queue is short: it stops accepting once its queue holds more than
-  ``upper`` records and accepts again once it holds fewer than ``lower`` (hysteresis). Each
-  change is broadcast to the other workers (Kale's event-driven notification, no coordinator);
-  each keeps the set of workers that accept.
+  ``upper`` records and accepts again once it holds fewer than ``lower`` (hysteresis), unless
+  its own partitions saturate it (its last ``SATURATION_STEPS`` steps each found a batch of its
+  own records queued). Such a worker's queue is short only for a moment after each
+  take; accepting then, it trained others' records in its own's place and forwarded its own
+  instead, so records went round among the saturated workers a step more each time (RESULTS,
+  Kale live, thirty-first run). Each change is broadcast to the other workers (Kale's
+  event-driven notification, no coordinator); each keeps the set of workers that accept.
 * A sender picks a receiver at random from that set. A forwarded batch is written to the
   receiver's local queue and is never forwarded again (no cascades, no cycles). With nobody
   accepting, the sender stops reading until its queue has room: the records wait in the stream.
@@ -91,6 +95,7 @@ TOPUP_WAIT_S = 0.02  # how long a step waits for the reader's top-up (a non-bloc
 READ_POLL_S = 0.05  # a caught-up reader reads again after this long, or when a step takes (at most)
 INTAKE_WINDOW = 256  # the steps whose intakes intake_spread measures (a minute or so of steps)
 INTAKE_MIN = 16  # fewer steps than this in a round: no spread reported
+SATURATION_STEPS = 4  # a worker whose own records filled its last this many steps accepts nothing
 
 
 @dataclass
@@ -144,6 +149,8 @@ class ShuffleUnit:
         self._topups_asked = self._topups_done = 0  # steps that had the reader top up the queue first
         self._intake = 0  # records read from this worker's partitions since the last step took (kept or forwarded)
         self._intakes: deque[int] = deque(maxlen=INTAKE_WINDOW)  # the last steps' intakes (intake_spread)
+        self._starved = False  # a step is waiting for records in an empty queue
+        self._own_full: deque[bool] = deque(maxlen=SATURATION_STEPS)  # the last steps found a batch of own records
         self._outbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self._closed = threading.Event()
         self._feeder: threading.Thread | None = None
@@ -164,6 +171,8 @@ class ShuffleUnit:
             self.queued = 0
             self._intake = 0
             self._intakes.clear()  # another round, maybe other partitions: another intake
+            self._own_full.clear()
+            self._starved = False
             self.accepting = True
             self._connected, self._refusing = set(), set()  # everyone starts with an empty queue
             self._cond.notify_all()
@@ -237,12 +246,18 @@ class ShuffleUnit:
                     self.queued -= len(self._queue.popleft().records)
                 if self._queue:
                     break
+                if not self._starved:  # a step found nothing: this worker has room (_saturated)
+                    self._starved = True
+                    self._note_state()
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return []
                 self._cond.wait(left)
             self._intakes.append(self._intake)  # what this step's interval brought (intake_spread)
             self._intake = 0
+            self._starved = False
+            own = sum(len(b.records) for b in self._queue if not b.forwarded and b.round == round_)
+            self._own_full.append(own >= max_records)
             taken: list[Batch] = []
             total = 0
             kept: deque[Batch] = deque()
@@ -311,11 +326,16 @@ class ShuffleUnit:
         accepting = self.accepting
         if accepting and self.queued > self.upper:
             accepting = False
-        elif not accepting and self.queued < self.lower:
+        elif not accepting and self.queued < self.lower and not self._saturated():
             accepting = True
         if accepting != self.accepting:
             self.accepting = accepting
             self._outbox.put(("all", self._round, self._state_frames()))
+
+    def _saturated(self) -> bool:
+        """This worker's last ``SATURATION_STEPS`` steps each found a batch of its own records
+        queued, and no step waits for records now: it has no room for others' (lock held)."""
+        return not self._starved and len(self._own_full) == SATURATION_STEPS and all(self._own_full)
 
     def _state_frames(self) -> list[Any]:
         meta = {"kind": "state", "token": self.token, "round": self._round, "rank": self._rank,
