@@ -11,9 +11,9 @@ forwarding policy):
   ``upper`` records and accepts again once it holds fewer than ``lower`` (hysteresis), unless
   its own partitions saturate it (its last ``SATURATION_STEPS`` steps each found a batch of its
   own records queued). Such a worker's queue is short only for a moment after each
-  take; accepting then, it trained others' records in its own's place and forwarded its own
-  instead, so records went round among the saturated workers a step more each time (RESULTS,
-  Kale live, thirty-first run). Each change is broadcast to the other workers (Kale's
+  take (with UPPER at a batch, empty); accepting then, it broadcast two changes a step and took
+  others' records in place of its own, which it forwarded instead (RESULTS, Kale live,
+  thirty-second run: the lag did not change). Each change is broadcast to the other workers (Kale's
   event-driven notification, no coordinator); each keeps the set of workers that accept.
 * A sender picks a receiver at random from that set. A forwarded batch is written to the
   receiver's local queue and is never forwarded again (no cascades, no cycles). With nobody
