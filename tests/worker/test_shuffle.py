@@ -362,3 +362,35 @@ def test_a_worker_its_partitions_saturate_accepts_nothing_though_a_take_leaves_i
     finally:
         unit.close()
         source.close()
+
+
+def test_a_partitions_overflow_goes_to_one_receiver_while_it_accepts(
+        units: tuple[ShuffleUnit, ShuffleUnit]) -> None:
+    """Eight reads past a full queue, with two workers accepting: every piece goes to the same
+    one, where they continue each other and a step takes them as one range (scattered at random,
+    a receiver held more partitions' pieces than a step's ranges)."""
+    a, b = units
+    c = ShuffleUnit(TOKEN, lower=64, upper=128, batch_size=32, poll_s=0.01)
+    try:
+        a.upper, a.lower = 30, 10
+        records = [StreamRecord(0, f"1-{i}", {"n": str(i).encode()}) for i in range(1, 111)]
+        chunks = [records[:30]] + [records[30 + 10 * k: 40 + 10 * k] for k in range(8)]
+        fed = iter([(0, 0 if k == 0 else pack_id(records[19 + 10 * k].id), chunk) for k, chunk in enumerate(chunks)]
+                   + [None] * 10**6)
+        store = RoundStore()
+        b.start_round(3, 1, 3, store, lambda block: None)
+        c.start_round(3, 2, 3, store, lambda block: None)
+        deadline = time.monotonic() + 10
+        a.start_round(3, 0, 3, store,
+                      lambda block: next(fed) if len(a._receivers()) == 2 or time.monotonic() > deadline else None)
+        while a.forwarded_out < 80 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert a.forwarded_out == 80
+        while b.forwarded_in + c.forwarded_in < 80 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        receiver = b if b.forwarded_in else c
+        assert receiver.forwarded_in == 80
+        runs = receiver.take_runs(3, 1.0, 128, 1)
+        assert [(r.after, r.last, len(r.records)) for r in runs] == [(pack_id("1-30"), pack_id("1-110"), 80)]
+    finally:
+        c.close()

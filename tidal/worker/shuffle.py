@@ -15,7 +15,10 @@ forwarding policy):
   others' records in place of its own, which it forwarded instead (RESULTS, Kale live,
   thirty-second run: the lag did not change). Each change is broadcast to the other workers (Kale's
   event-driven notification, no coordinator); each keeps the set of workers that accept.
-* A sender picks a receiver at random from that set. A forwarded batch is written to the
+* A sender forwards a partition's overflow to one receiver for as long as it accepts, then
+  to another picked at random from that set: the pieces it forwards then continue each other
+  at the receiver, and a step takes them as one range (``take_runs``). Scattered at random, a
+  receiver held pieces of more partitions than a step's ranges and the rest waited a step. A forwarded batch is written to the
   receiver's local queue and is never forwarded again (no cascades, no cycles). With nobody
   accepting, the sender stops reading until its queue has room: the records wait in the stream.
 * Each step takes the next batch of the local queue, then the queued batches after it up to the
@@ -150,6 +153,7 @@ class ShuffleUnit:
         self._intake = 0  # records read from this worker's partitions since the last step took (kept or forwarded)
         self._intakes: deque[int] = deque(maxlen=INTAKE_WINDOW)  # the last steps' intakes (intake_spread)
         self._starved = False  # a step is waiting for records in an empty queue
+        self._forward_to: dict[int, int] = {}  # partition -> the rank its overflow goes to while it accepts
         self._own_full: deque[bool] = deque(maxlen=SATURATION_STEPS)  # the last steps found a batch of own records
         self._outbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self._closed = threading.Event()
@@ -173,6 +177,7 @@ class ShuffleUnit:
             self._intakes.clear()  # another round, maybe other partitions: another intake
             self._own_full.clear()
             self._starved = False
+            self._forward_to = {}
             self.accepting = True
             self._connected, self._refusing = set(), set()  # everyone starts with an empty queue
             self._cond.notify_all()
@@ -388,7 +393,9 @@ class ShuffleUnit:
                     return
             if keep < len(records):
                 rest, rest_after = records[keep:], after if not keep else pack_id(records[keep - 1].id)
-                to = self.rng.choice(receivers)
+                to = self._forward_to.get(partition, -1)
+                if to not in receivers:  # the partition's receiver refuses now: another at random
+                    to = self._forward_to[partition] = self.rng.choice(receivers)
                 self._outbox.put(("to", round_, to, self._batch_frames(round_, partition, rest_after, rest),
                                   (partition, rest_after, rest)))
                 continue
