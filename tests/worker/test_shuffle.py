@@ -330,45 +330,54 @@ def test_a_step_takes_several_partitions_runs_up_to_its_batch(units: tuple[Shuff
     assert a.take_runs(1, 0.05, 12, 2) == []
 
 
-
-def test_a_worker_its_partitions_saturate_accepts_nothing_though_a_take_leaves_its_queue_short(
-        tmp_path: Path) -> None:
+def test_a_worker_its_partitions_saturate_accepts_nothing_though_a_take_leaves_its_queue_short() -> None:
     """A worker whose partitions bring more than a batch a step holds few records for a moment
     after each take; once ``SATURATION_STEPS`` steps found a batch of its own records it must not
     accept then (others' records would take its own's place), and once a step finds its queue
-    empty it accepts again."""
+    empty it accepts again. Reads of 20 records, 40 arriving a step: nobody else accepts, so the
+    reader reads until its queue passes 32 and leaves the rest in the stream."""
     from tidal.worker.shuffle import SATURATION_STEPS
 
-    source = FileStreamSource(f"file://{tmp_path}/clicks")
-    unit = ShuffleUnit(TOKEN, lower=24, upper=32, batch_size=32, poll_s=0.01)
+    lock = threading.Lock()
+    pending: list[list[StreamRecord]] = []
     n = 0
+
+    def read(block: bool) -> tuple[int, int, list[StreamRecord]] | None:
+        with lock:
+            if not pending:
+                return None
+            chunk = pending.pop(0)
+        return 0, pack_id(f"1-{int(chunk[0].id.split('-')[1]) - 1}"), chunk
+
+    unit = ShuffleUnit(TOKEN, lower=24, upper=32, batch_size=32, poll_s=0.01)
     try:
-        unit.start_round(1, 0, 1, None, reader(source, 0, 20))
+        unit.start_round(1, 0, 1, None, read)
         for k in range(SATURATION_STEPS + 2):
-            source.append(0, [{"n": str(n + i).encode()} for i in range(40)])  # more than a batch a step
-            n += 40
+            with lock:  # 40 more records arrive: two reads
+                for _ in range(2):
+                    pending.append([StreamRecord(0, f"1-{n + i + 1}", {"n": b"1"}) for i in range(20)])
+                    n += 20
             deadline = time.monotonic() + 10
-            while unit.queued < 32 and time.monotonic() < deadline:  # nobody else accepts: it stops at 32
+            while unit.queued < 32 and time.monotonic() < deadline:  # then it stops reading
                 time.sleep(0.005)
-            assert not unit.accepting  # over upper
+            assert not unit.accepting  # over upper, or saturated
             assert len([r for b in unit.take_runs(1, 1.0, 32, 4) for r in b.records]) == 32
             assert unit.queued < 24  # short, below lower
             assert unit.accepting == (k < SATURATION_STEPS - 1)
-        taken = n - 32 * (SATURATION_STEPS + 2)
-        while taken > 0:  # what waited in the stream, then nothing: a step finds its queue empty
-            taken -= len([r for b in unit.take_runs(1, 1.0, 32, 4) for r in b.records])
+        left = n - 32 * (SATURATION_STEPS + 2)
+        while left > 0:  # what waited in the stream, then nothing: a step finds its queue empty
+            left -= len([r for b in unit.take_runs(1, 1.0, 32, 4) for r in b.records])
         assert not unit.take_runs(1, 0.1, 32, 4)
         assert unit.accepting
     finally:
         unit.close()
-        source.close()
 
 
 def test_a_partitions_overflow_goes_to_one_receiver_while_it_accepts(
         units: tuple[ShuffleUnit, ShuffleUnit]) -> None:
     """Eight reads past a full queue, with two workers accepting: every piece goes to the same
-    one, where they continue each other and a step takes them as one range (scattered at random,
-    a receiver held more partitions' pieces than a step's ranges)."""
+    one, where they continue each other and a step takes them as one range (picked at random for
+    each piece, they continued each other nowhere)."""
     a, b = units
     c = ShuffleUnit(TOKEN, lower=64, upper=128, batch_size=32, poll_s=0.01)
     try:

@@ -17,9 +17,10 @@ forwarding policy):
   event-driven notification, no coordinator); each keeps the set of workers that accept.
 * A sender forwards a partition's overflow to one receiver for as long as it accepts, then
   to another picked at random from that set: the pieces it forwards then continue each other
-  at the receiver, and a step takes them as one range (``take_runs``). Scattered at random, a
-  receiver held pieces of more partitions than a step's ranges and the rest waited a step. A forwarded batch is written to the
-  receiver's local queue and is never forwarded again (no cascades, no cycles). With nobody
+  at the receiver, and a step takes them as one range (``take_runs``); picked at random for
+  each piece, they continued each other nowhere (RESULTS, Kale live, thirty-first and
+  thirty-second runs: a third fewer records forwarded, p99 lag 5% lower at rho 1.1). A
+  forwarded batch is written to the receiver's local queue and is never forwarded again (no cascades, no cycles). With nobody
   accepting, the sender stops reading until its queue has room: the records wait in the stream.
 * Each step takes the next batch of the local queue, then the queued batches after it up to the
   step's batch size, joining those that continue each other (``take_runs``: up to
