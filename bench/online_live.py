@@ -444,8 +444,9 @@ def behind_points(points: list[dict[str, Any]]) -> list[tuple[int, float, float]
 
 def queue_sample(status: dict[str, Any]) -> dict[str, Any]:
     """What the active workers' shuffle queues hold and have forwarded (``tidal status``), at one
-    moment: the count, the target, the arrivals, and per worker its queue, the records it
-    forwarded and received in all, intake spread, capacity and its partitions' lags."""
+    moment: the count, the target, the arrivals, the job's lag, and per worker its queue, the
+    records it forwarded and received in all, intake spread, capacity, its partitions' lags and
+    its own (the oldest record it holds)."""
     active = [w for w in status["workers"] if w["state"] == "active"]
     lags: dict[str, list[float]] = {}  # per worker: its partitions' lags, trace s
     for p in status.get("stream") or []:
@@ -457,7 +458,10 @@ def queue_sample(status: dict[str, Any]) -> dict[str, Any]:
             "capacities": {str(w["worker_id"]): w["stream_capacity"] for w in active},
             "lags": lags, "arrivals_per_s": (status.get("stream_lag") or {}).get("arrivals_per_s"),
             "forwarded": {str(w["worker_id"]): w["stream_forwarded_out"] for w in active},
-            "received": {str(w["worker_id"]): w["stream_forwarded_in"] for w in active}}
+            "received": {str(w["worker_id"]): w["stream_forwarded_in"] for w in active},
+            # the job's lag and each worker's part of it (its oldest record, forwarded ones too)
+            "lag_s": (status.get("stream_lag") or {}).get("lag_s"),
+            "worker_lags": {str(w["worker_id"]): w.get("stream_lag_s", -1.0) for w in active}}
 
 
 def queues_by_count(samples: list[dict[str, Any]], batch: int, scale: float) -> dict[str, dict[str, float]]:

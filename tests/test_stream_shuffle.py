@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -70,9 +71,13 @@ def test_sigkills_of_workers_and_the_master_lose_and_repeat_nothing(tmp_path: Pa
             # and upper threshold, as its reports say
             wait_for(lambda: {(w["stream_batch"], w["stream_queue_upper"]) for w in job.wait_active()} == {(64, 512)},
                      30, "each worker's step batch and queue threshold reported", job)
+            # each worker's part of the lag: partition 0's backlog is old
+            wait_for(lambda: max(w["stream_lag_s"] for w in job.wait_active()) > 0, 30,
+                     "the oldest record a worker holds reported", job)
             shown = subprocess.run([TIDAL, "status", "--job-dir", str(job.dir)], capture_output=True, text=True,
-                                   timeout=60)
-            assert "global shuffling (queued / forwarded out / in, records): worker 0:" in shown.stdout, shown.stdout
+                                   timeout=60, env={**os.environ, "COLUMNS": "300"})
+            assert re.search(r"global shuffling \(queued / forwarded out / in, records; the oldest record each holds\): "
+                             r"worker 0: \d+ / \d+ / \d+, \d+\.\d s", shown.stdout), shown.stdout
             metrics = httpx.get(job.info()["url"] + "/metrics", timeout=5,
                                 headers={"Authorization": f"Bearer {job.info()['token']}"}).text
             assert 'tidal_stream_forwarded_records_total{direction="out",worker="0"}' in metrics, metrics

@@ -416,7 +416,9 @@ class WorkerInfo(_Wire):
     # it trained while busy (-1: not reported); with global shuffling (--global-shuffle): records
     # in its local queue (-1: none), forwarded to other workers and received from them; the records
     # a step takes and its local queue's upper threshold (0: not said / no shuffling), as the
-    # planner sees them; the spread of its steps' intake (-1: not measured)
+    # planner sees them; the spread of its steps' intake (-1: not measured); the age of the oldest
+    # record waiting for it, forwarded ones in its queue too, trace s (the job's lag is the largest;
+    # -1: not reported)
     stream_backlog: int = -1
     stream_busy: float = -1.0
     stream_capacity: float = -1.0
@@ -426,6 +428,7 @@ class WorkerInfo(_Wire):
     stream_batch: int = 0
     stream_queue_upper: int = 0
     stream_intake_spread: float = -1.0
+    stream_lag_s: float = -1.0
 
 
 class ServerReport(_Wire):

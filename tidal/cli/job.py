@@ -961,8 +961,9 @@ def _render_status(st: StatusResponse) -> None:
         console.print(_lag_line(st.stream_lag), markup=False, highlight=False)
     shuffling = [w for w in st.workers if w.stream_queued >= 0]
     if shuffling:
-        console.print("global shuffling (queued / forwarded out / in, records): " + "; ".join(
+        console.print("global shuffling (queued / forwarded out / in, records; the oldest record each holds): " + "; ".join(
             f"worker {w.worker_id}: {w.stream_queued} / {w.stream_forwarded_out} / {w.stream_forwarded_in}"
+            + (f", {w.stream_lag_s:.1f} s" if w.stream_lag_s >= 0 else "")
             for w in shuffling), markup=False, highlight=False)
     if st.checkpoint_step >= 0 or st.checkpoint_problem:
         console.print(f"newest flash checkpoint: step {st.checkpoint_step}"

@@ -103,6 +103,7 @@ from tidal.master.planning import (
     Planning,
     available_cpus,
     partition_lag_s,
+    worker_lag_s,
     stream_busy,
     stream_lag_s,
     worker_observation,
@@ -1503,6 +1504,7 @@ class JobMaster:
         )
 
     def status(self) -> StatusResponse:
+        now = self.clock()
         return StatusResponse(
             job_id=self.spec.job_id, state=self.state, target_workers=self.target,
             min_workers=self.spec.min_workers, max_workers=self.spec.max_workers, round=self.round,
@@ -1517,6 +1519,7 @@ class JobMaster:
                     stream_forwarded_out=r.stream_forwarded_out, stream_forwarded_in=r.stream_forwarded_in,
                     stream_batch=r.stream_batch, stream_queue_upper=r.stream_queue_upper,
                     stream_intake_spread=round(r.stream_intake_spread, 4),
+                    stream_lag_s=round(worker_lag_s(now, self.spec.time_scale, r), 3) if r.stream_backlog >= 0 else -1.0,
                 )
                 for r in sorted(self.workers.values(), key=lambda r: r.worker_id)
             ],

@@ -44,7 +44,7 @@ from tidal.brain.api import Planner
 from tidal.brain.meter import ThroughputMeter
 from tidal.master.membership import WorkerRecord
 
-__all__ = ["MAX_DECISIONS", "MAX_TIMELINE", "ArrivalMeter", "Planning", "StreamLag", "intake_spread", "partition_lag_s", "stream_busy", "stream_lag_s"]
+__all__ = ["MAX_DECISIONS", "MAX_TIMELINE", "ArrivalMeter", "Planning", "StreamLag", "intake_spread", "partition_lag_s", "stream_busy", "stream_lag_s", "worker_lag_s"]
 
 MAX_DECISIONS = 200  # decisions kept (and journaled); the count of all of them is kept too
 MAX_TIMELINE = 3600  # timeline points kept: an hour at one a second
@@ -69,8 +69,14 @@ def stream_lag_s(now: float, time_scale: float, members: Sequence[WorkerRecord])
     partitions (the master never reads the stream: the lag is not known)."""
     if not any(r.stream_backlog >= 0 for r in members):
         return None
-    ages = [_age_s(now, r.stream_oldest_ms, r.stream_measured_ms) for r in members if r.stream_oldest_ms > 0]
-    return max(ages) * time_scale if ages else 0.0
+    ages = [worker_lag_s(now, time_scale, r) for r in members]
+    return max(ages) if ages else 0.0
+
+
+def worker_lag_s(now: float, time_scale: float, r: WorkerRecord) -> float:
+    """The age of the oldest record one worker reported waiting for it (unread in its partitions,
+    or in its local queue, forwarded ones too), in trace time; 0 when none waits."""
+    return _age_s(now, r.stream_oldest_ms, r.stream_measured_ms) * time_scale if r.stream_oldest_ms > 0 else 0.0
 
 
 def stream_busy(members: Sequence[WorkerRecord]) -> float | None:
