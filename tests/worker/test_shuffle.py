@@ -352,17 +352,18 @@ def test_a_step_takes_the_oldest_records_first_whatever_order_they_were_queued_i
     assert a.queued == 0
 
 
-def test_a_worker_its_partitions_saturate_accepts_nothing_though_a_take_leaves_its_queue_short() -> None:
-    """A worker whose partitions bring more than a batch a step holds few records for a moment
-    after each take; once its last ``SATURATION_STEPS`` steps brought ``SATURATION_SHARE`` of a
-    batch a step or more it must not accept then (others' records would take its own's place),
-    though some of those steps found less than a batch queued; once a step finds its queue empty
-    it accepts again. Steps of 32 records; 40, 16, 40, 32 ... arrive (32 a step on average; the
-    step after 16 finds 24)."""
+@pytest.mark.parametrize("arrive", [[40, 16, 40, 32], [30]])
+def test_a_worker_its_partitions_saturate_accepts_nothing_though_a_take_leaves_its_queue_short(
+        arrive: list[int]) -> None:
+    """A worker whose partitions bring about a batch a step holds few records for a moment after
+    each take; once its last ``SATURATION_STEPS`` steps brought ``SATURATION_SHARE`` of a batch a
+    step or more it must not accept then (others' records would take its own's place), though
+    some of those steps found less than a batch queued, or none passed the upper threshold; once
+    a step finds its queue empty it accepts again. Steps of 32 records; 40, 16, 40, 32 ... arrive
+    (32 a step on average; the step after 16 finds 24), or 30 every step."""
     from tidal.worker.shuffle import SATURATION_SHARE, SATURATION_STEPS
 
-    arrive = [40, 16, 40, 32]
-    assert sum(arrive) / 4 >= SATURATION_SHARE * 32
+    assert sum(arrive) / len(arrive) >= SATURATION_SHARE * 32
     lock = threading.Lock()
     pending: list[list[StreamRecord]] = []
     n = 0
@@ -379,7 +380,7 @@ def test_a_worker_its_partitions_saturate_accepts_nothing_though_a_take_leaves_i
         unit.start_round(1, 0, 1, None, read)
         left = 0
         for k in range(SATURATION_STEPS + 4):
-            brought = arrive[k % 4]
+            brought = arrive[k % len(arrive)]
             with lock:
                 pending.append([StreamRecord(0, f"1-{n + i + 1}", {"n": b"1"}) for i in range(brought)])
                 n += brought

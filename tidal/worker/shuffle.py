@@ -337,7 +337,7 @@ class ShuffleUnit:
     def _note_state(self) -> None:
         """Kale 3.5.2's receiver state, with hysteresis; a change is broadcast (lock held)."""
         accepting = self.accepting
-        if accepting and self.queued > self.upper:
+        if accepting and (self.queued > self.upper or self._saturated()):
             accepting = False
         elif not accepting and self.queued < self.lower and not self._saturated():
             accepting = True
