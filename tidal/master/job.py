@@ -103,9 +103,9 @@ from tidal.master.planning import (
     Planning,
     available_cpus,
     partition_lag_s,
-    worker_lag_s,
     stream_busy,
     stream_lag_s,
+    worker_lag_s,
     worker_observation,
 )
 from tidal.master.progress import MemberProgress
