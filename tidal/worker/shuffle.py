@@ -14,13 +14,12 @@ forwarding policy):
   for a moment after each take (with UPPER at a batch, empty); accepting then, it broadcast two
   changes a step and took others' records in place of its own, which it forwarded instead.
   Judged by each step alone (every one of the last four found a batch of its own records), a
-  worker whose partitions bring 1.1 batches a step, give or take 12%, was short in one step of
-  five and accepted most of the time: the busiest workers forwarded to each other, and the
-  records they exchanged waited behind full queues (RESULTS, Kale live, thirty-third and
-  thirty-fourth runs: ``bench/shuffle.py`` at that load, the busiest workers held records of
-  others' partitions).
-  Each change is broadcast to the other workers (Kale's
-  event-driven notification, no coordinator); each keeps the set of workers that accept.
+  worker whose partitions bring 1.1 batches a step, give or take 12%, was short in about one
+  step of five and so judged saturated only about a third of the time: the busiest workers
+  forwarded to each other, and the records they exchanged waited behind full queues (RESULTS,
+  Kale live, thirty-third and thirty-fourth runs: ``bench/shuffle.py`` at that load, the busiest
+  workers held records of others' partitions). Each change is broadcast to the other workers
+  (Kale's event-driven notification, no coordinator); each keeps the set of workers that accept.
 * A sender forwards a partition's overflow to one receiver for as long as it accepts, then
   to another picked at random from that set: the pieces it forwards then continue each other
   at the receiver, and a step takes them as one range (``take_runs``); picked at random for
