@@ -69,8 +69,7 @@ def stream_lag_s(now: float, time_scale: float, members: Sequence[WorkerRecord])
     partitions (the master never reads the stream: the lag is not known)."""
     if not any(r.stream_backlog >= 0 for r in members):
         return None
-    ages = [worker_lag_s(now, time_scale, r) for r in members]
-    return max(ages) if ages else 0.0
+    return max(worker_lag_s(now, time_scale, r) for r in members)
 
 
 def worker_lag_s(now: float, time_scale: float, r: WorkerRecord) -> float:
