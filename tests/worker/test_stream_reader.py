@@ -97,6 +97,22 @@ def test_the_reader_process_gives_the_batches_a_thread_gives(source: FileStreamS
     assert sum(len(t.bad_ids) for t in by_thread) == sum(1 for n in read if n % 7 == 0)
 
 
+def test_records_committed_ahead_do_not_wait(source: FileStreamSource) -> None:
+    """What a worker reports waiting in its partition leaves out the ranges committed ahead of its
+    position: a partition whose last records a receiver of forwarded records trained is drained
+    at the range's start (counted waiting, a job with --stop-when-drained never stopped)."""
+    ids = [pack_id(r.id) for r in source.read(0, "0-0", 100)]  # 23 records
+    reader = PartitionReader(source, batch_size=5)
+    reader.order, reader.skips = [0], {0: [[ids[6], ids[9]], [ids[15], ids[22]]]}  # 7-9 and 16-22 committed
+    assert reader.uncommitted(0, ids[4]) == 8  # 5, 6, 10 .. 15
+    assert reader.uncommitted(0, ids[9]) == 6
+    assert reader.uncommitted(0, ids[15]) == 0
+    assert reader.read_partition(0, ids[15], limit=1) == (ids[22], [])
+    after, head = reader.read_partition(0, ids[6], limit=1)  # the oldest waiting: past the range
+    assert (after, [r.fields["n"] for r in head]) == (ids[9], [b"10"])
+    assert PartitionReader(source, batch_size=5).uncommitted(1, 0) == 33  # nothing committed ahead
+
+
 def test_batches_that_are_not_tensors_are_read_ahead_by_a_thread(source: FileStreamSource,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
     by_process, _ = read_all(source, not_tensors, use_process=True)

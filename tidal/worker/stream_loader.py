@@ -271,14 +271,10 @@ class StreamLoader:
 
     def _took(self, positions: dict[int, int], partition: int, after: int, last: int, count: int) -> None:
         """This worker read ``count`` records of ``partition`` after ``after`` up to ``last``: its
-        position moves there, and the backlog it follows counts them (and any committed range it
-        went past)."""
-        skipped = 0
-        if after != positions[partition]:  # went past ranges committed ahead: rare (after a re-form)
-            skipped = self.source.lag(partition, unpack_id(positions[partition])) - \
-                self.source.lag(partition, unpack_id(after))
+        position moves there, and the backlog it follows counts them (a range committed ahead
+        that it went past was never in the backlog: ``PartitionReader.uncommitted``)."""
         positions[partition] = last
-        self._taken[partition] = self._taken.get(partition, 0) + count + skipped
+        self._taken[partition] = self._taken.get(partition, 0) + count
 
     # ------------------------------------------------------------------ rounds and global shuffling
     def _restart_measuring(self) -> None:
@@ -344,12 +340,13 @@ class StreamLoader:
         background (``lag`` may walk the stream: seconds for a backlog of millions, which must
         not stall the round); ``_lag`` then follows it from the records appended since, O(1)."""
         positions = dict(self._positions)
+        reader = self.reader
         self._taken = {}
 
         def count() -> tuple[dict[int, int], dict[int, int]]:
             # the count first, then the appended total: records arriving in between are then
             # left out of both, never counted twice (which would keep a drained job from stopping)
-            lag = {p: self.source.lag(p, unpack_id(pos)) for p, pos in positions.items()}
+            lag = {p: reader.uncommitted(p, pos) for p, pos in positions.items()}
             return lag, {p: self.source.appended(p) for p in positions}
 
         if self._counter is None:  # its own thread: the read-ahead must not wait behind a count
@@ -379,7 +376,7 @@ class StreamLoader:
             arrived = appended[p] - self._appended0.get(p, 0)
             lag[p] = max(0, self._backlog0.get(p, 0) + arrived - self._taken.get(p, 0))
             if lag[p]:
-                head = self.source.read(p, unpack_id(pos), 1)
+                _, head = self.reader.read_partition(p, pos, limit=1)  # past the ranges committed ahead
                 if head:
                     oldest[p] = parse_id(head[0].id)[0]  # a Redis id's first part: its arrival, ms
         if self._unit is not None:  # read, not trained: what waits in the local queue (forwarded too)

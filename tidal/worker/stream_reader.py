@@ -122,6 +122,18 @@ class PartitionReader:
                 return [(p, after, records)], (turn + 1) % len(order)
         return None, turn
 
+    def uncommitted(self, p: int, position: int) -> int:
+        """Records of ``p`` after ``position`` that nobody committed: the stream's count less the
+        ranges committed ahead of the position. Counted with them, a partition whose last records
+        a receiver of forwarded records trained (committed ahead, the round's reader stopped
+        before them) waited forever: its reader never reads past the range until a record
+        arrives after it, so a drained job did not stop (``--stop-when-drained``)."""
+        waiting = self.source.lag(p, unpack_id(position))
+        for after, last in self.skips.get(p, ()):
+            if last > position:
+                waiting -= self.source.lag(p, unpack_id(max(after, position))) - self.source.lag(p, unpack_id(last))
+        return max(0, waiting)
+
     def read_partition(self, p: int, position: int, block_s: float = 0.0,
                        limit: int | None = None) -> tuple[int, list[StreamRecord]]:
         """Up to a batch (or ``limit``) of ``p``'s records after ``position`` that nobody
