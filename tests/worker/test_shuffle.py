@@ -330,14 +330,40 @@ def test_a_step_takes_several_partitions_runs_up_to_its_batch(units: tuple[Shuff
     assert a.take_runs(1, 0.05, 12, 2) == []
 
 
-def test_a_worker_its_partitions_saturate_accepts_nothing_though_a_take_leaves_its_queue_short() -> None:
-    """A worker whose partitions bring more than a batch a step holds few records for a moment
-    after each take; once ``SATURATION_STEPS`` steps found a batch of its own records it must not
-    accept then (others' records would take its own's place), and once a step finds its queue
-    empty it accepts again. Reads of 20 records, 40 arriving a step: nobody else accepts, so the
-    reader reads until its queue passes 32 and leaves the rest in the stream."""
-    from tidal.worker.shuffle import SATURATION_STEPS
+def test_a_step_takes_the_oldest_records_first_whatever_order_they_were_queued_in(
+        units: tuple[ShuffleUnit, ShuffleUnit]) -> None:
+    """A batch queued after others can hold older records (one forwarded here waited at its
+    reader; a sweep reads the partitions in turn): a step that cannot take all takes the oldest,
+    and a partition's batches stay in order."""
+    a, _ = units
+    young = [StreamRecord(0, f"5-{i}", {"n": b"0"}) for i in range(1, 9)]
+    old = [StreamRecord(1, f"2-{i}", {"n": b"1"}) for i in range(1, 9)]
+    fed = iter([(0, 0, young[:4]), (1, 0, old[:4]), (0, pack_id("5-4"), young[4:]), (1, pack_id("2-4"), old[4:])]
+               + [None] * 10**6)
+    a.start_round(1, 0, 1, None, lambda block: next(fed))
+    deadline = time.monotonic() + 10
+    while a.queued < 16 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    runs = a.take_runs(1, 1, 10, 8)  # partition 1's 8 records, then partition 0's 2 oldest
+    assert [(r.partition, r.after, r.last, len(r.records)) for r in runs] == \
+        [(1, 0, pack_id("2-8"), 8), (0, 0, pack_id("5-2"), 2)]
+    [rest] = a.take_runs(1, 1, 10, 8)
+    assert (rest.partition, rest.after, rest.last, len(rest.records)) == (0, pack_id("5-2"), pack_id("5-8"), 6)
+    assert a.queued == 0
 
+
+@pytest.mark.parametrize("arrive", [[40, 16, 40, 32], [30]])
+def test_a_worker_its_partitions_saturate_accepts_nothing_though_a_take_leaves_its_queue_short(
+        arrive: list[int]) -> None:
+    """A worker whose partitions bring about a batch a step holds few records for a moment after
+    each take; once its last ``SATURATION_STEPS`` steps brought ``SATURATION_SHARE`` of a batch a
+    step or more it must not accept then (others' records would take its own's place), though
+    some of those steps found less than a batch queued, or none passed the upper threshold; once
+    a step finds its queue empty it accepts again. Steps of 32 records; 40, 16, 40, 32 ... arrive
+    (32 a step on average; the step after 16 finds 24), or 30 every step."""
+    from tidal.worker.shuffle import SATURATION_SHARE, SATURATION_STEPS
+
+    assert sum(arrive) / len(arrive) >= SATURATION_SHARE * 32
     lock = threading.Lock()
     pending: list[list[StreamRecord]] = []
     n = 0
@@ -352,20 +378,21 @@ def test_a_worker_its_partitions_saturate_accepts_nothing_though_a_take_leaves_i
     unit = ShuffleUnit(TOKEN, lower=24, upper=32, batch_size=32, poll_s=0.01)
     try:
         unit.start_round(1, 0, 1, None, read)
-        for k in range(SATURATION_STEPS + 2):
-            with lock:  # 40 more records arrive: two reads
-                for _ in range(2):
-                    pending.append([StreamRecord(0, f"1-{n + i + 1}", {"n": b"1"}) for i in range(20)])
-                    n += 20
+        left = 0
+        for k in range(SATURATION_STEPS + 4):
+            brought = arrive[k % len(arrive)]
+            with lock:
+                pending.append([StreamRecord(0, f"1-{n + i + 1}", {"n": b"1"}) for i in range(brought)])
+                n += brought
             deadline = time.monotonic() + 10
-            while unit.queued < 32 and time.monotonic() < deadline:  # then it stops reading
+            while unit.queued < left + brought and time.monotonic() < deadline:
                 time.sleep(0.005)
-            assert not unit.accepting  # over upper, or saturated
-            assert len([r for b in unit.take_runs(1, 1.0, 32, 4) for r in b.records]) == 32
-            assert unit.queued < 24  # short, below lower
-            assert unit.accepting == (k < SATURATION_STEPS - 1)
-        left = n - 32 * (SATURATION_STEPS + 2)
-        while left > 0:  # what waited in the stream, then nothing: a step finds its queue empty
+            took = len([r for b in unit.take_runs(1, 1.0, 32, 4) for r in b.records])
+            assert took == min(32, left + brought)
+            left = left + brought - took
+            assert unit.queued == left < 24  # short, below lower
+            assert unit.accepting == (k < SATURATION_STEPS - 1), k
+        while left > 0:  # what is left, then nothing: a step finds its queue empty
             left -= len([r for b in unit.take_runs(1, 1.0, 32, 4) for r in b.records])
         assert not unit.take_runs(1, 0.1, 32, 4)
         assert unit.accepting

@@ -9,12 +9,17 @@ forwarding policy):
 
 * A worker *accepts* while its queue is short: it stops accepting once its queue holds more than
   ``upper`` records and accepts again once it holds fewer than ``lower`` (hysteresis), unless
-  its own partitions saturate it (its last ``SATURATION_STEPS`` steps each found a batch of its
-  own records queued). Such a worker's queue is short only for a moment after each
-  take (with UPPER at a batch, empty); accepting then, it broadcast two changes a step and took
-  others' records in place of its own, which it forwarded instead (RESULTS, Kale live,
-  thirty-second run: the lag did not change). Each change is broadcast to the other workers (Kale's
-  event-driven notification, no coordinator); each keeps the set of workers that accept.
+  its own partitions saturate it (over its last ``SATURATION_STEPS`` steps they brought
+  ``SATURATION_SHARE`` of a step's batch or more a step). Such a worker's queue is short only
+  for a moment after each take (with UPPER at a batch, empty); accepting then, it broadcast two
+  changes a step and took others' records in place of its own, which it forwarded instead.
+  Judged by each step alone (every one of the last four found a batch of its own records), a
+  worker whose partitions bring 1.1 batches a step, give or take 12%, was short in about one
+  step of five and so judged saturated only about a third of the time: the busiest workers
+  forwarded to each other, and the records they exchanged waited behind full queues (RESULTS,
+  Kale live, thirty-third and thirty-fourth runs: ``bench/shuffle.py`` at that load, the busiest
+  workers held records of others' partitions). Each change is broadcast to the other workers
+  (Kale's event-driven notification, no coordinator); each keeps the set of workers that accept.
 * A sender forwards a partition's overflow to one receiver for as long as it accepts, then
   to another picked at random from that set: the pieces it forwards then continue each other
   at the receiver, and a step takes them as one range (``take_runs``); picked at random for
@@ -99,7 +104,8 @@ TOPUP_WAIT_S = 0.02  # how long a step waits for the reader's top-up (a non-bloc
 READ_POLL_S = 0.05  # a caught-up reader reads again after this long, or when a step takes (at most)
 INTAKE_WINDOW = 256  # the steps whose intakes intake_spread measures (a minute or so of steps)
 INTAKE_MIN = 16  # fewer steps than this in a round: no spread reported
-SATURATION_STEPS = 4  # a worker whose own records filled its last this many steps accepts nothing
+SATURATION_STEPS = 8  # the steps over which a worker's own intake says whether it has room for others'
+SATURATION_SHARE = 0.9  # of a step's batch: a worker whose partitions bring this much a step accepts nothing
 
 
 @dataclass
@@ -155,7 +161,6 @@ class ShuffleUnit:
         self._intakes: deque[int] = deque(maxlen=INTAKE_WINDOW)  # the last steps' intakes (intake_spread)
         self._starved = False  # a step is waiting for records in an empty queue
         self._forward_to: dict[int, int] = {}  # partition -> the rank its overflow goes to while it accepts
-        self._own_full: deque[bool] = deque(maxlen=SATURATION_STEPS)  # the last steps found a batch of own records
         self._outbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self._closed = threading.Event()
         self._feeder: threading.Thread | None = None
@@ -176,7 +181,6 @@ class ShuffleUnit:
             self.queued = 0
             self._intake = 0
             self._intakes.clear()  # another round, maybe other partitions: another intake
-            self._own_full.clear()
             self._starved = False
             self._forward_to = {}
             self.accepting = True
@@ -262,13 +266,15 @@ class ShuffleUnit:
             self._intakes.append(self._intake)  # what this step's interval brought (intake_spread)
             self._intake = 0
             self._starved = False
-            own = sum(len(b.records) for b in self._queue if not b.forwarded and b.round == round_)
-            self._own_full.append(own >= max_records)
             taken: list[Batch] = []
             total = 0
             kept: deque[Batch] = deque()
-            while self._queue and total < max_records:
-                batch = self._queue.popleft()
+            # oldest records first, whoever read them: a batch forwarded here holds records that
+            # waited at their reader, older than this worker's own reads queued before it arrived
+            # (a partition's batches keep their order: its ids rise with their arrival)
+            pending = deque(sorted(self._queue, key=_arrival_ms))
+            while pending and total < max_records:
+                batch = pending.popleft()
                 room = max_records - total
                 run = next((t for t in taken if t.partition == batch.partition and t.last == batch.after), None)
                 if batch.round != round_ or (run is None and len(taken) >= runs):
@@ -287,7 +293,7 @@ class ShuffleUnit:
                 total += len(part)
                 if rest:
                     kept.append(Batch(batch.round, batch.partition, pack_id(part[-1].id), rest, batch.forwarded))
-            kept.extend(self._queue)  # the step is full: the rest stays as it is
+            kept.extend(pending)  # the step is full: the rest stays as it is
             self._queue = kept
             self.queued -= total
             self._note_state()
@@ -330,7 +336,7 @@ class ShuffleUnit:
     def _note_state(self) -> None:
         """Kale 3.5.2's receiver state, with hysteresis; a change is broadcast (lock held)."""
         accepting = self.accepting
-        if accepting and self.queued > self.upper:
+        if accepting and (self.queued > self.upper or self._saturated()):
             accepting = False
         elif not accepting and self.queued < self.lower and not self._saturated():
             accepting = True
@@ -339,9 +345,13 @@ class ShuffleUnit:
             self._outbox.put(("all", self._round, self._state_frames()))
 
     def _saturated(self) -> bool:
-        """This worker's last ``SATURATION_STEPS`` steps each found a batch of its own records
-        queued, and no step waits for records now: it has no room for others' (lock held)."""
-        return not self._starved and len(self._own_full) == SATURATION_STEPS and all(self._own_full)
+        """This worker's partitions brought ``SATURATION_SHARE`` of a step's batch a step or more
+        over its last ``SATURATION_STEPS`` steps, and no step waits for records now: it has no
+        room for others' (lock held)."""
+        if self._starved or len(self._intakes) < SATURATION_STEPS:
+            return False
+        brought = sum(itertools.islice(reversed(self._intakes), SATURATION_STEPS))
+        return brought >= SATURATION_SHARE * self.batch_size * SATURATION_STEPS
 
     def _state_frames(self) -> list[Any]:
         meta = {"kind": "state", "token": self.token, "round": self._round, "rank": self._rank,
@@ -374,8 +384,11 @@ class ShuffleUnit:
             if got is None:
                 if sweeping:  # everything that had arrived is read: wait for a step
                     sweeping = self._gather()
-                elif full:  # a read that did not wait: nothing there, do not spin
-                    time.sleep(self.poll_s)
+                elif full:  # a read that did not wait: nothing there, do not spin; but a take
+                    # makes room, and what waits in the stream then is read at once, not up to
+                    # poll_s later (at 96x, 50 ms is 4.8 trace s of every partition's lag)
+                    with self._cond:
+                        self._cond.wait_for(lambda: self.queued < self.upper or self._round != round_, self.poll_s)
                 continue
             partition, after, records = got
             with self._cond:
@@ -556,6 +569,11 @@ class ShuffleUnit:
             t.join(timeout=2.0)
         self._pull.close(linger=0)
         self._ctx.term()
+
+
+def _arrival_ms(batch: Batch) -> int:
+    """When a batch's first (oldest) record arrived in the stream: its id's time, ms."""
+    return parse_id(batch.records[0].id)[0]
 
 
 def _records(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> tuple[int, int, list[StreamRecord]]:
