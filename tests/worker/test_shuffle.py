@@ -430,3 +430,35 @@ def test_a_partitions_overflow_goes_to_one_receiver_while_it_accepts(
         assert [(r.after, r.last, len(r.records)) for r in runs] == [(pack_id("1-30"), pack_id("1-110"), 80)]
     finally:
         c.close()
+
+
+def test_a_sender_forwards_no_more_than_a_receivers_credit_until_it_hears_again(
+        tmp_path: Path, units: tuple[ShuffleUnit, ShuffleUnit]) -> None:
+    """A reader catching up on a backlog reads faster than a receiver's "not accepting" travels:
+    what one word of "accepting" lets through is the receiver's upper threshold (its credit), so
+    a receiver that does not take holds at most that past its threshold; once it takes, its word
+    renews the credit, and every record is still taken once."""
+    a, b = units
+    source = FileStreamSource(f"file://{tmp_path}/clicks")
+    source.append(0, [{"n": str(i).encode()} for i in range(5000)])
+    store = RoundStore()
+    b.start_round(2, 1, 2, store, lambda block: None)
+    a.start_round(2, 0, 2, store, reader(source, 0, 32))
+    time.sleep(1.0)  # nobody takes: a holds its upper threshold, b what its credit let through
+    assert 128 <= a.queued <= 128 + 32  # a whole read kept when a refusal came as it read
+    assert 128 <= b.forwarded_in <= 128 + 128 + 32, b.forwarded_in  # its connect word may renew it once
+    taken: list[Batch] = []
+    stop = threading.Event()
+    threads = [threading.Thread(target=drain, args=(u, 2, taken, stop, 0.002)) for u in (a, b)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while sum(len(x.records) for x in taken) < 5000 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stop.set()
+    for t in threads:
+        t.join()
+    numbers = sorted(n for x in taken for n in decode([r.fields for r in x.records])[0])
+    assert numbers == list(range(5000))
+    assert b.forwarded_in > 1000  # the credit was renewed as b took: the overflow went on to it
+    source.close()

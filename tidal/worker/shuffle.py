@@ -20,6 +20,13 @@ forwarding policy):
   Kale live, thirty-third and thirty-fourth runs: ``bench/shuffle.py`` at that load, the busiest
   workers held records of others' partitions). Each change is broadcast to the other workers
   (Kale's event-driven notification, no coordinator); each keeps the set of workers that accept.
+* A word of "accepting" is good for the receiver's ``upper`` records from each sender (a
+  *credit*, in the word): a sender that has forwarded that many to a receiver since its last word
+  counts it as refusing until it hears again. A receiver that has received ``upper / 2`` records since its last word says
+  "accepting" again once its queue is below ``lower``. Without a bound, a reader catching up on
+  a backlog read faster than any notification travels: a receiver was sent 6,000 records past
+  its upper threshold of 512 before its "not accepting" arrived, and trained them alone while
+  the others idled (tests/test_stream_shuffle.py, a job 3-4 times as long as usual).
 * A sender forwards a partition's overflow to one receiver for as long as it accepts, then
   to another picked at random from that set: the pieces it forwards then continue each other
   at the receiver, and a step takes them as one range (``take_runs``); picked at random for
@@ -154,6 +161,9 @@ class ShuffleUnit:
         self._round, self._rank = -1, -1
         self._connected: set[int] = set()  # ranks of this round the forwarding unit can send to
         self._refusing: set[int] = set()  # ranks of this round whose last word was "not accepting"
+        self._sent: dict[int, int] = {}  # rank -> records forwarded to it since its last "accepting"
+        self._credit: dict[int, int] = {}  # rank -> what its last "accepting" allows to be sent (its upper)
+        self._received = 0  # forwarded records received since this unit last said "accepting"
         self.forwarded_out = self.forwarded_in = 0  # records
         self._gathering = False  # the reader waits for a step after a short read (it has caught up)
         self._topups_asked = self._topups_done = 0  # steps that had the reader top up the queue first
@@ -185,6 +195,7 @@ class ShuffleUnit:
             self._forward_to = {}
             self.accepting = True
             self._connected, self._refusing = set(), set()  # everyone starts with an empty queue
+            self._sent, self._credit, self._received = {}, {}, 0
             self._cond.notify_all()
         if store is not None and world_size > 1:
             threading.Thread(target=self._exchange, args=(round_, rank, world_size, store),
@@ -340,8 +351,11 @@ class ShuffleUnit:
             accepting = False
         elif not accepting and self.queued < self.lower and not self._saturated():
             accepting = True
-        if accepting != self.accepting:
+        renew = accepting and self.queued < self.lower and self._received >= self.upper // 2
+        if accepting != self.accepting or renew:  # a change, or the senders' credit renewed
             self.accepting = accepting
+            if accepting:
+                self._received = 0
             self._outbox.put(("all", self._round, self._state_frames()))
 
     def _saturated(self) -> bool:
@@ -355,7 +369,7 @@ class ShuffleUnit:
 
     def _state_frames(self) -> list[Any]:
         meta = {"kind": "state", "token": self.token, "round": self._round, "rank": self._rank,
-                "accepting": self.accepting}
+                "accepting": self.accepting, "credit": self.upper}
         return frames.encode({}, meta=meta)
 
     # ------------------------------------------------------------------ reading and forwarding
@@ -398,18 +412,19 @@ class ShuffleUnit:
                 # what fits under the upper threshold stays; with somebody accepting, the rest is
                 # overflow (keeping a whole read past the threshold held 42 records after a take
                 # on average where the threshold leaves 32: RESULTS, Kale live, twenty-ninth run)
-                keep, receivers = len(records), []
+                keep, to = len(records), -1
                 if self.queued + keep > self.upper:  # asked only when the read would overflow
                     receivers = self._receivers()
                     if receivers:
                         keep = max(0, self.upper - self.queued)
+                        to = self._forward_to.get(partition, -1)
+                        if to not in receivers:  # the partition's receiver refuses now: another at random
+                            to = self._forward_to[partition] = self.rng.choice(receivers)
+                        self._sent[to] = self._sent.get(to, 0) + len(records) - keep  # its credit
                 if keep and not self._enqueue(Batch(round_, partition, after, records[:keep])):
                     return
             if keep < len(records):
                 rest, rest_after = records[keep:], after if not keep else pack_id(records[keep - 1].id)
-                to = self._forward_to.get(partition, -1)
-                if to not in receivers:  # the partition's receiver refuses now: another at random
-                    to = self._forward_to[partition] = self.rng.choice(receivers)
                 self._outbox.put(("to", round_, to, self._batch_frames(round_, partition, rest_after, rest),
                                   (partition, rest_after, rest)))
                 continue
@@ -435,8 +450,10 @@ class ShuffleUnit:
             self._cond.notify_all()
 
     def _receivers(self) -> list[int]:
-        """Ranks to forward to: connected, and accepting as far as their last word goes (lock held)."""
-        return sorted(self._connected - self._refusing)
+        """Ranks to forward to: connected, accepting as far as their last word goes, and sent
+        fewer records since than it allows (the credit; lock held)."""
+        return sorted(r for r in self._connected - self._refusing
+                      if self._sent.get(r, 0) < self._credit.get(r, self.upper))
 
     def _batch_frames(self, round_: int, partition: int, after: int, records: list[StreamRecord]) -> list[Any]:
         names: list[list[str]] = []
@@ -547,10 +564,14 @@ class ShuffleUnit:
             if round_ != self._round:
                 return  # an earlier (or later) round's: nothing of it may be trained now
         if meta.get("kind") == "state":
+            credit = meta.get("credit")
+            if not isinstance(credit, int) or isinstance(credit, bool) or credit < 1:
+                raise ValueError(f"a state without its credit: {credit!r}")
             with self._cond:
                 if round_ == self._round and rank != self._rank:
                     if meta.get("accepting") is True:
                         self._refusing.discard(rank)
+                        self._sent[rank], self._credit[rank] = 0, credit
                     else:
                         self._refusing.add(rank)
             return
@@ -559,6 +580,7 @@ class ShuffleUnit:
         partition, after, records = _records(message.tensors, meta)
         batch = Batch(round_, partition, after, records, forwarded=True)
         with self._cond:
+            self._received += len(records)  # before _enqueue notes the state: it may renew the credit
             if self._enqueue(batch):
                 self.forwarded_in += len(records)
 
