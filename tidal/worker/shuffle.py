@@ -351,7 +351,7 @@ class ShuffleUnit:
             accepting = False
         elif not accepting and self.queued < self.lower and not self._saturated():
             accepting = True
-        renew = accepting and self.queued < self.lower and self._received >= self.upper // 2
+        renew = accepting and self.queued < self.lower and self._received >= max(1, self.upper // 2)
         if accepting != self.accepting or renew:  # a change, or the senders' credit renewed
             self.accepting = accepting
             if accepting:
