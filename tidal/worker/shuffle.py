@@ -22,8 +22,8 @@ forwarding policy):
   (Kale's event-driven notification, no coordinator); each keeps the set of workers that accept.
 * A word of "accepting" is good for the receiver's ``upper`` records from each sender (a
   *credit*, in the word): a sender that has forwarded that many to a receiver since its last word
-  counts it as refusing until it hears again. A receiver that has received ``upper / 2`` records since its last word says
-  "accepting" again once its queue is below ``lower``. Without a bound, a reader catching up on
+  counts it as refusing until it hears again. A receiver that has received ``upper / 2`` records
+  since its last word says "accepting" again once its queue is below ``lower``. Without a bound, a reader catching up on
   a backlog read faster than any notification travels: a receiver was sent 6,000 records past
   its upper threshold of 512 before its "not accepting" arrived, and trained them alone while
   the others idled (tests/test_stream_shuffle.py, a job 3-4 times as long as usual).
@@ -161,8 +161,7 @@ class ShuffleUnit:
         self._round, self._rank = -1, -1
         self._connected: set[int] = set()  # ranks of this round the forwarding unit can send to
         self._refusing: set[int] = set()  # ranks of this round whose last word was "not accepting"
-        self._sent: dict[int, int] = {}  # rank -> records forwarded to it since its last "accepting"
-        self._credit: dict[int, int] = {}  # rank -> what its last "accepting" allows to be sent (its upper)
+        self._credit: dict[int, int] = {}  # rank -> records its last "accepting" still lets be sent (upper if none)
         self._received = 0  # forwarded records received since this unit last said "accepting"
         self.forwarded_out = self.forwarded_in = 0  # records
         self._gathering = False  # the reader waits for a step after a short read (it has caught up)
@@ -195,7 +194,7 @@ class ShuffleUnit:
             self._forward_to = {}
             self.accepting = True
             self._connected, self._refusing = set(), set()  # everyone starts with an empty queue
-            self._sent, self._credit, self._received = {}, {}, 0
+            self._credit, self._received = {}, 0
             self._cond.notify_all()
         if store is not None and world_size > 1:
             threading.Thread(target=self._exchange, args=(round_, rank, world_size, store),
@@ -420,7 +419,7 @@ class ShuffleUnit:
                         to = self._forward_to.get(partition, -1)
                         if to not in receivers:  # the partition's receiver refuses now: another at random
                             to = self._forward_to[partition] = self.rng.choice(receivers)
-                        self._sent[to] = self._sent.get(to, 0) + len(records) - keep  # its credit
+                        self._credit[to] = self._credit.get(to, self.upper) - (len(records) - keep)
                 if keep and not self._enqueue(Batch(round_, partition, after, records[:keep])):
                     return
             if keep < len(records):
@@ -450,10 +449,9 @@ class ShuffleUnit:
             self._cond.notify_all()
 
     def _receivers(self) -> list[int]:
-        """Ranks to forward to: connected, accepting as far as their last word goes, and sent
-        fewer records since than it allows (the credit; lock held)."""
-        return sorted(r for r in self._connected - self._refusing
-                      if self._sent.get(r, 0) < self._credit.get(r, self.upper))
+        """Ranks to forward to: connected, accepting as far as their last word goes, with credit
+        left (lock held)."""
+        return sorted(r for r in self._connected - self._refusing if self._credit.get(r, self.upper) > 0)
 
     def _batch_frames(self, round_: int, partition: int, after: int, records: list[StreamRecord]) -> list[Any]:
         names: list[list[str]] = []
@@ -571,7 +569,7 @@ class ShuffleUnit:
                 if round_ == self._round and rank != self._rank:
                     if meta.get("accepting") is True:
                         self._refusing.discard(rank)
-                        self._sent[rank], self._credit[rank] = 0, credit
+                        self._credit[rank] = credit
                     else:
                         self._refusing.add(rank)
             return

@@ -340,13 +340,12 @@ class StreamLoader:
         background (``lag`` may walk the stream: seconds for a backlog of millions, which must
         not stall the round); ``_lag`` then follows it from the records appended since, O(1)."""
         positions = dict(self._positions)
-        reader = self.reader
         self._taken = {}
 
         def count() -> tuple[dict[int, int], dict[int, int]]:
             # the count first, then the appended total: records arriving in between are then
             # left out of both, never counted twice (which would keep a drained job from stopping)
-            lag = {p: reader.uncommitted(p, pos) for p, pos in positions.items()}
+            lag = {p: self.reader.uncommitted(p, pos) for p, pos in positions.items()}
             return lag, {p: self.source.appended(p) for p in positions}
 
         if self._counter is None:  # its own thread: the read-ahead must not wait behind a count
