@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tidal.api import ConfigError, JobObservation, PauseObservation, StreamObservation
-from tidal.brain import models
+from tidal.brain import kale, models
 from tidal.brain.baselines import AutopilotPlanner, HPAPlanner, MaduPlanner
 from tidal.brain.kale import (
     KalePlanner,
@@ -388,3 +388,37 @@ def test_a_lag_price_weighs_the_queue_wait_against_workers(price_workers: float)
         KalePlanner(lag_price=-1.0)
     with pytest.raises(ConfigError, match="headroom"):
         KalePlanner(headroom=0.0)
+
+
+@pytest.mark.parametrize("fall", [True, False])
+def test_a_scale_in_after_a_burst_follows_the_traffic_once_it_stays_below_the_forecast(
+        fall: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a 40-minute burst of five times the traffic, Holt-Winters carries the burst in its
+    level for bins after it ended. Once the traffic has stayed below the forecast (over
+    ``FALL_RATIO``) for an action's length, the forecast is re-anchored at it and the planner
+    scales in at once, not bins later as the forecast decays (issue 22: the hours held after
+    bursts). Without the rule most of the burst's workers stay."""
+    if not fall:
+        monkeypatch.setattr(kale, "FALL_RATIO", math.inf)
+    truth = models.KaleSyncModel([0.00035, 2.5726, 0.9824, 0.0016])
+    f = lambda w: truth.predict(models.ThroughputConfig(w, batch_size=16384))  # noqa: E731
+    rate = 0.8 * f(3)
+    planner = KalePlanner(batch_size=16384, lead_s=180.0, pause_s=120.0, measure_actions=False, model=truth)
+    day = [rate * 60.0 * (1 + 0.2 * math.sin(2 * math.pi * t / 1440)) for t in range(3 * 1440)]
+    planner.observe_history(day, 60.0)
+    workers, t, backlog = 3, 0.0, 0.0
+    decided = []
+    for arrived in [5 * rate * 60.0] * 40 + [rate * 60.0] * 8:  # the burst, then the traffic before it
+        t += 60.0
+        backlog = max(0.0, backlog + arrived - f(workers) * 60.0)  # no pause: the actions' cost left out
+        plan = planner.plan(_snap(t, [arrived], workers, [(workers, f(workers))], backlog=backlog,
+                                  lag_s=backlog / (arrived / 60.0)))
+        workers = plan.workers
+        decided.append(workers)
+    during = max(decided[:40])
+    assert f(during) > 5 * rate and decided[39] == during
+    assert planner._forecaster is not None and planner._forecaster.predict(1)[0] > 2 * rate  # not caught up
+    if fall:  # at most an action's length (3 intervals) and a minute after the traffic fell
+        assert max(decided[44:]) <= 4, (decided[40:], plan.reason)
+    else:
+        assert min(decided[40:]) >= 10, (decided[40:], plan.reason)  # stepping down with the forecast

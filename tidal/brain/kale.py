@@ -373,6 +373,10 @@ FLOOR_WINDOW = 1440
 #: Algorithm 1's tau by default, in multiples of one scaling action's length (``lead_s``)
 TAU_PER_LEAD = 6.0
 
+#: the traffic has fallen below the forecast (``KalePlanner._fallen``) when every interval of the last
+#: action's length brought less than the forecast over this
+FALL_RATIO = 1.5
+
 
 class KalePlanner:
     """Kale for one online-training job: forecast, Eq. 10, Algorithm 1, fallback.
@@ -567,6 +571,8 @@ class KalePlanner:
         self._pending_forecast: float | None = None
         self._last_change_s = -math.inf
         self._partial: list[float] = []  # arrivals of the bin being filled (per interval)
+        self._recent: deque[float] = deque(maxlen=64)  # arrival rate per interval, the latest last
+        self._fell_at_bin = -1  # the bin in which a fall below the forecast re-planned (once a bin)
         self._partial_s = 0.0
         self._forecaster: Forecaster | None = None
         self._fitted_at_bin = -1
@@ -590,6 +596,7 @@ class KalePlanner:
         new_bins = []
         for a in arrivals:
             self._partial.append(float(a))
+            self._recent.append(float(a) / interval_s)
             if len(self._partial) >= per_bin:
                 new_bins.append(sum(self._partial) / (per_bin * interval_s))
                 self._partial = []
@@ -721,6 +728,24 @@ class KalePlanner:
             per_bin.append(choice.workers if choice.feasible else max(choice.workers, min(current, hi)))
         return stabilize(per_bin, self.plan_interval_s, self.tau_s, self.rho)
 
+    def _fallen(self, interval_s: float, forecast: float) -> float | None:
+        """The highest arrival rate of the last action's length (``lead_s``, at least two
+        intervals) when it is below ``forecast`` (the bin under way's) over ``FALL_RATIO``, else None.
+
+        The scale-up's nowcast, the other way. A forecaster fitted on bins carries a burst in its
+        level for bins after the burst ends (Holt-Winters' level smoothing), so scale-ins that
+        followed the forecast alone stepped down over two or three planning points while the
+        traffic had long fallen: on issue 22's tune split (bursty week, seamless) kale held 117
+        worker-hours in the 30 minutes after bursts whose need was 37. When the traffic has
+        stayed below the forecast for as long as an action takes, the forecast is scaled down to
+        it (its shape kept) and the planner re-plans at once; the scale-in rules (tau, the
+        pause repaid, no pause past the SLO) still decide whether it scales in."""
+        k = max(2, math.ceil(self.lead_s / interval_s))
+        if len(self._recent) < k:
+            return None
+        peak = max(list(self._recent)[-k:])
+        return peak if peak * FALL_RATIO < forecast else None
+
     def repay_s(self, current: int, target: int) -> float:
         """How long a scale-in from ``current`` to ``target`` workers takes to repay its pause:
         the pause is paid at ``current`` and trains nothing, the saving is the difference."""
@@ -760,9 +785,16 @@ class KalePlanner:
             return ResourcePlan(workers=self._target, reason="scaling in progress")
         reason = "hold"
         bin_index = len(self._bins)
-        if self._forecaster is not None and bin_index != self._last_plan_bin and self._measured:
+        # between planning points, a fall below the last forecast re-plans (once a bin)
+        replan = (self._fell_at_bin != bin_index and bool(self.last_forecast)
+                  and self._fallen(stream.interval_s, self.last_forecast[0]) is not None)
+        if self._forecaster is not None and (bin_index != self._last_plan_bin or replan) and self._measured:
             self._last_plan_bin = bin_index
             fc = self._forecaster.predict(self.horizon_bins)
+            fallen = self._fallen(stream.interval_s, float(fc[0]))
+            if fallen is not None:  # re-anchored at the traffic now
+                self._fell_at_bin = bin_index
+                fc = np.asarray(fc, dtype=float) * (fallen / float(fc[0]))
             self.last_forecast = [float(v) for v in fc]
             lead_bins = max(1, math.ceil(self.lead_s / self.plan_interval_s))
             window = lead_bins + 1
