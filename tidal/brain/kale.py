@@ -466,7 +466,8 @@ class KalePlanner:
     (on issue 22's tune split, bursty week, restart: 3 -> 6 -> 28 workers at a burst's start,
     the lag at 22 minutes; with the nowcast one action to 28). Tune split: SLO violation on the
     bursty week 2.4% -> 0.1% (restart), the worker-hours 1-2% lower, the other traces within
-    0.02x. Scale-ins still follow the forecast alone.
+    0.02x. Scale-ins follow the forecast, except where the traffic has fallen well below it
+    (``_fallen``: the forecast is scaled down to the traffic now and the planner re-plans).
 
     Two knobs for a job whose lag must stay far below the SLO, both off by default (the paper's
     Eq. 10). ``headroom`` h plans on ``h * forecast``: Eq. 10 sizes F(w) just above L, so the
