@@ -166,6 +166,26 @@ def test_the_queue_waits_from_its_head_after_a_take_with_the_step_batch_given() 
         sim.simulate(arrivals, {"six": lambda: FixedWorkers(6)}, dataclasses.replace(cfg, shuffle_batch=0.0))
 
 
+def test_a_lag_measured_at_a_count_and_load_replaces_the_queue_model_there() -> None:
+    """``rest_lags``: at a count it names, the lag of a job that keeps up is the measured lag at the
+    load (arrivals over the count's capacity), interpolated between points and held beyond the
+    last; at other counts the queue model stands (UPPER = B: the pipeline alone)."""
+    model = sim.JOBS["t4-sync"]()
+    base = sim.SimConfig(peak_workers=8, noise=0.0, true_model=model)
+    arrivals = np.full(60, 0.8 * sim.true_throughput(base, 6) * 60.0)
+    cfg = sim.SimConfig(peak_workers=8, noise=0.0, true_model=model, partitions=8, shuffle_upper=128.0,
+                        shuffle_batch=128.0, latency_s=10.0, rest_lags={6: ((0.7, 20.0), (0.9, 40.0))})
+    six = sim.simulate(arrivals, {"six": lambda: FixedWorkers(6)}, cfg)["six"]
+    assert np.allclose(six.lag_s[2:], 30.0)  # halfway between the points at 0.8
+    held = sim.simulate(arrivals * 1.2, {"six": lambda: FixedWorkers(6)}, cfg)["six"]
+    assert np.allclose(held.lag_s[2:], 40.0)  # 0.96: beyond the last point
+    five = sim.simulate(arrivals * 0.5, {"five": lambda: FixedWorkers(5)}, cfg)["five"]
+    assert np.allclose(five.lag_s[2:], 10.0)
+    for bad in ({6: ((0.9, 1.0), (0.7, 2.0))}, {6: ((0.7, -1.0),)}, {6: ()}):
+        with pytest.raises(ConfigError, match="rest_lags"):
+            sim.simulate(arrivals, {"six": lambda: FixedWorkers(6)}, dataclasses.replace(cfg, rest_lags=bad))
+
+
 def test_a_scale_in_costs_what_the_migration_says_for_a_scale_in(monkeypatch: pytest.MonkeyPatch) -> None:
     """``Migration.scale_in_*``: live, a scale-in starts no process, so it is over in a minute where
     a scale-out prepares for ten. The simulated job holds the old count only that long."""

@@ -45,7 +45,11 @@ a second, 96 trace seconds; at 32:160, 16-22 trace seconds (bench/RESULTS.md). S
 arrivals are not like clockwork: with ``shuffle_spread`` (the coefficient of variation of the
 records one step's interval brings) records are left over after a take below saturation too,
 as Lindley's recursion leaves them (``tidal.brain.kale.leftover_mean``), and the lag grows
-smoothly into the full queue's instead of jumping there at saturation.
+smoothly into the full queue's instead of jumping there at saturation. Where that model falls
+short (live, with ``UPPER`` one batch it leaves no wait, yet the lag rose with the load, most at
+the counts that do not divide the partitions, as forwarded records waited at their receivers),
+``SimConfig.rest_lags`` gives the lag measured live at each count against the load instead
+(``bench/online_live.py``, ``live_floors``).
 
 Busy window (``SimConfig.busy_window_s``). A live worker measures its busy share over the last
 second of wall time (``tidal.worker.stream_loader``): at 96x time compression 96 trace seconds,
@@ -186,6 +190,10 @@ class SimConfig:
     # a worker's reader reads its partitions this often (trace s; tidal.worker.shuffle.READ_POLL_S times the
     # time scale live): the oldest record of a chunk waited about that long unread (kale.shuffle_wait_s)
     shuffle_read_s: float = 0.0
+    # with shuffle_upper: the lag a steady job keeps at each count against its load (arrivals over capacity),
+    # measured live, as (load, lag s) points in increasing load; at a count it names, this replaces
+    # latency_s and the queue model (module docstring)
+    rest_lags: dict[int, tuple[tuple[float, float], ...]] | None = None
     # the capacity handed to planners over the throughput trained (live: a worker's rate over its busy
     # share reads a little above what it sustains with records waiting; bench/online_live.py)
     capacity_reading: float = 1.0
@@ -396,6 +404,10 @@ def simulate(
         raise ConfigError(f"shuffle_spread must not be negative, got {cfg.shuffle_spread:g}")
     if not cfg.shuffle_read_s >= 0:
         raise ConfigError(f"shuffle_read_s must not be negative, got {cfg.shuffle_read_s:g}")
+    for w, points in (cfg.rest_lags or {}).items():
+        loads = [load for load, _ in points]
+        if not points or any(b <= a for a, b in itertools.pairwise(loads)) or any(not lag >= 0 for _, lag in points):
+            raise ConfigError(f"rest_lags[{w}] must be (load, lag) points in increasing load with lags of 0 or more")
     if cfg.busy_window_s is not None and not cfg.busy_window_s > 0:
         raise ConfigError(f"busy_window_s must be positive, got {cfg.busy_window_s:g}")
     if not 0 <= cfg.latency_s < cfg.interval_s * max(1, len(arrivals)):
@@ -552,11 +564,14 @@ def _serve(available: np.ndarray, capacity: float, workers: int | None) -> np.nd
 
 def _shuffle_wait(per_partition: float, workers: int, rate: float, cfg: SimConfig, dt: float) -> float:
     """The lag under global shuffling while the pool keeps up (module docstring): the pipeline,
-    plus what the busiest worker's local queue holds a record (``tidal.brain.kale.shuffle_wait_s``);
-    0 with nothing arriving."""
+    plus what the busiest worker's local queue holds a record (``tidal.brain.kale.shuffle_wait_s``),
+    or the lag measured at this count and load (``SimConfig.rest_lags``); 0 with nothing arriving."""
     assert cfg.partitions is not None and cfg.shuffle_upper is not None
     if per_partition <= 0:
         return 0.0
+    if cfg.rest_lags and (measured := cfg.rest_lags.get(workers)):
+        loads, lags = zip(*measured, strict=True)
+        return float(np.interp(per_partition * cfg.partitions / (rate * dt), loads, lags))
     return cfg.latency_s + shuffle_wait_s(per_partition * cfg.partitions / dt, cfg.partitions, workers, rate,
                                           cfg.shuffle_upper, cfg.shuffle_batch or 0.0, cfg.shuffle_spread,
                                           cfg.shuffle_read_s)
