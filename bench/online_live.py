@@ -46,7 +46,8 @@ apart for scale-outs, whose new workers start for about 12 trace minutes, and sc
 nothing: under a minute; and after a scale-in's pause, the time until the master is ready again, its
 leavers exited: ``Migration.scale_in_settle_s``, from the timeline's ``ready``; without it the
 simulated HPA read every scale-in's catch-up as saturation and scaled out again at once, 165 actions
-to live's 45 in the nineteenth run); the pipeline's floor under the lag (``latency_s``: the mean
+to live's 45 in the nineteenth run; a scale-in's pause is charged as records felt it, ``pauses_felt``,
+since most scale-ins left no backlog live); the pipeline's floor under the lag (``latency_s``: the mean
 live lag at rest, both runs pooled: a worker reads a batch ahead and trains it a step later); the
 window over which a worker measures its busy share (its last wall second, 96 trace seconds at 96x:
 ``SimConfig.busy_window_s``; read over the interval alone, the catch-up after every pause read as
@@ -66,7 +67,10 @@ steps (``tidal status``: ``stream_intake_spread``), and the simulator's queue mo
 median over the busiest workers (``live_spread``, ``SimConfig.shuffle_spread``); and a worker's
 reader brings records in chunks, one a partition every ``tidal.worker.shuffle.READ_POLL_S`` at
 most, so the oldest record left over waited about one such read unread
-(``SimConfig.shuffle_read_s``).
+(``SimConfig.shuffle_read_s``). Where that model falls short (at 32:128 it puts no wait, yet live
+the lag rose with the load, most at 5-6 workers, whose busiest workers forward to receivers), the
+simulator takes the lag measured live at each steady count and load instead (``live_floors``,
+``SimConfig.rest_lags``).
 With ``--shuffle none`` each worker trains only the partitions the master assigned it, and the
 simulator does the same (``SimConfig.partitions``: 8 partitions on 6 workers leave two workers with
 a quarter of the traffic each, so 5-7 workers are no faster than 4). The lower bound is
