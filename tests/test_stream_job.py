@@ -18,6 +18,7 @@ from tests.jobtools import ROOT, TIDAL, Job, wait_for
 from tests.redis_server import redis_server
 from tidal.api.streams import parse_id
 from tidal.data.streams import open_source
+from tidal.master.audit import audit_stream
 
 sys.path.insert(0, str(ROOT))
 from examples.ctr.stream import ClickRecords
@@ -91,6 +92,41 @@ def test_a_partition_that_appears_while_the_job_runs_is_trained(tmp_path: Path) 
             job.kill_all()
         done = audit(job, url)
         assert done.returncode == 0 and "partition 2: 2000 records" in done.stdout, done.stdout + done.stderr
+
+
+def test_a_partition_that_disappears_while_the_job_runs_is_dropped_at_the_next_round(tmp_path: Path) -> None:
+    """A partition's stream key deleted while it still holds records: the workers see it gone, the
+    job re-forms without it (status no longer lists it) and ends once the others are drained;
+    what it trained of the partition before is in the ledger exactly once."""
+    import redis
+
+    with redis_server(tmp_path / "redis") as server:
+        url = server.url("clicks")
+        produce(url, 3, [2000, 2000, 60_000])
+        source = open_source(url)
+        try:
+            kept = {p: [r.id for r in source.read(p, "0-0", 100_000)] for p in range(3)}
+        finally:
+            source.close()
+        job = Job(tmp_path, "2:2", ARGS, run_args=["--stream", url, "--stop-when-drained", "3"]).start()
+        try:
+            job.wait_step(3, 120)
+            client = redis.Redis(host="127.0.0.1", port=server.port)
+            try:
+                assert client.delete("clicks:2") == 1
+            finally:
+                client.close()
+            wait_for(lambda: any("gone: [2]" in e["message"] for e in job.events()), 60, "partition 2 gone", job)
+            wait_for(lambda: [s["partition"] for s in job.status()["stream"]] == [0, 1], 60,
+                     "status without partition 2", job)
+            assert job.wait(300) == 0, job.output()[-3000:]
+        finally:
+            job.kill_all()
+        result = audit_stream(job.ledger.read_text().splitlines(), kept)
+        assert result.ok, result.summary()
+        by = {p.partition: p for p in result.partitions}
+        assert by[0].records == by[1].records == 2000 and by[0].later == by[1].later == 0
+        assert 0 < by[2].records < 60_000 and by[2].later > 0  # trained in part, the rest deleted untrained
 
 
 def test_an_unreachable_stream_is_one_line(tmp_path: Path) -> None:

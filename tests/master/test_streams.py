@@ -33,22 +33,33 @@ def test_a_range_that_continues_the_partition_moves_its_position() -> None:
     with pytest.raises(ShardConflictError):
         t.commit(0, 4, 5, 12)  # repeats (4, 9]
     assert t.commit(0, 9, 10, 12, samples=2) and t.records == 5 and t.is_committed(0, 12)
-    assert t.commit(1, 0, 1, 1, samples=1) and t.partitions == {0, 1}
+    assert t.commit(1, 0, 1, 1, samples=1) and t.positions == {0: 12, 1: 1}
 
 
 def test_partitions_are_assigned_round_robin_with_their_positions() -> None:
     t = StreamTable()
-    assert t.discover([2, 0, 1]) and not t.discover([1])
+    assert t.see([2, 0, 1]) == ([0, 1, 2], []) and t.see([1, 2, 0]) == ([], [])
     t.commit(1, 0, 3, 7)
     assert t.assign([5, 8]) == {5: {0: 0, 2: 0}, 8: {1: 7}}
     assert t.assign([4]) == {4: {0: 0, 1: 7, 2: 0}}
     assert t.assign([]) == {}
 
 
+def test_a_partition_that_disappears_is_not_assigned_and_keeps_its_position() -> None:
+    t = StreamTable()
+    t.see([0, 1, 2])
+    t.commit(1, 0, 3, 7)
+    assert t.see([0, 2]) == ([], [1]) and t.assign([5, 8]) == {5: {0: 0}, 8: {2: 0}}
+    assert t.commit(1, 7, 8, 9)  # a range of it forwarded before it went, trained after: still committed
+    assert t.partitions == {0, 2} and t.positions[1] == 9
+    assert t.see([]) == ([], []) and t.partitions == {0, 2}  # an empty view changes nothing
+    assert t.see([0, 1, 2]) == ([1], []) and t.assign([4]) == {4: {0: 0, 1: 9, 2: 0}}  # back, after its position
+
+
 def test_positions_are_rebuilt_from_the_journal_rows() -> None:
     t = StreamTable()
     t.restore([CommittedRange(0, 1, 4, 0, 0), CommittedRange(1, 2, 6, 0, 1), CommittedRange(0, 5, 9, 1, 0)])
-    assert t.positions == {0: 9, 1: 6} and t.partitions == {0, 1}
+    assert t.positions == {0: 9, 1: 6}
     t.restore([CommittedRange(0, 1, 4, 0, 0)])  # a rollback to step 0
     assert t.positions == {0: 4}
 

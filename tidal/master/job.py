@@ -321,7 +321,7 @@ class JobMaster:
         dataset = meta.get("dataset")
         if self.streams is not None:
             self.streams.restore(j.load_ledger())
-            self.streams.discover(meta.get("stream_partitions", []))
+            self.streams.see(meta.get("stream_partitions", []))
             self.streams.records = int(meta.get("stream_records", 0))
             self.stream_stop = meta.get("stream_stop")
         else:
@@ -435,11 +435,13 @@ class JobMaster:
         if rs.is_member(req.worker_id) and req.after_round == rs.round and not rs.reforming:
             self._start_reform(f"worker {req.worker_id} left the collective")
         self._check_records(req)
-        if self.streams is not None and self.streams.discover(req.stream_partitions):
-            self.log.add("stream", f"partitions {sorted(self.streams.partitions)} (new ones from worker "
-                                   f"{req.worker_id}); assigned at the next round")
+        new, gone = self.streams.see(req.stream_partitions) if self.streams is not None else ([], [])
+        if new or gone:
+            assert self.streams is not None
+            self.log.add("stream", f"partitions {sorted(self.streams.partitions)} (worker {req.worker_id} sees "
+                                   f"new: {new}, gone: {gone}); assigned at the next round")
             if rs.round >= 0 and not rs.reforming:
-                self._start_reform("new stream partitions")
+                self._start_reform("stream partitions changed")
         if req.restore_failed is not None:
             self._restore_failed(req.restore_failed)
             if self.state is not JobState.RUNNING:

@@ -36,14 +36,20 @@ class StreamTable:
         # partition -> after -> last: ranges committed beyond a gap in the prefix (global shuffling:
         # a forwarded range trained before an earlier one); folded into the prefix once it closes
         self.ahead: dict[int, dict[int, int]] = {}
-        self.partitions: set[int] = set()  # every partition a worker has seen
+        self.partitions: set[int] = set()  # the partitions the latest worker's view holds
         self.records = 0  # records committed, over every partition (journaled with the meta)
 
-    def discover(self, partitions: Iterable[int]) -> bool:
-        """Partitions a worker sees; whether any is new (the next round assigns it)."""
-        new = set(partitions) - self.partitions
-        self.partitions |= new
-        return bool(new)
+    def see(self, partitions: Iterable[int]) -> tuple[list[int], list[int]]:
+        """The partitions a worker sees now (it lists them before every rendezvous): they are the
+        ones the next round assigns. Returns those new and those gone. A partition that is gone
+        keeps its position (and the ranges committed ahead of it): if it comes back, it is read
+        after them. An empty view changes nothing (a stream with no partition trains nothing)."""
+        seen = set(partitions)
+        if not seen:
+            return [], []
+        new, gone = sorted(seen - self.partitions), sorted(self.partitions - seen)
+        self.partitions = seen
+        return new, gone
 
     def assign(self, members: list[int]) -> dict[int, dict[int, int]]:
         """Each member's partitions (round-robin over the sorted partitions, in rank order) and
@@ -89,7 +95,6 @@ class StreamTable:
             beyond[after] = last
         if not beyond:
             del self.ahead[partition]
-        self.partitions.add(partition)
         self.records += samples
         return True
 

@@ -31,6 +31,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +109,9 @@ class Job:
         self.stream_assignment: dict[int, int] = {}
         self.stream_skip: dict[int, list[list[int]]] = {}
         self.stream_partitions: list[int] = []
+        # the loader's look at the stream's partitions now (a stream job), taken before every
+        # rendezvous so that the master never assigns from a view a discovery period old
+        self.stream_view: Callable[[], list[int]] | None = None
         self._restore_failed: RestoreFailure | None = None  # for the master, with the next rendezvous
         # the job's parameter servers (``tidal run --ps``): their addresses by server index and the
         # virtual shard map, as of this round (tidal.ps)
@@ -425,6 +429,11 @@ class Job:
         # fails the job when rounds keep failing before a step (the crash loop of the runtime)
         failure, self._failure = self._failure[:1000], ""
         restore_failed, self._restore_failed = self._restore_failed, None
+        if self.stream_view is not None:
+            try:
+                self.stream_partitions = self.stream_view()
+            except Exception as exc:  # the stream unavailable (a Redis restart): the last view stands
+                log.debug("worker %d: listing the stream's partitions failed: %s", self.worker_id, exc)
         req = RendezvousRequest(worker_id=self.worker_id, after_round=self.round,
                                 applied_step=state.applied_step, records=records, failure=failure,
                                 restore_failed=restore_failed, stream_partitions=self.stream_partitions,

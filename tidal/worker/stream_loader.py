@@ -20,8 +20,9 @@ A worker with nothing to read takes part in the step with no samples (after wait
 ``poll_s`` for a record); when no worker has any, the step applies nothing and the loop polls
 again. Malformed records (``decode`` says which) are logged with their ids, counted for the
 master and skipped; they are committed with the step (they never come back), and count in the
-step's sample weight. Every ``discover_s`` the loader lists the stream's partitions: a new one
-makes the worker re-form, and the master assigns it. When the master ends the job
+step's sample weight. Every ``discover_s`` the loader lists the stream's partitions: one that
+appears or disappears makes the worker re-form, and the master assigns the new set (a partition
+that disappears keeps its committed position: if it comes back, it is read after it). When the master ends the job
 (``--stop-when-drained``), the loop calls ``job.finish()`` and stops.
 """
 
@@ -80,6 +81,7 @@ class StreamHost(Protocol):
     stream_assignment: dict[int, int]
     stream_skip: dict[int, list[list[int]]]
     stream_partitions: list[int]
+    stream_view: Callable[[], list[int]] | None
 
     def round_store(self) -> Any: ...
 
@@ -159,6 +161,7 @@ class StreamLoader:
         if steps.logical is not None:
             raise UsageError("logical workers do not read streams yet: run without --logical-workers")
         job.stream_partitions = self.source.partitions()  # the master assigns what the workers see
+        job.stream_view = self.source.partitions  # looked at again before every rendezvous
         self._next_discover = self.clock() + self.discover_s
         while True:
             job.ensure_round()
@@ -173,9 +176,10 @@ class StreamLoader:
             if self.clock() >= self._next_discover:
                 self._next_discover = self.clock() + self.discover_s
                 seen = self.source.partitions()
-                if set(seen) - set(job.stream_partitions):
+                new, gone = sorted(set(seen) - set(job.stream_partitions)), sorted(set(job.stream_partitions) - set(seen))
+                if new or gone:
                     job.stream_partitions = seen
-                    job.leave_for_rendezvous(f"new stream partitions {sorted(set(seen) - set(self._positions))}")
+                    job.leave_for_rendezvous(f"stream partitions changed (new: {new}, gone: {gone})")
                     continue
             taken: Taken | None
             if self._unit is not None:  # global shuffling: the local queue, filled by the unit's reader
