@@ -315,9 +315,10 @@ def summarize_gain(rows: list[dict[str, Any]], part: str, base: str, targets: di
     out.append("|---|---:|---:|---|" + "---|" * len(names))
     for load, sel in sorted(_by_load(rows, part).items(), key=lambda kv: -(kv[0] or 1e9)):
         qb = statistics.median(r["policies"][base]["avg_queue_s"] / 3600 for r in sel)
-        # no policy that completes every job beats every job's ideal duration, so no gain
-        # exceeds the baseline's average JCT over the average ideal duration
-        bound = [r["policies"][base]["avg_jct_s"] / r["policies"][base].get("avg_ideal_s", math.nan) for r in sel]
+        # no policy that completes every job beats every job's ideal duration, nor the queue a
+        # full cluster makes (avg_capacity_s, where the scenario computes it), so no gain exceeds
+        # the baseline's average JCT over the larger of the two
+        bound = [r["policies"][base]["avg_jct_s"] / _least_avg_jct(r["policies"][base]) for r in sel]
         cells = []
         for p, t in targets.items():
             gains = [r["policies"][base]["avg_jct_s"] / r["policies"][p]["avg_jct_s"] for r in sel]
@@ -325,9 +326,17 @@ def summarize_gain(rows: list[dict[str, Any]], part: str, base: str, targets: di
             cells.append(f"{_med_worst(gains, min)}{mark}")
         out.append(f"| {_load_label(load)} | {len(sel)} | {qb:.2f} | {_med_worst(bound, min)} | " + " | ".join(cells) + " |")
     out.append("")
-    out.append(f"bound: {base}'s average JCT over the average of every job's duration at the ideal speed (median / "
-               "lowest seed): the largest average-JCT gain any policy that completes every job can have.")
+    out.append(f"bound: {base}'s average JCT over the least average JCT (median / lowest seed): the average of every "
+               "job's duration at the ideal speed, or where larger the mean flow time of shortest-remaining-work-first on "
+               "one machine as fast as the whole cluster (easyscale); the largest average-JCT gain any policy that "
+               "completes every job can have.")
     return out
+
+
+def _least_avg_jct(metrics: dict[str, Any]) -> float:
+    """No policy's average JCT is lower: the larger of ``avg_ideal_s`` and ``avg_capacity_s``."""
+    ideal, capacity = metrics.get("avg_ideal_s", math.nan), metrics.get("avg_capacity_s", math.nan)
+    return ideal if not capacity >= ideal else capacity
 
 
 def summarize_easyscale(rows: list[dict[str, Any]]) -> list[str]:

@@ -8,6 +8,7 @@ import pytest
 
 from tidal.api import ConfigError
 from tidal.sim.cluster import easyscale, scenario
+from tidal.sim.cluster.api import srpt_mean_flow_s
 
 TRACES = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces"
 PHILLY = TRACES / "philly-jobs.csv"
@@ -45,6 +46,21 @@ def test_small_run_invariants(monkeypatch: pytest.MonkeyPatch):
         assert 0 < m.gpu_util <= 1 and m.makespan_s > 0
         assert len(m.jcts) == 40 and 0 < len(m.timeline) <= 2001
     assert len(jobs) == 40
+
+
+def test_the_capacity_bound_is_srpt_on_one_machine_and_no_policy_beats_it():
+    """``srpt_mean_flow_s``: two jobs at 0 of work 2 and 1 at speed 1 end at 1 and 3; a job of
+    work 4 is preempted at 1 by one of work 1, which ends at 2, the first at 5. On a window where
+    the cluster queues (seed 106: 391 one-GPU jobs within three hours), the bound is above the
+    ideal durations' and every policy's average JCT is above it."""
+    assert srpt_mean_flow_s([(0.0, 2.0), (0.0, 1.0)], 1.0) == pytest.approx(2.0)
+    assert srpt_mean_flow_s([(0.0, 4.0), (1.0, 1.0)], 1.0) == pytest.approx(3.0)
+    assert srpt_mean_flow_s([(5.0, 6.0)], 3.0) == pytest.approx(2.0)
+    res = easyscale.run(PHILLY, 500, 106, easyscale.POLICIES)
+    capacity = res.policies["yarn-cs"].avg_capacity_s
+    assert capacity > 2 * res.policies["yarn-cs"].avg_ideal_s
+    for m in res.policies.values():
+        assert m.avg_capacity_s == capacity and m.avg_jct_s >= capacity
 
 
 def test_run_api_and_errors():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import heapq
 import math
 import random
 from collections.abc import Callable
@@ -29,6 +30,9 @@ class PolicyMetrics:
     #: mean over every job of its duration at the ideal speed: no policy that completes every
     #: job has a lower average JCT (a bound on any policy's average-JCT gain over another)
     avg_ideal_s: float = math.nan
+    #: the cluster's capacity too (``srpt_mean_flow_s``): no policy has a lower average JCT than the
+    #: larger of this and ``avg_ideal_s`` (NaN where a scenario does not compute it)
+    avg_capacity_s: float = math.nan
     # for --plot: (time_s, gpu_util, cpu_util) samples and per-job JCTs
     timeline: list[tuple[float, float, float]] = field(default_factory=list, repr=False)
     jcts: list[float] = field(default_factory=list, repr=False)
@@ -139,6 +143,40 @@ class JobOutcome:
     start_s: float | None
     end_s: float | None
     ideal_s: float
+
+
+def srpt_mean_flow_s(jobs: list[tuple[float, float]], speed: float) -> float:
+    """The mean flow time of shortest-remaining-work-first on one machine doing ``speed`` units of
+    work a second, for ``jobs`` of ``(submit_s, work)``: a lower bound of the average JCT of any
+    schedule on a cluster whose GPUs do at most ``speed`` units a second together, when each job
+    needs at least ``work`` of them whatever its placement. Spreading the cluster's work over jobs
+    as any schedule does (several at once, each at its own rate) is a schedule of that one machine
+    shared fractionally, and SRPT completes at least as many jobs by every time as any such
+    schedule (the classic exchange argument), so its total flow time is the least. It ignores
+    how fast a job can go (``avg_ideal_s`` has that) and charges the queue a full cluster makes."""
+    if not jobs:
+        return math.nan
+    if not speed > 0:
+        raise ValueError(f"speed must be positive, got {speed}")
+    order = sorted(jobs)
+    now, k, flow = 0.0, 0, 0.0
+    queue: list[tuple[float, int, float]] = []  # (remaining work, index, submit)
+    while k < len(order) or queue:
+        if not queue:
+            now = max(now, order[k][0])
+        while k < len(order) and order[k][0] <= now:
+            heapq.heappush(queue, (order[k][1], k, order[k][0]))
+            k += 1
+        left, i, submit = heapq.heappop(queue)
+        arrival = order[k][0] if k < len(order) else math.inf
+        done = now + left / speed
+        if done <= arrival:
+            now = done
+            flow += done - submit
+        else:  # preempted (or not) at the next arrival: the shortest remaining goes on
+            heapq.heappush(queue, (left - (arrival - now) * speed, i, submit))
+            now = arrival
+    return flow / len(jobs)
 
 
 def policy_metrics(outcomes: list[JobOutcome], usage: list[tuple[float, float, float]],

@@ -55,6 +55,7 @@ from tidal.sim.cluster.api import (
     load_philly,
     policy_metrics,
     run_policies,
+    srpt_mean_flow_s,
 )
 
 __all__ = ["POLICIES", "AppProfile", "pollux_profiles", "run"]
@@ -321,8 +322,21 @@ def _simulate(jobs: list[_Job], policy: str) -> PolicyMetrics:
         usage.record(now, sum(sum(j.alloc.values()) for j in running))
     outcomes = [JobOutcome(j.submit_s, j.start_s, j.end_s, j.ideal_s) for j in jobs]
     avg_gpus = float(np.mean([j.max_p for j in jobs])) if jobs else 0.0
-    return policy_metrics(outcomes, usage.samples, actions,
-                          {"fallbacks": float(fallbacks), "avg_requested_gpus": avg_gpus})
+    metrics = policy_metrics(outcomes, usage.samples, actions,
+                             {"fallbacks": float(fallbacks), "avg_requested_gpus": avg_gpus})
+    metrics.avg_capacity_s = srpt_mean_flow_s([(j.submit_s, least_work(j)) for j in jobs], CLUSTER_SPEED)
+    return metrics
+
+
+#: the whole cluster's compute, in V100s (``least_work``'s unit): 32 + 16 x 0.6 + 16 x 0.4 = 48
+CLUSTER_SPEED = sum(n * g * SPEED[t] / SPEED["V100"] for t, n, g in SERVERS)
+
+
+def least_work(job: _Job) -> float:
+    """V100-seconds ``job`` needs on any plan: every step computes all ``max_p`` ESTs, each
+    ``compute_s / SPEED[t]`` on a GPU of type t, i.e. ``compute_s / SPEED["V100"]`` V100-seconds
+    (a slower GPU is a fraction of a V100 busy longer); synchronisation only adds to it."""
+    return job.steps * job.max_p * job.app.compute_s / SPEED["V100"]
 
 
 def run(trace: Path, jobs: int, seed: int, policies: list[str],
