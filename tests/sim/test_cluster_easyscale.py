@@ -58,7 +58,7 @@ def test_the_capacity_bound_is_srpt_on_one_machine_and_no_policy_beats_it():
     assert srpt_mean_flow_s([(5.0, 6.0)], 3.0) == pytest.approx(2.0)
     res = easyscale.run(PHILLY, 500, 106, easyscale.POLICIES)
     capacity = res.policies["yarn-cs"].avg_capacity_s
-    assert capacity > 2 * res.policies["yarn-cs"].avg_ideal_s
+    assert capacity is not None and capacity > 2 * res.policies["yarn-cs"].avg_ideal_s
     for m in res.policies.values():
         assert m.avg_capacity_s == capacity and m.avg_jct_s >= capacity
 

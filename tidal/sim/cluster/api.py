@@ -31,8 +31,8 @@ class PolicyMetrics:
     #: job has a lower average JCT (a bound on any policy's average-JCT gain over another)
     avg_ideal_s: float = math.nan
     #: the cluster's capacity too (``srpt_mean_flow_s``): no policy has a lower average JCT than the
-    #: larger of this and ``avg_ideal_s`` (NaN where a scenario does not compute it)
-    avg_capacity_s: float = math.nan
+    #: larger of this and ``avg_ideal_s`` (None where a scenario does not compute it)
+    avg_capacity_s: float | None = None
     # for --plot: (time_s, gpu_util, cpu_util) samples and per-job JCTs
     timeline: list[tuple[float, float, float]] = field(default_factory=list, repr=False)
     jcts: list[float] = field(default_factory=list, repr=False)
