@@ -336,7 +336,7 @@ def summarize_gain(rows: list[dict[str, Any]], part: str, base: str, targets: di
 def _least_avg_jct(metrics: dict[str, Any]) -> float:
     """No policy's average JCT is lower: the larger of ``avg_ideal_s`` and ``avg_capacity_s``."""
     ideal, capacity = metrics.get("avg_ideal_s", math.nan), metrics.get("avg_capacity_s")
-    return ideal if capacity is None or not capacity >= ideal else capacity
+    return ideal if capacity is None else max(ideal, capacity)
 
 
 def summarize_easyscale(rows: list[dict[str, Any]]) -> list[str]:

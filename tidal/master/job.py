@@ -435,13 +435,13 @@ class JobMaster:
         if rs.is_member(req.worker_id) and req.after_round == rs.round and not rs.reforming:
             self._start_reform(f"worker {req.worker_id} left the collective")
         self._check_records(req)
-        new, gone = self.streams.see(req.stream_partitions) if self.streams is not None else ([], [])
-        if new or gone:
-            assert self.streams is not None
-            self.log.add("stream", f"partitions {sorted(self.streams.partitions)} (worker {req.worker_id} sees "
-                                   f"new: {new}, gone: {gone}); assigned at the next round")
-            if rs.round >= 0 and not rs.reforming:
-                self._start_reform("stream partitions changed")
+        if self.streams is not None:
+            new, gone = self.streams.see(req.stream_partitions)
+            if new or gone:
+                self.log.add("stream", f"partitions {sorted(self.streams.partitions)} (worker {req.worker_id} sees "
+                                       f"new: {new}, gone: {gone}); assigned at the next round")
+                if rs.round >= 0 and not rs.reforming:
+                    self._start_reform("stream partitions changed")
         if req.restore_failed is not None:
             self._restore_failed(req.restore_failed)
             if self.state is not JobState.RUNNING:

@@ -192,7 +192,7 @@ class SimConfig:
     shuffle_read_s: float = 0.0
     # with shuffle_upper: the lag a steady job keeps at each count against its load (arrivals over capacity),
     # measured live, as (load, lag s) points in increasing load; at a count it names, this replaces
-    # latency_s and the queue model (module docstring)
+    # the queue model (module docstring); latency_s still holds under it
     rest_lags: dict[int, tuple[tuple[float, float], ...]] | None = None
     # the capacity handed to planners over the throughput trained (live: a worker's rate over its busy
     # share reads a little above what it sustains with records waiting; bench/online_live.py)
