@@ -196,7 +196,7 @@ def test_a_scale_up_at_a_bursts_start_is_sized_for_the_traffic_now_not_the_forec
     decided = {}
     for nowcast in (True, False):
         planner = KalePlanner(forecaster="seasonal-naive", batch_size=16384, min_history_bins=144, lead_s=600,
-                              model=truth, nowcast=nowcast)
+                              model=truth, nowcast=nowcast, surge_ratio=None)  # the surge rule raises it too
         planner.observe_history([rate * 60.0] * (3 * 1440), 60.0)
         plan = planner.plan(_snap(120.0, burst, 3, [(3, f(3))], backlog=backlog, lag_s=100.0))
         decided[nowcast] = plan.workers
@@ -422,3 +422,74 @@ def test_a_scale_in_after_a_burst_follows_the_traffic_once_it_stays_below_the_fo
         assert max(decided[44:]) <= 4, (decided[40:], plan.reason)
     else:
         assert min(decided[40:]) >= 10, (decided[40:], plan.reason)  # stepping down with the forecast
+
+
+def _burst_run(planner: KalePlanner, f, rate: float, burst: float, minutes: int, *, start: int = 0,
+               pause: int = 10) -> tuple[list[int], list[float]]:
+    """``minutes`` of ``burst`` times ``rate`` from minute ``start`` on (the traffic before it until
+    then), a restart's ``pause`` with nothing trained per action; the counts decided and the lags."""
+    workers, backlog, paused_until = planner._target or 3, 0.0, -1
+    decided, lags = [], []
+    for t in range(start + minutes):
+        arrived = (burst if t >= start else 1.0) * rate * 60.0
+        trained = 0.0 if t < paused_until else min(backlog + arrived, f(workers) * 60.0)
+        backlog += arrived - trained
+        lag = backlog / (arrived / 60.0)
+        measured = [(workers, f(workers))] if t >= paused_until else []
+        plan = planner.plan(_snap(60.0 * (t + 1), [arrived], workers, measured, backlog=backlog, lag_s=lag,
+                                  scaling=t < paused_until))
+        if plan.workers != workers and t >= paused_until:
+            workers, paused_until = plan.workers, t + 1 + pause
+        decided.append(workers)
+        lags.append(lag)
+    return decided, lags
+
+
+@pytest.mark.parametrize("track", [True, False], ids=["tracking", "trend-followed"])
+def test_an_off_track_forecaster_gives_way_to_the_traffic_now(track: bool) -> None:
+    """Two hours into a burst of five times the traffic that 13 workers keep up with (6% spare,
+    6 minutes of lag left by the restart that brought them). Holt-Winters first trails the jump,
+    then takes it into its trend and forecasts it still rising; while its recent forecasts missed
+    by more than ``TRACK_ERROR`` the plan takes the traffic now, flat, and holds the 13. Without
+    the rule the planner asks to scale the job in within the burst (on issue 22's bursty week it
+    also restarted one that kept up, 13 -> 25 workers with the traffic flat)."""
+    truth = models.KaleSyncModel([0.00035, 2.5726, 0.9824, 0.0016])
+    f = lambda w: truth.predict(models.ThroughputConfig(w, batch_size=16384))  # noqa: E731
+    rate = 0.8 * f(3)
+    planner = KalePlanner(batch_size=16384, measure_actions=False, model=truth, track_error=kale.TRACK_ERROR if track else None)
+    planner.observe_history([rate * 60.0 * (1 + 0.2 * math.sin(2 * math.pi * t / 1440)) for t in range(3 * 1440)], 60.0)
+    burst = f(13) / 1.06
+    backlog, asked = 6 * 60 * burst, []
+    for t in range(120):
+        backlog = max(0.0, backlog + (burst - f(13)) * 60.0)
+        plan = planner.plan(_snap(60.0 * (t + 1), [burst * 60.0], 13, [(13, f(13))], backlog=backlog,
+                                  lag_s=backlog / burst))
+        asked.append(plan.workers)
+    if track:
+        assert max(planner.last_forecast) < 1.01 * burst, planner.last_forecast  # flat at the traffic
+        assert set(asked) == {13}, asked
+    else:
+        assert max(planner.last_forecast) > 1.05 * burst  # the trend, extrapolated
+        assert min(asked) < 13, asked
+
+
+def test_a_surge_scales_up_at_once_and_drains_over_the_longer_catch_up() -> None:
+    """A burst four minutes after a planning point: with the surge rule the planner re-plans in
+    the interval that brought it, sized to drain the restart's backlog over two hours (a few
+    workers over the burst's need); without it, the scale-up waits for the next planning point
+    and drains within 45 minutes, with more workers and more lag."""
+    truth = models.KaleSyncModel([0.00035, 2.5726, 0.9824, 0.0016])
+    f = lambda w: truth.predict(models.ThroughputConfig(w, batch_size=16384))  # noqa: E731
+    rate = 0.8 * f(3)
+    need = next(w for w in range(1, 33) if f(w) > 4 * rate)
+    runs = {}
+    for surge in (True, False):
+        planner = KalePlanner(batch_size=16384, measure_actions=False, model=truth,
+                              surge_ratio=kale.SURGE_RATIO if surge else None)
+        planner.observe_history([rate * 60.0] * (3 * 1440), 60.0)
+        decided, lags = _burst_run(planner, f, rate, 4.0, 40, start=4)
+        runs[surge] = (next(t for t, w in enumerate(decided) if w > decided[0]), max(decided), max(lags))
+    (up, most, lag), (up_late, most_late, lag_late) = runs[True], runs[False]
+    assert up == 4 and up_late >= 9, runs  # the interval the burst began in; the next planning point
+    assert need < most <= need + 2 < most_late, (need, runs)
+    assert lag < lag_late - 3 * 60, runs
