@@ -493,3 +493,14 @@ def test_a_surge_scales_up_at_once_and_drains_over_the_longer_catch_up() -> None
     assert up == 4 and up_late >= 9, runs  # the interval the burst began in; the next planning point
     assert need < most <= need + 2 < most_late, (need, runs)
     assert lag < lag_late - 3 * 60, runs
+
+
+@pytest.mark.parametrize("off_track", [True, False])
+def test_the_traffic_has_fallen_after_two_intervals_while_the_forecaster_is_off_track(off_track: bool) -> None:
+    """The fall rule waits an action's length (10 intervals of a restart) below a forecast it
+    trusts; while the forecaster is off track the forecast is the traffic now, and two intervals
+    below it suffice."""
+    planner = KalePlanner(lead_s=600.0, pause_s=600.0, measure_actions=False)
+    planner._errors = [0.05] * 11 + [0.8 if off_track else 0.1]  # the last bin's forecast missed by 80%
+    planner._recent.extend([5000.0] * 8 + [1000.0] * 2)  # a burst, then two intervals of the traffic before it
+    assert (planner._fallen(60.0, 5000.0) == 1000.0) == off_track
