@@ -92,6 +92,32 @@ def _snap(now: float, arrivals: list[float], workers: int, measured, *, scaling:
                           stream=StreamObservation(interval_s=60.0, arrivals=arrivals, measured=measured, **stream))
 
 
+def _run_with_restarts(planner: KalePlanner, f, arrivals: list[float], workers: int,
+                       pause: int = 10) -> tuple[list[int], list[float]]:
+    """A job of ``workers`` under ``planner`` over ``arrivals`` (samples a minute), trained at
+    ``f(workers)``, each action a restart of ``pause`` minutes with nothing trained; the counts
+    decided and the lags, a minute each."""
+    backlog, paused_until = 0.0, -1
+    decided, lags = [], []
+    for t, arrived in enumerate(arrivals):
+        trained = 0.0 if t < paused_until else min(backlog + arrived, f(workers) * 60.0)
+        backlog += arrived - trained
+        lag = backlog / (arrived / 60.0)
+        measured = [(workers, f(workers))] if t >= paused_until else []
+        plan = planner.plan(_snap(60.0 * (t + 1), [arrived], workers, measured, backlog=backlog, lag_s=lag,
+                                  scaling=t < paused_until))
+        if plan.workers != workers and t >= paused_until:
+            workers, paused_until = plan.workers, t + 1 + pause
+        decided.append(workers)
+        lags.append(lag)
+    return decided, lags
+
+
+def _burst(rate: float, burst: float, minutes: int, start: int = 0) -> list[float]:
+    """Samples a minute: ``rate`` a second until minute ``start``, then ``burst`` times it."""
+    return [(burst if t >= start else 1.0) * rate * 60.0 for t in range(start + minutes)]
+
+
 def test_planner_scales_ahead_of_a_daily_peak():
     """A clean daily sinusoid: the planner learns it and sizes for the coming load, keeping the
     lag of a real backlog (arrivals in, F(w) out, no training while an action restarts the
@@ -101,20 +127,7 @@ def test_planner_scales_ahead_of_a_daily_peak():
     f = lambda w: truth.predict(models.ThroughputConfig(w, batch_size=16384))  # noqa: E731
     planner = KalePlanner(forecaster="seasonal-naive", batch_size=16384, min_history_bins=144, lead_s=600)
     planner.observe_history([per_min(t) for t in range(-3 * 1440, 0)], 60.0)
-    workers, backlog, paused_until = 8, 0.0, -1
-    decided, lags = [], []
-    for t in range(0, 1440):
-        arrived = per_min(t)
-        trained = 0.0 if t < paused_until else min(backlog + arrived, f(workers) * 60.0)
-        backlog += arrived - trained
-        lag = backlog / (arrived / 60.0)
-        measured = [(workers, f(workers))] if t >= paused_until else []
-        plan = planner.plan(_snap(60.0 * (t + 1), [arrived], workers, measured, backlog=backlog, lag_s=lag,
-                                  scaling=t < paused_until))
-        if plan.workers != workers and t >= paused_until:
-            workers, paused_until = plan.workers, t + 1 + 10  # a 10-minute restart
-        decided.append(workers)
-        lags.append(lag)
+    decided, lags = _run_with_restarts(planner, f, [per_min(t) for t in range(1440)], 8)
     decided_arr = np.array(decided)
     assert max(lags) < 20 * 60  # never over the SLO
     assert np.mean(np.array(lags) <= planner.planned_lag_s + 600) > 0.95  # planned lag, plus a restart's
@@ -424,27 +437,6 @@ def test_a_scale_in_after_a_burst_follows_the_traffic_once_it_stays_below_the_fo
         assert min(decided[40:]) >= 10, (decided[40:], plan.reason)  # stepping down with the forecast
 
 
-def _burst_run(planner: KalePlanner, f, rate: float, burst: float, minutes: int, *, start: int = 0,
-               pause: int = 10) -> tuple[list[int], list[float]]:
-    """``minutes`` of ``burst`` times ``rate`` from minute ``start`` on (the traffic before it until
-    then), a restart's ``pause`` with nothing trained per action; the counts decided and the lags."""
-    workers, backlog, paused_until = planner._target or 3, 0.0, -1
-    decided, lags = [], []
-    for t in range(start + minutes):
-        arrived = (burst if t >= start else 1.0) * rate * 60.0
-        trained = 0.0 if t < paused_until else min(backlog + arrived, f(workers) * 60.0)
-        backlog += arrived - trained
-        lag = backlog / (arrived / 60.0)
-        measured = [(workers, f(workers))] if t >= paused_until else []
-        plan = planner.plan(_snap(60.0 * (t + 1), [arrived], workers, measured, backlog=backlog, lag_s=lag,
-                                  scaling=t < paused_until))
-        if plan.workers != workers and t >= paused_until:
-            workers, paused_until = plan.workers, t + 1 + pause
-        decided.append(workers)
-        lags.append(lag)
-    return decided, lags
-
-
 @pytest.mark.parametrize("track", [True, False], ids=["tracking", "trend-followed"])
 def test_an_off_track_forecaster_gives_way_to_the_traffic_now(track: bool) -> None:
     """Two hours into a burst of five times the traffic that 13 workers keep up with (6% spare,
@@ -487,7 +479,7 @@ def test_a_surge_scales_up_at_once_and_drains_over_the_longer_catch_up() -> None
         planner = KalePlanner(batch_size=16384, measure_actions=False, model=truth,
                               surge_ratio=kale.SURGE_RATIO if surge else None)
         planner.observe_history([rate * 60.0] * (3 * 1440), 60.0)
-        decided, lags = _burst_run(planner, f, rate, 4.0, 40, start=4)
+        decided, lags = _run_with_restarts(planner, f, _burst(rate, 4.0, 40, start=4), 3)
         runs[surge] = (next(t for t, w in enumerate(decided) if w > decided[0]), max(decided), max(lags))
     (up, most, lag), (up_late, most_late, lag_late) = runs[True], runs[False]
     assert up == 4 and up_late >= 9, runs  # the interval the burst began in; the next planning point
