@@ -159,6 +159,10 @@ def traces(split: str = "eval") -> dict[str, Callable[[], tuple[np.ndarray, np.n
         v = cbook.get_sample_data("goog.npz")["price_data"]["volume"].astype(float)
         return v[-700:], v[:-700], 300.0
 
+    def volume_like() -> tuple[np.ndarray, np.ndarray, float]:
+        v = _volume_like(split)
+        return v[-700:], v[:-700], 300.0
+
     def synthetic(name: str) -> Callable[[], tuple[np.ndarray, np.ndarray, float]]:
         def load() -> tuple[np.ndarray, np.ndarray, float]:
             c = _synthetic(name, split)
@@ -174,7 +178,7 @@ def traces(split: str = "eval") -> dict[str, Callable[[], tuple[np.ndarray, np.n
         out["co2"] = co2
         out["goog-volume"] = goog
     else:
-        out["volume-like"] = lambda: (lambda v: (v[-700:], v[:-700], 300.0))(_volume_like(split))
+        out["volume-like"] = volume_like
     for name in ("diurnal-p3", "diurnal-p1.3", "bursty", "trend", "weekly"):
         out[name] = synthetic(name)
     return out

@@ -388,6 +388,12 @@ SURGE_RATIO = 1.5
 SURGE_CATCH_UP_S = 7200.0
 
 
+def _raised(forecast: Sequence[float] | np.ndarray, bins: int, rate: float) -> np.ndarray:
+    """A copy of ``forecast`` with its first ``bins`` bins at least ``rate`` (the traffic now)."""
+    out = np.array(forecast, dtype=float)
+    out[:bins] = np.maximum(out[:bins], rate)
+    return out
+
 class KalePlanner:
     """Kale for one online-training job: forecast, Eq. 10, Algorithm 1, fallback.
 
@@ -868,8 +874,7 @@ class KalePlanner:
             lead_bins = max(1, math.ceil(self.lead_s / self.plan_interval_s))
             window = lead_bins + 1
             if surge:  # the forecast missed it: the traffic now lasts through the lead window at least
-                fc = np.array(fc, dtype=float)
-                fc[:window] = np.maximum(fc[:window], now_rate)
+                fc = _raised(fc, window, now_rate)
             self.last_forecast = [float(v) for v in fc]
             hold = max(window, lead_bins + math.ceil(self.tau_s / self.plan_interval_s))
             # after an action: it stops training for pause_s, and what arrives meanwhile must be
@@ -881,8 +886,7 @@ class KalePlanner:
             growing = self.projected_lag(current, fc[:window], stream.backlog) > max(self.planned_lag_s, stream.lag_s)
             if growing:
                 if self.nowcast and now_rate > fc[0]:
-                    fc = np.array(fc, dtype=float)
-                    fc[:window] = np.maximum(fc[:window], now_rate)
+                    fc = _raised(fc, window, now_rate)
                     moved = self._stabilized_plan(fc, stream.backlog + now_rate * self.pause_s, current, lo, hi, catch)
                 planned = max(max(moved[:window]), current)
             elif max(moved[:hold]) < current:  # fewer workers suffice, after the pause and for tau
