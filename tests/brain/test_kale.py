@@ -496,3 +496,25 @@ def test_the_traffic_has_fallen_after_two_intervals_while_the_forecaster_is_off_
     planner._errors = [0.05] * 11 + [0.8 if off_track else 0.1]  # the last bin's forecast missed by 80%
     planner._recent.extend([5000.0] * 8 + [1000.0] * 2)  # a burst, then two intervals of the traffic before it
     assert (planner._fallen(60.0, 5000.0) == 1000.0) == off_track
+
+
+def test_an_off_track_plan_takes_the_mean_over_the_slo_window_not_the_noisiest_interval() -> None:
+    """Noisy traffic a forecaster is off track on: a minute at 1.5 times the mean, then one at
+    half of it. The SLO lets samples wait 20 minutes, so the plan takes the traffic now as the
+    mean over them (the higher of it and the last interval): the job is scaled in from 4 workers
+    to the 3 that keep up with the mean, where the higher of the last two intervals (1.5 times
+    the mean) held 4. A rise in the last interval is the traffic now."""
+    truth = models.KaleSyncModel([0.00035, 2.5726, 0.9824, 0.0016])
+    f = lambda w: truth.predict(models.ThroughputConfig(w, batch_size=16384))  # noqa: E731
+    mean = f(3) / 1.3
+    planner = _flat_planner(mean, truth)
+    planner._errors = [0.8] * kale.TRACK_BINS  # its recent forecasts missed by 80%: off track
+    asked = []
+    for t in range(30):
+        arrived = (1.5 if t % 2 == 0 else 0.5) * mean * 60.0
+        plan = planner.plan(_snap(60.0 * (t + 1), [arrived], 4, [(4, f(4))], backlog=0.0, lag_s=0.0))
+        asked.append(plan.workers)
+    assert planner.last_forecast == pytest.approx([mean] * len(planner.last_forecast)), planner.last_forecast
+    assert 3 in asked and max(asked) == 4, asked
+    planner._recent.extend([mean] * 20 + [2.0 * mean])
+    assert planner._traffic_now() == 2.0 * mean
