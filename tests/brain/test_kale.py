@@ -518,3 +518,30 @@ def test_an_off_track_plan_takes_the_mean_over_the_slo_window_not_the_noisiest_i
     assert 3 in asked and max(asked) == 4, asked
     planner._recent.extend([mean] * 20 + [2.0 * mean])
     assert planner._traffic_now() == 2.0 * mean
+
+
+@pytest.mark.parametrize("lasting", [True, False], ids=["bursts-last", "spikes-fade"])
+def test_a_surge_is_sized_for_what_the_streams_past_surges_held_an_action_later(lasting: bool) -> None:
+    """Four past surges of four times the traffic: lasting an hour, or fading after two minutes.
+    At a fifth the planner scales up for the peak when its surges last, and for the traffic an
+    action later (the mean of the last 20 minutes, here what the job trains) when they fade:
+    the count sized for a spike's peak is three times what it meets once the restart is over."""
+    truth = models.KaleSyncModel([0.00035, 2.5726, 0.9824, 0.0016])
+    f = lambda w: truth.predict(models.ThroughputConfig(w, batch_size=16384))  # noqa: E731
+    rate = 0.8 * f(3)
+    history = [rate * 60.0] * (3 * 1440)
+    for start in (700, 1700, 2600, 3500):
+        for t in range(start, start + (60 if lasting else 2)):
+            history[t] = 4 * rate * 60.0
+    planner = KalePlanner(forecaster="seasonal-naive", batch_size=16384, min_history_bins=144, lead_s=600,
+                          measure_actions=False, model=truth)
+    planner.observe_history(history, 60.0)
+    assert len(planner._held) >= kale.MIN_SURGES
+    asked = [planner.plan(_snap(60.0 * (t + 1), [rate * 60.0], 3, [(3, f(3))], backlog=0.0)).workers for t in range(4)]
+    plan = planner.plan(_snap(300.0, [4 * rate * 60.0], 3, [(3, f(3))], backlog=3 * rate * 60.0, lag_s=45.0))
+    need = next(w for w in range(1, 33) if f(w) > 4 * rate)
+    assert set(asked) == {3}, asked
+    if lasting:
+        assert plan.workers >= need, (plan.workers, need)
+    else:
+        assert plan.workers <= 4 < need, (plan.workers, need)
