@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -827,23 +828,24 @@ class KalePlanner:
         0.28-0.41x hpa's -> 0.24-0.34x; seamless 1.29-1.63x -> 1.30-1.65x (better on four seeds);
         the other traces within 0.002x. The mean alone held workers into a burst's fall (bursty
         week, seamless: 1.30x -> 1.37x)."""
-        recent = list(self._recent)
-        window = max(1, round(NOW_WINDOW_S / self._interval_s))
-        return max(recent[-1], float(np.mean(recent[-window:])))
+        return max(self._recent[-1], self._recent_mean())
+
+    def _recent_mean(self) -> float:
+        """The mean arrival rate of the last ``NOW_WINDOW_S`` (of the intervals received, if fewer)."""
+        window = min(len(self._recent), max(1, round(NOW_WINDOW_S / self._interval_s)))
+        return sum(itertools.islice(reversed(self._recent), window)) / max(1, window)
 
     def _note_surges(self, rate: float) -> None:
         """Record the stream's own surges as its arrivals come in (history included): an interval
         over ``surge_ratio`` times the mean of the ``NOW_WINDOW_S`` before it, and an action's
         length (``lead_s``) later, the share of its rate still there (at most 1)."""
-        recent = list(self._recent)
-        window = max(1, round(NOW_WINDOW_S / self._interval_s))
         later = max(1, math.ceil(self.lead_s / self._interval_s))
         while self._jumps and self._seen - self._jumps[0][0] >= later:
             _, peak = self._jumps.popleft()
             self._held.append(min(1.0, rate / peak))
-        if self.surge_ratio is not None and len(recent) >= window:
+        if self.surge_ratio is not None and len(self._recent) >= round(NOW_WINDOW_S / self._interval_s):
             fresh = not self._jumps or self._seen - self._jumps[-1][0] >= later
-            if fresh and rate > self.surge_ratio * float(np.mean(recent[-window:])):
+            if fresh and rate > self.surge_ratio * self._recent_mean():
                 self._jumps.append((self._seen, rate))
         self._seen += 1
 
@@ -861,9 +863,7 @@ class KalePlanner:
         draw 2.4% -> 3.1% under restart); the bursty week and the other traces within 0.003x."""
         if len(self._held) < MIN_SURGES:
             return now_rate
-        recent = list(self._recent)
-        window = max(1, round(NOW_WINDOW_S / self._interval_s))
-        return max(float(np.mean(recent[-window:])), now_rate * float(np.median(np.fromiter(self._held, float))))
+        return max(self._recent_mean(), now_rate * float(np.median(np.fromiter(self._held, float))))
 
     def _surging(self, now_rate: float, current: int) -> bool:
         """Whether the last interval brought more than ``surge_ratio`` times both what ``current``
