@@ -404,6 +404,7 @@ def _raised(forecast: Sequence[float] | np.ndarray, bins: int, rate: float) -> n
     out[:bins] = np.maximum(out[:bins], rate)
     return out
 
+
 class KalePlanner:
     """Kale for one online-training job: forecast, Eq. 10, Algorithm 1, fallback.
 
@@ -931,7 +932,8 @@ class KalePlanner:
         if self._forecaster is not None and (bin_index != self._last_plan_bin or replan or surge) and self._measured:
             self._last_plan_bin = bin_index
             fc = self._forecaster.predict(self.horizon_bins)
-            if self._off_track():  # the traffic now, flat, rather than a trend taken from a jump
+            off_track = self._off_track()
+            if off_track:  # the traffic now, flat, rather than a trend taken from a jump
                 fc = np.full(len(fc), self._traffic_now())
             fallen = self._fallen(stream.interval_s, float(fc[0]))
             if fallen is not None:  # re-anchored at the traffic now
@@ -941,9 +943,8 @@ class KalePlanner:
             window = lead_bins + 1
             if surge:  # the forecast missed it: the surge's traffic lasts through the lead window at least
                 now_rate = self._surge_rate(now_rate)
-                if self._off_track():  # the traffic now was the surge's peak
-                    fc = np.full(len(fc), now_rate)
-                fc = _raised(fc, window, now_rate)
+                # off track, the traffic now was the surge's peak: the surge's traffic replaces it
+                fc = np.full(len(fc), now_rate) if off_track else _raised(fc, window, now_rate)
             self.last_forecast = [float(v) for v in fc]
             hold = max(window, lead_bins + math.ceil(self.tau_s / self.plan_interval_s))
             # after an action: it stops training for pause_s, and what arrives meanwhile must be
