@@ -209,6 +209,32 @@ def test_a_scale_in_costs_what_the_migration_says_for_a_scale_in(monkeypatch: py
     assert run.downtime_min == pytest.approx((60.0 + 20.0) / 60.0)
 
 
+@pytest.mark.parametrize(("migration", "held"), [
+    # restart: the old 13 save the model (the first minute), then the new count's pods are deployed
+    ("restart", [13.0] + [3.0] * 9),
+    # seamless: the old 13 train through the joiners' minute and save (1 s into the second), then go
+    ("seamless", [13.0, (1 * 13 + 59 * 3) / 60, 3.0, 3.0]),
+])
+def test_a_scale_in_holds_the_leavers_only_until_the_hand_over(migration: str, held: list[float]) -> None:
+    """``Migration.held``: a stop-and-restart (DLRover-RM 5.2) stops the old workers once they have
+    saved the model and deploys the new count after; the leavers are not held for the 10 minutes
+    the new pods take to start. A scale-out holds the new count from the hand-over on."""
+
+    class DownThenUp:
+        name = "down-then-up"
+
+        def plan(self, obs: JobObservation) -> ResourcePlan:
+            return ResourcePlan(workers=13 if obs.now_s < 60 else 3 if obs.now_s < 1200 else 5)
+
+    cfg = sim.SimConfig(peak_workers=16, noise=0.0, migration=migration)
+    run = sim.simulate(np.full(40, 0.5 * sim.true_throughput(cfg, 3) * 60.0), {"x": DownThenUp}, cfg)["x"]
+    assert list(run.workers[:1 + len(held)]) == pytest.approx([13.0, *held])
+    assert run.workers[1 + len(held)] == 3.0
+    # the scale-out decided at the end of minute 19: restart holds the old 3 while they save
+    assert run.workers[20] == (3.0 if migration == "restart" else 5.0)
+    assert run.workers[-1] == 5.0
+
+
 def test_planners_read_the_capacity_live_workers_read() -> None:
     """``capacity_reading``: live, the rate over the busy share reads a little above what the
     workers sustain; the planners get the reading, the job trains what it sustains."""

@@ -12,11 +12,13 @@ Scaling stops training for its downtime:
 
 * ``restart`` (Kale section 1): save the model (60 s), launch containers (30 s), pull images
   (30 s), load the model (360 s) and rebuild the stream's consumer group (120 s): 10 minutes
-  with nothing trained.
+  with nothing trained. The job holds the old workers while they save, the new count after
+  (the old pods are stopped, the new ones deployed: ``Migration.held``).
 * ``seamless`` (DLRover-RM section 5.2): the new workers are launched and initialized while
   the old ones keep training (60 s), then training pauses only for the hand-over: a flash
   checkpoint through shared memory (about 1 s each way) and the consumer-group rebuild
-  (120 s, as in Kale). During an action the job holds ``max(old, new)`` workers.
+  (120 s, as in Kale). The job holds ``max(old, new)`` workers until the leavers have saved
+  (61 s), the new count after.
 
 Partitions (``SimConfig.partitions``; Kale 2.3). By default the workers share one pool of
 waiting samples, as if every worker could take any of them. A live job reads partitions: with
@@ -116,7 +118,17 @@ class Migration:
     worker is still leaving: ``JobMaster._measure``); live, 2-3 wall seconds, about 250 trace
     seconds at 96x, in which the survivors drain the pause's backlog. Without it the first
     reading after every scale-in was that catch-up (busy 1.0), and the simulated HPA scaled out
-    again at once: 165 actions on the nineteenth live run's day where the live HPA made 45."""
+    again at once: 165 actions on the nineteenth live run's day where the live HPA made 45.
+
+    What the job holds during an action (its worker-hours): ``handover_s`` after the decision the
+    old set gives way to the new one (the leavers are released, a restart's new pods start); before
+    it the job holds the old set, and the new one beside it where ``overlap`` (its pods are launched
+    while the old ones train); after it, the new set. A stop-and-restart (DLRover-RM 5.2, steps 1-3)
+    stops the old workers once they have saved the model (60 s) and deploys the new count's pods
+    after: a scale-in from 13 workers to 3 holds 13 for that minute and 3 for the other nine, not 13
+    throughout. Seamless migration launches the joiners while the old set trains and lets the leavers
+    go after the flash checkpoint's save (prep + 1 s). ``handover_s`` None: ``max(old, new)`` until the
+    action ends (a migration measured live, whose steps are not known)."""
 
     name: str
     prep_s: float
@@ -124,6 +136,12 @@ class Migration:
     scale_in_prep_s: float | None = None
     scale_in_pause_s: float | None = None
     scale_in_settle_s: float = 0.0
+    handover_s: float | None = None
+    overlap: bool = True
+
+    def __post_init__(self) -> None:
+        if self.handover_s is not None and not 0 <= self.handover_s <= min(sum(self.cost(True)), sum(self.cost(False))):
+            raise ConfigError(f"handover_s must be within every action ({self.handover_s:g} s)")
 
     def cost(self, scale_out: bool) -> tuple[float, float]:
         """(prep, pause) seconds of an action growing the job (``scale_out``) or shrinking it."""
@@ -132,10 +150,20 @@ class Migration:
         return (self.prep_s if self.scale_in_prep_s is None else self.scale_in_prep_s,
                 self.pause_s if self.scale_in_pause_s is None else self.scale_in_pause_s)
 
+    def held(self, old: int, new: int, since_s: float, span_s: float) -> float:
+        """The mean workers held over ``span_s`` seconds from ``since_s`` after an action's
+        decision, an action from ``old`` workers to ``new`` that has not ended by then."""
+        if self.handover_s is None:
+            return float(max(old, new))
+        before = max(old, new) if self.overlap else old
+        share = min(1.0, max(0.0, (self.handover_s - since_s) / span_s))
+        return share * before + (1.0 - share) * new
+
 
 MIGRATIONS = {
-    "restart": Migration("restart", prep_s=0.0, pause_s=60.0 + 30.0 + 30.0 + 360.0 + 120.0),
-    "seamless": Migration("seamless", prep_s=60.0, pause_s=2.0 + 120.0),
+    "restart": Migration("restart", prep_s=0.0, pause_s=60.0 + 30.0 + 30.0 + 360.0 + 120.0,
+                         handover_s=60.0, overlap=False),
+    "seamless": Migration("seamless", prep_s=60.0, pause_s=2.0 + 120.0, handover_s=60.0 + 1.0),
 }
 
 
@@ -372,6 +400,7 @@ class _Job:
     allocated: int
     consumed: np.ndarray  # per partition (one entry: the pool)
     action_new: int | None = None
+    action_start: float = 0.0  # the decision's time
     action_prep_end: float = 0.0
     action_end: float = 0.0
     actions: int = 0
@@ -473,7 +502,8 @@ def simulate(
                     job.workers = job.action_new
                     job.action_new = None
                     ended = True
-            allocated = job.workers if job.action_new is None else max(job.workers, job.action_new)
+            allocated = (job.workers if job.action_new is None
+                         else mig.held(job.workers, job.action_new, t0 - job.action_start, dt))
             # workers during the trained part: the old ones until the pause, the new ones after
             w_train = job.workers
             rate = f_true[w_train] * noise[k]
@@ -530,6 +560,7 @@ def simulate(
             if job.action_new is None and want != job.workers:
                 prep, pause = mig.cost(scale_out=want > job.workers)
                 job.action_new = want
+                job.action_start = t1
                 job.action_prep_end = t1 + prep
                 job.action_end = t1 + prep + pause
                 job.actions += 1

@@ -10,7 +10,8 @@ throughput noise, where each action costs what the simulator charges:
 * a decision at the end of an interval starts an action only when none is under way;
 * the action's intervals (``Migration.cost``: prep then pause, a scale-in's may be shorter than
   a scale-out's; rounded up to whole intervals)
-  are paid at ``max(old, new)`` workers, the one it ends in at the new count;
+  are paid as ``Migration.held`` says: until the hand-over at the old count (at ``max(old, new)``
+  where the new pods start beside the old), then at the new; the one it ends in at the new count;
 * in them the old workers train until the pause, the new ones after it (restart: nothing for
   10 minutes; seamless: the old ones for a minute, then 2 s of the third minute's successor).
 
@@ -62,24 +63,28 @@ GRID = 10  # grid steps per worker-interval of samples waiting
 
 @dataclass(frozen=True)
 class _Phase:
-    """One interval of a scaling action: the share of it trained, by the new workers or the old."""
+    """One interval of a scaling action: the share of it trained, by the new workers or the old,
+    and the share of it paid at the count held before the hand-over (``Migration.held``)."""
 
     train: float
-    new: bool  # trained by (and paid at) the new count; else the old count trains, max(old, new) is paid
+    new: bool  # trained by the new count; else by the old count
+    before: float  # share paid at the count before the hand-over (the old, or max(old, new) with overlap)
 
 
 def _phases(cfg: SimConfig, scale_out: bool) -> list[_Phase]:
     """The intervals after a decision to grow the job (``scale_out``) or to shrink it until the
     next decision may start an action (``simulate``'s bookkeeping: the action ends in the first
-    interval whose end is at or past prep + pause)."""
-    prep, pause = MIGRATIONS[cfg.migration].cost(scale_out)
+    interval whose end is at or past prep + pause, paid at the new count)."""
+    mig = MIGRATIONS[cfg.migration]
+    prep, pause = mig.cost(scale_out)
     dt = cfg.interval_s
     length = max(1, math.ceil((prep + pause) / dt - 1e-9))
     out = []
     for i in range(1, length + 1):
         lo, hi = (i - 1) * dt, i * dt
         paused = max(0.0, min(hi, prep + pause) - max(lo, prep))
-        out.append(_Phase(train=(dt - paused) / dt, new=i == length))
+        before = 0.0 if i == length else 1.0 if mig.handover_s is None else min(1.0, max(0.0, (mig.handover_s - lo) / dt))
+        out.append(_Phase(train=(dt - paused) / dt, new=i == length, before=before))
     return out
 
 
@@ -196,6 +201,8 @@ class _Solver:
         # the actions' intervals: one list for both directions when they cost the same, else the
         # scale-outs' (to a count above the old) and the scale-ins' (below it)
         out, into = _phases(cfg, scale_out=True), _phases(cfg, scale_out=False)
+        mig = MIGRATIONS[cfg.migration]
+        self.overlap = mig.overlap or mig.handover_s is None  # before the hand-over a scale-out holds the new count
         self.actions: list[tuple[list[_Phase], str]] = [(out, "both")] if out == into else [(out, "out"), (into, "in")]
         self.floor = float(self.counts[0] * n)  # no schedule pays less than the fewest workers throughout
         self.mu = 0.0  # the price of a lag-minute in the run under way (``run``)
@@ -307,9 +314,11 @@ class _Solver:
 
     def _unfinished(self, v: np.ndarray, t: int, lam: float, phases: list[_Phase]) -> float:
         """The least cost of an action of ``phases`` started at the end of interval t - 1 and still
-        under way when the run ends: its intervals so far, each paid at least at the old count."""
+        under way when the run ends: its intervals so far, each paid at least at the old count before
+        the hand-over and at the fewest workers after it."""
         left = self.n - t
-        v = self._old_part(v, t, phases[:left], lam) + left * self.counts[:, None]
+        before = sum(p.before for p in phases[:left])
+        v = self._old_part(v, t, phases[:left], lam) + before * self.counts[:, None] + (left - before) * self.counts[0]
         return float(v.min())
 
     def _move(self, v: np.ndarray, t: int, lam: float, phases: list[_Phase], direction: str) -> np.ndarray:
@@ -317,16 +326,21 @@ class _Solver:
         action of ``phases`` to each count (rows: the new count) from a count at or below it
         (``direction`` "out"), above it ("in"), or any ("both")."""
         counts = self.counts[:, None].astype(float)
-        old_paid = sum(not p.new for p in phases)
-        v = self._old_part(v, t, phases[:old_paid], lam)  # rows: the old count
-        phases, i = phases[old_paid:], t + old_paid
-        # the new count w' pays max(w, w') in each interval before the last: split at w <= w'
+        before = sum(p.before for p in phases)  # intervals paid at the count before the hand-over
+        after = len(phases) - before  # and at the new count
+        old_trained = sum(not p.new for p in phases)
+        v = self._old_part(v, t, phases[:old_trained], lam)  # rows: the old count
+        phases, i = phases[old_trained:], t + old_trained
+        # before the hand-over a scale-in holds its old count w, a scale-out max(w, w') = w' if the
+        # new pods start beside the old (overlap), else w: split at w <= w'
         if direction == "in":
             out = np.full_like(v, math.inf)
+        elif self.overlap:
+            out = np.minimum.accumulate(v, axis=0) + before * counts  # old w <= new w'
         else:
-            out = np.minimum.accumulate(v, axis=0) + old_paid * counts  # old w <= new w'
+            out = np.minimum.accumulate(v + before * counts, axis=0)
         if direction != "out":
-            above = v + old_paid * counts  # old w > new w': its own count
+            above = v + before * counts  # old w > new w': its own count
             above = np.minimum.accumulate(above[::-1], axis=0)[::-1]
             np.minimum(out[:-1], above[1:], out=out[:-1])
         for phase in phases:  # the new workers' part: rows are the new count
@@ -334,9 +348,8 @@ class _Solver:
                 out = self._interval(out, i, self.cap[:, i] * phase.train, lam)
             else:
                 out = self._idle(out, i, 1, lam)
-            out = out + counts
             i += 1
-        return out
+        return out + after * counts
 
 
 def _oldest_age(cum: np.ndarray, arrivals: np.ndarray, consumed: np.ndarray, now: float | np.ndarray,
