@@ -520,6 +520,28 @@ def test_an_off_track_plan_takes_the_mean_over_the_slo_window_not_the_noisiest_i
     assert planner._traffic_now() == 2.0 * mean
 
 
+def test_off_track_a_scale_up_must_beat_the_lag_its_own_pause_leaves() -> None:
+    """Noisy traffic a forecaster is off track on; a 10-minute restart. A minute at 1.4 times what
+    3 workers train (not a surge) projects the lag to about 6 minutes in 20 at 3 workers: past the
+    planned 5, so the plain rule restarts the job, yet the restart alone leaves 10 minutes of lag.
+    The planner holds. With 7 minutes of lag already, holding projects past the SLO less a pause,
+    and it scales up."""
+    truth = models.KaleSyncModel([0.00035, 2.5726, 0.9824, 0.0016])
+    f = lambda w: truth.predict(models.ThroughputConfig(w, batch_size=16384))  # noqa: E731
+    rise = 1.4 * f(3)
+
+    def asked(lag_s: float) -> int:
+        planner = _flat_planner(f(3) / 1.3, truth)
+        planner._errors = [0.8] * kale.TRACK_BINS  # off track
+        assert planner.pause_s == 600.0
+        plan = planner.plan(_snap(60.0, [rise * 60.0], 3, [(3, f(3))], backlog=rise * lag_s, lag_s=lag_s))
+        assert planner.projected_lag(3, [rise] * 2, rise * lag_s) > max(planner.planned_lag_s, lag_s)
+        return plan.workers
+
+    assert asked(0.0) == 3
+    assert asked(420.0) > 3
+
+
 @pytest.mark.parametrize("lasting", [True, False], ids=["bursts-last", "spikes-fade"])
 def test_a_surge_is_sized_for_what_the_streams_past_surges_held_an_action_later(lasting: bool) -> None:
     """Four past surges of four times the traffic: lasting an hour, or fading after two minutes.
