@@ -233,6 +233,8 @@ def test_a_scale_in_holds_the_leavers_only_until_the_hand_over(migration: str, h
     # the scale-out decided at the end of minute 19: restart holds the old 3 while they save
     assert run.workers[20] == (3.0 if migration == "restart" else 5.0)
     assert run.workers[-1] == 5.0
+    with pytest.raises(ConfigError, match="handover_s"):
+        sim.Migration("short", prep_s=0.0, pause_s=30.0, handover_s=60.0)  # a hand-over after the action
 
 
 def test_planners_read_the_capacity_live_workers_read() -> None:
