@@ -20,9 +20,10 @@ A worker with nothing to read takes part in the step with no samples (after wait
 ``poll_s`` for a record); when no worker has any, the step applies nothing and the loop polls
 again. Malformed records (``decode`` says which) are logged with their ids, counted for the
 master and skipped; they are committed with the step (they never come back), and count in the
-step's sample weight. Every ``discover_s`` the loader lists the stream's partitions: one that
-appears or disappears makes the worker re-form, and the master assigns the new set (a partition
-that disappears keeps its committed position: if it comes back, it is read after it). When the master ends the job
+step's sample weight. Every ``discover_s`` (every ``IDLE_DISCOVER_S`` while it has nothing to
+read) the loader lists the stream's partitions: one that appears or disappears makes the worker
+re-form, and the master assigns the new set (a partition that disappears keeps its committed
+position: if it comes back, it is read after it). When the master ends the job
 (``--stop-when-drained``), the loop calls ``job.finish()`` and stops.
 """
 
@@ -46,6 +47,10 @@ from tidal.worker.stream_reader import READER_ENV, Decode, PartitionReader, Pick
 log = logging.getLogger(__name__)
 
 BACKLOG_EVERY_S = 1.0
+#: a worker with nothing to read lists the partitions this often (``discover_s`` otherwise): a
+#: partition deleted while it held records reads as drained, and with ``--stop-when-drained 3`` the
+#: master once ended the job as drained 3 s later, before the 5-s listing saw the partition gone
+IDLE_DISCOVER_S = 1.0
 #: a round's first steps are not measured for the capacity it reports: a worker that just joined
 #: runs its first steps slowly (its first collectives, buffers allocated), and the members that
 #: stayed measured part of their window at the old count. Summed over the members, a live round of
@@ -216,6 +221,7 @@ class StreamLoader:
                 if self.trim:
                     self._trim(job.stream_committed)
             if taken is None:
+                self._next_discover = min(self._next_discover, self.clock() + IDLE_DISCOVER_S)
                 steps.empty(0)  # nobody may have a record (nothing is applied then): poll again
                 if steps.idle_reform:  # a drained job still re-forms (a scale-in, say)
                     job.leave_for_rendezvous("re-form requested by the master")
