@@ -150,13 +150,23 @@ class Migration:
         return (self.prep_s if self.scale_in_prep_s is None else self.scale_in_prep_s,
                 self.pause_s if self.scale_in_pause_s is None else self.scale_in_pause_s)
 
+    @property
+    def both_before_handover(self) -> bool:
+        """Whether the job holds ``max(old, new)`` before the hand-over (else the old count)."""
+        return self.overlap or self.handover_s is None
+
+    def before_share(self, since_s: float, span_s: float) -> float:
+        """The share of ``span_s`` seconds from ``since_s`` after an action's decision that falls
+        before the hand-over (all of it without one: the action's end is the hand-over)."""
+        if self.handover_s is None:
+            return 1.0
+        return min(1.0, max(0.0, (self.handover_s - since_s) / span_s))
+
     def held(self, old: int, new: int, since_s: float, span_s: float) -> float:
         """The mean workers held over ``span_s`` seconds from ``since_s`` after an action's
         decision, an action from ``old`` workers to ``new`` that has not ended by then."""
-        if self.handover_s is None:
-            return float(max(old, new))
-        before = max(old, new) if self.overlap else old
-        share = min(1.0, max(0.0, (self.handover_s - since_s) / span_s))
+        before = max(old, new) if self.both_before_handover else old
+        share = self.before_share(since_s, span_s)
         return share * before + (1.0 - share) * new
 
 

@@ -83,7 +83,7 @@ def _phases(cfg: SimConfig, scale_out: bool) -> list[_Phase]:
     for i in range(1, length + 1):
         lo, hi = (i - 1) * dt, i * dt
         paused = max(0.0, min(hi, prep + pause) - max(lo, prep))
-        before = 0.0 if i == length else 1.0 if mig.handover_s is None else min(1.0, max(0.0, (mig.handover_s - lo) / dt))
+        before = 0.0 if i == length else mig.before_share(lo, dt)
         out.append(_Phase(train=(dt - paused) / dt, new=i == length, before=before))
     return out
 
@@ -201,8 +201,7 @@ class _Solver:
         # the actions' intervals: one list for both directions when they cost the same, else the
         # scale-outs' (to a count above the old) and the scale-ins' (below it)
         out, into = _phases(cfg, scale_out=True), _phases(cfg, scale_out=False)
-        mig = MIGRATIONS[cfg.migration]
-        self.overlap = mig.overlap or mig.handover_s is None  # before the hand-over a scale-out holds the new count
+        self.overlap = MIGRATIONS[cfg.migration].both_before_handover  # a scale-out holds the new count before it
         self.actions: list[tuple[list[_Phase], str]] = [(out, "both")] if out == into else [(out, "out"), (into, "in")]
         self.floor = float(self.counts[0] * n)  # no schedule pays less than the fewest workers throughout
         self.mu = 0.0  # the price of a lag-minute in the run under way (``run``)
