@@ -95,6 +95,7 @@ __all__ = [
     "SimConfig",
     "default_true_model",
     "oracle_worker_hours",
+    "planner_factory",
     "scale_to_peak",
     "simulate",
     "slo_allowance",
@@ -472,7 +473,7 @@ def simulate(
         factories = {}
         for name in policies:
             planners.get(name)  # raises ConfigError for an unknown name
-            factories[name] = _factory(name, cfg, mig)
+            factories[name] = planner_factory(name, cfg, mig)
     results: dict[str, PolicyResult] = {}
     for name, make in factories.items():
         planner = make()
@@ -634,8 +635,8 @@ def _lag(cum: np.ndarray, arrivals: np.ndarray, consumed: float, now: float, dt:
     return max(0.0, now - (j + frac) * dt)
 
 
-def _factory(name: str, cfg: SimConfig, mig: Migration) -> Callable[[], Planner]:
-    """Planners as the simulated job configures them: the lead time is a scale-out's length (the
+def planner_factory(name: str, cfg: SimConfig, mig: Migration) -> Callable[[], Planner]:
+    """The planner ``name`` as the simulated job configures it: the lead time is a scale-out's length (the
     action that must come in time)."""
     from tidal.brain.baselines import MaduPlanner
     from tidal.brain.kale import KalePlanner

@@ -1,0 +1,158 @@
+"""A causal yardstick for kale's worker-hours (issue 22): a deadline rule, swept over its deadline.
+
+    .venv/bin/python bench/deadline_yardstick.py [--split eval] [--traces goog-volume,wc98-w3]
+        [--migrations seamless] [--deadlines 300,600,900,1080] [--procs 2]
+
+Where kale misses its worker-hour target, the bounds of ``bench/brain_robustness.py`` say what a
+schedule that *knew* the traffic would need; this says what a simple rule that does not know it
+reaches, and at what lag. Not a bound (a better online rule may exist), and not a planner: it is
+given the job's true throughput model, which a planner must learn.
+
+The rule (``DeadlineRule``): every sample is to be trained within ``deadline_s`` of its arrival.
+After each interval it takes the fewest workers that train, over the next ``horizon_s``, every
+sample whose deadline falls within it: those waiting (FIFO, the oldest first) and those forecast
+to arrive (the traffic now, flat: the higher of the last interval's rate and the mean of the last
+four), an action's preparation at the current count and its pause training nothing. It scales
+up at once and in after ``hold`` intervals in a row that ask for fewer. Time-sharing whole
+workers through what waits is how it goes below the count the traffic needs each interval, so
+its lag grows with the deadline: the table puts each deadline's worker-hours beside its lag.
+
+Prints, per trace and migration, kale's and each deadline's worker-hours over the LP bound
+(``tidal.sim.online.oracle_worker_hours``), SLO violation and accumulated lag over hpa's. A
+5-minute trace takes a second, a week of minutes about a minute per deadline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from brain_robustness import traces
+
+from tidal.api import JobObservation, ResourcePlan
+from tidal.sim import online as sim
+
+MEAN_INTERVALS = 4  # the flat forecast: the higher of the last interval's rate and these intervals' mean
+
+
+class DeadlineRule:
+    """The yardstick's rule (module docstring); ``throughput[w]`` is w workers' true samples/s."""
+
+    name = "deadline"
+
+    def __init__(self, throughput: list[float], mig: sim.Migration, deadline_s: float, horizon_s: float,
+                 hold: int) -> None:
+        self.throughput, self.deadline_s, self.horizon_s, self.hold = throughput, deadline_s, horizon_s, hold
+        self.prep_s, self.pause_s = mig.cost(scale_out=True)
+        self.arrivals: list[float] = []
+        self.cum = [0.0]  # cumulative arrivals at each interval's start
+        self.target: int | None = None
+        self.asked_fewer = 0
+
+    def plan(self, obs: JobObservation) -> ResourcePlan:
+        stream = obs.stream
+        assert stream is not None
+        for a in stream.arrivals:
+            self.arrivals.append(float(a))
+            self.cum.append(self.cum[-1] + float(a))
+        current = obs.current_workers
+        if self.target is None or not self.arrivals:
+            self.target = current
+        if not obs.ready or not self.arrivals:
+            return ResourcePlan(workers=self.target, reason="waiting")
+        want = self._fewest(stream.interval_s, stream.backlog, current, obs.max_workers)
+        self.asked_fewer = self.asked_fewer + 1 if want < current else 0
+        if want > current or self.asked_fewer >= self.hold:
+            self.target, self.asked_fewer = want, 0
+        else:
+            self.target = current
+        return ResourcePlan(workers=self.target, reason=f"deadlines: {want}")
+
+    def _fewest(self, dt: float, backlog: float, current: int, most: int) -> int:
+        now = (len(self.cum) - 1) * dt
+        rate = max(self.arrivals[-1], sum(self.arrivals[-MEAN_INTERVALS:]) / len(self.arrivals[-MEAN_INTERVALS:])) / dt
+        trained = self.cum[-1] - backlog
+
+        def arrived_by(t: float) -> float:
+            if t <= 0:
+                return 0.0
+            if t >= now:
+                return self.cum[-1] + (t - now) * rate
+            j = int(t // dt)
+            return self.cum[j] + (t / dt - j) * self.arrivals[j]
+
+        steps = range(1, max(1, math.ceil(self.horizon_s / dt)) + 1)
+        due = [max(0.0, arrived_by(now + k * dt - self.deadline_s) - trained) for k in steps]
+
+        def trains_by(w: int, t: float) -> float:
+            if w == current:
+                return self.throughput[w] * t
+            return self.throughput[current] * min(self.prep_s, t) + self.throughput[w] * max(0.0, t - self.prep_s - self.pause_s)
+
+        for w in range(1, most + 1):
+            if all(trains_by(w, k * dt) >= d for k, d in zip(steps, due, strict=True)):
+                return w
+        # no count meets every deadline (a pause is due first): the fewest that catch up by the horizon
+        return max(current, next((w for w in range(1, most + 1) if trains_by(w, steps[-1] * dt) >= due[-1]), most))
+
+
+def run(trace: str, migration: str, split: str, deadlines: list[float], horizon_s: float, hold: int) -> list[dict[str, Any]]:
+    window, history, interval = traces(split)[trace]()
+    cfg = sim.SimConfig(migration=migration, interval_s=interval)
+    scaled = sim.scale_to_peak(window, cfg)
+    mig = sim.MIGRATIONS[migration]
+    throughput = [sim.true_throughput(cfg, w) for w in range(cfg.peak_workers + 1)]
+    policies = {"kale": sim.planner_factory("kale", cfg, mig), "hpa": sim.planner_factory("hpa", cfg, mig)}
+    for d in deadlines:
+        policies[f"deadline {d:g} s"] = lambda d=d: DeadlineRule(throughput, mig, d, horizon_s, hold)
+    res = sim.simulate(scaled, policies, cfg, history=history * float(scaled.max() / window.max()))
+    bound = sim.oracle_worker_hours(scaled, cfg)
+    hpa_lag = res["hpa"].accumulated_lag_min
+    return [{"trace": trace, "migration": migration, "policy": name, "worker_h_over_bound": r.worker_hours / bound,
+             "slo_violation_rate": r.slo_violation_rate, "lag_over_hpa": r.accumulated_lag_min / hpa_lag if hpa_lag else math.nan,
+             "actions": r.scaling_actions} for name, r in res.items() if name != "hpa"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--split", default="eval", choices=["eval", "tune"])
+    ap.add_argument("--traces", default="goog-volume,wc98-w3", help="comma-separated (brain_robustness.traces)")
+    ap.add_argument("--migrations", default="seamless,restart")
+    ap.add_argument("--deadlines", default="300,600,900,1080", help="seconds, each below the 20-minute SLO")
+    ap.add_argument("--horizon-s", type=float, default=1800.0, help="how far ahead the deadlines are counted")
+    ap.add_argument("--hold", type=int, default=2, help="intervals in a row asking for fewer before a scale-in")
+    ap.add_argument("--procs", type=int, default=os.cpu_count() or 1)
+    args = ap.parse_args()
+    known = traces(args.split)
+    names = [t for t in args.traces.split(",") if t]
+    if bad := [t for t in names if t not in known]:
+        sys.exit(f"unknown trace {bad[0]!r} in the {args.split} split; known: {', '.join(known)}")
+    migrations = [m for m in args.migrations.split(",") if m]
+    if bad := [m for m in migrations if m not in sim.MIGRATIONS]:
+        sys.exit(f"unknown migration {bad[0]!r}; known: {', '.join(sim.MIGRATIONS)}")
+    deadlines = [float(d) for d in args.deadlines.split(",") if d]
+    if not deadlines or any(not 0 < d < sim.SLO_LAG_S for d in deadlines):
+        sys.exit(f"--deadlines: seconds in (0, {sim.SLO_LAG_S:g}), got {args.deadlines!r}")
+    if args.hold < 1 or not args.horizon_s > 0:
+        sys.exit("--hold must be at least 1 and --horizon-s positive")
+    print("| trace | mig. | policy | worker-h / LP bound | SLO violation | acc. lag / hpa's | actions |")
+    print("|---|---|---|---:|---:|---:|---:|")
+    with ProcessPoolExecutor(max_workers=args.procs) as pool:
+        jobs = [pool.submit(run, t, m, args.split, deadlines, args.horizon_s, args.hold)
+                for t, m in itertools.product(names, migrations)]
+        for job in jobs:
+            for r in job.result():
+                print(f"| {r['trace']} | {r['migration']} | {r['policy']} | {r['worker_h_over_bound']:.3f}x | "
+                      f"{r['slo_violation_rate']:.1%} | {r['lag_over_hpa']:.2f}x | {r['actions']} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
