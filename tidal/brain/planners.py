@@ -43,7 +43,8 @@ class PlannerContext:
         history: finished jobs (``tidal.brain.history``); None: no warm start.
         cpus: cores the job's workers may use (0: not known).
         lag_slo_s: an online-training job's lag SLO in trace time (Kale's 20 minutes); kale
-            plans for a quarter of it and falls back to reacting at three quarters.
+            plans for a quarter of it, falls back to reacting at three quarters, and where an
+            action ends within a planner interval trains every sample within three quarters.
         action_lead_s, action_pause_s: what a scaling action is expected to cost, on the
             planner's clock (trace time): the time until the new count trains, and the pause
             of training within it; priors a planner may refine on the job's own actions
@@ -93,13 +94,14 @@ def _builtin() -> dict[str, Callable[[PlannerContext], Planner]]:
         "optimus": lambda _: OptimusWorkers(),
         "dlrover": lambda ctx: DLRoverWorkers(cpus=ctx.cpus),
         "dlrover-rm": lambda ctx: DLRoverRMWorkers(features=ctx.features, history=ctx.history),
-        # at the default SLO (20 min) these are KalePlanner's own defaults: 5, 15 and 5 minutes
+        # at the default SLO (20 min) these are KalePlanner's own defaults: 5, 15, 5 and 15 minutes
         "kale": lambda ctx: KalePlanner(planned_lag_s=ctx.lag_slo_s / 4 if ctx.planned_lag_s is None
                                         else ctx.planned_lag_s,
                                         fallback=ThresholdFallback(lag_bound_s=ctx.lag_slo_s * 3 / 4,
                                                                    utilization_lag_s=ctx.lag_slo_s / 4),
                                         lead_s=ctx.action_lead_s, pause_s=ctx.action_pause_s,
-                                        headroom=ctx.load_headroom, lag_price=ctx.lag_price),
+                                        headroom=ctx.load_headroom, lag_price=ctx.lag_price,
+                                        deadline_s=ctx.lag_slo_s * 3 / 4),
         "hpa": lambda _: HPAPlanner(),
         "autopilot": lambda _: AutopilotPlanner(),
         "madu": lambda _: MaduPlanner(),
