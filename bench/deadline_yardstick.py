@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from brain_robustness import traces
 
 from tidal.api import JobObservation, ResourcePlan
+from tidal.brain.kale import deadline_workers
 from tidal.sim import online as sim
 
 MEAN_INTERVALS = 4  # the flat forecast: the higher of the last interval's rate and these intervals' mean
@@ -53,16 +54,13 @@ class DeadlineRule:
         self.throughput, self.deadline_s, self.horizon_s, self.hold = throughput, deadline_s, horizon_s, hold
         self.prep_s, self.pause_s = mig.cost(scale_out=True)
         self.arrivals: list[float] = []
-        self.cum = [0.0]  # cumulative arrivals at each interval's start
         self.target: int | None = None
         self.asked_fewer = 0
 
     def plan(self, obs: JobObservation) -> ResourcePlan:
         stream = obs.stream
         assert stream is not None
-        for a in stream.arrivals:
-            self.arrivals.append(float(a))
-            self.cum.append(self.cum[-1] + float(a))
+        self.arrivals.extend(map(float, stream.arrivals))
         current = obs.current_workers
         if self.target is None or not self.arrivals:
             self.target = current
@@ -77,31 +75,10 @@ class DeadlineRule:
         return ResourcePlan(workers=self.target, reason=f"deadlines: {want}")
 
     def _fewest(self, dt: float, backlog: float, current: int, most: int) -> int:
-        now = (len(self.cum) - 1) * dt
-        rate = max(self.arrivals[-1], sum(self.arrivals[-MEAN_INTERVALS:]) / len(self.arrivals[-MEAN_INTERVALS:])) / dt
-        trained = self.cum[-1] - backlog
-
-        def arrived_by(t: float) -> float:
-            if t <= 0:
-                return 0.0
-            if t >= now:
-                return self.cum[-1] + (t - now) * rate
-            j = int(t // dt)
-            return self.cum[j] + (t / dt - j) * self.arrivals[j]
-
-        steps = range(1, max(1, math.ceil(self.horizon_s / dt)) + 1)
-        due = [max(0.0, arrived_by(now + k * dt - self.deadline_s) - trained) for k in steps]
-
-        def trains_by(w: int, t: float) -> float:
-            if w == current:
-                return self.throughput[w] * t
-            return self.throughput[current] * min(self.prep_s, t) + self.throughput[w] * max(0.0, t - self.prep_s - self.pause_s)
-
-        for w in range(1, most + 1):
-            if all(trains_by(w, k * dt) >= d for k, d in zip(steps, due, strict=True)):
-                return w
-        # no count meets every deadline (a pause is due first): the fewest that catch up by the horizon
-        return max(current, next((w for w in range(1, most + 1) if trains_by(w, steps[-1] * dt) >= due[-1]), most))
+        recent = self.arrivals[-MEAN_INTERVALS:]
+        rate = max(self.arrivals[-1], sum(recent) / len(recent)) / dt
+        return deadline_workers(self.throughput.__getitem__, self.arrivals, dt, backlog, rate, self.deadline_s,
+                                self.prep_s, self.pause_s, current, 1, most, self.horizon_s)
 
 
 def run(trace: str, migration: str, split: str, deadlines: list[float], horizon_s: float, hold: int) -> list[dict[str, Any]]:

@@ -33,6 +33,7 @@ __all__ = [
     "KalePlanner",
     "ThresholdFallback",
     "WorkerChoice",
+    "deadline_workers",
     "leftover_mean",
     "minimal_workers",
     "priced_workers",
@@ -408,6 +409,53 @@ DEADLINE_ROUNDING = 0.1
 #: how many must have been seen before it is
 SURGES_KEPT = 32
 MIN_SURGES = 3
+
+
+def deadline_workers(throughput: Callable[[int], float], counts: Sequence[float], interval_s: float, backlog: float,
+                     rate: float, deadline_s: float, prep_s: float, pause_s: float, current: int, lo: int, hi: int,
+                     horizon_s: float = DEADLINE_HORIZON_S) -> int:
+    """The fewest workers in ``[lo, hi]`` that train, by the end of every interval of the next
+    ``horizon_s``, every sample due by then: a sample is due ``deadline_s`` after it arrived.
+
+    ``counts``: the samples that arrived in each past interval of ``interval_s``, the oldest first,
+    up to now; the last ``backlog`` of them wait (FIFO; a backlog older than ``counts`` is taken as
+    due at their start). The future brings ``rate`` samples/s. A change from ``current`` trains at
+    ``current`` through its preparation ``prep_s`` and nothing in its pause ``pause_s``. Where no
+    count keeps every deadline (a pause is due first): the fewest that have trained what is due by
+    the horizon's end, never fewer than ``current``. ``KalePlanner._deadline_workers`` sizes a job
+    with it; ``bench/deadline_yardstick.py`` too, given the true throughput."""
+    dt = interval_s
+    total = sum(counts)
+    cum = list(itertools.accumulate(counts, initial=0.0))
+    trained = max(0.0, total - backlog)
+    start = -len(counts) * dt  # the oldest interval began this long before now
+
+    def arrived_by(t: float) -> float:  # t seconds from now; the future at ``rate``
+        if t >= 0:
+            return total + t * rate
+        x = t - start
+        if x <= 0:
+            return 0.0
+        j = min(int(x // dt), len(counts) - 1)
+        return cum[j] + (x / dt - j) * counts[j]
+
+    ends = [k * dt for k in range(1, max(1, math.ceil(horizon_s / dt)) + 1)]
+    due = [max(0.0, arrived_by(end - deadline_s) - trained) for end in ends]
+    f_current = throughput(current)
+
+    def trained_by(w: int, f_w: float, t: float) -> float:
+        if w == current:
+            return f_w * t
+        return f_current * min(prep_s, t) + f_w * max(0.0, t - prep_s - pause_s)
+
+    fallback = None
+    for w in range(lo, hi + 1):
+        f_w = throughput(w)
+        if all(trained_by(w, f_w, end) >= d for end, d in zip(ends, due, strict=True)):
+            return w
+        if fallback is None and trained_by(w, f_w, ends[-1]) >= due[-1]:
+            fallback = w
+    return max(current, hi if fallback is None else fallback)
 
 
 def _raised(forecast: Sequence[float] | np.ndarray, bins: int, rate: float) -> np.ndarray:
@@ -976,13 +1024,8 @@ class KalePlanner:
         return (whole - need) / whole
 
     def _deadline_workers(self, backlog: float, current: int, lo: int, hi: int) -> int:
-        """The fewest workers that train, by every interval of the next ``DEADLINE_HORIZON_S``,
-        every sample due by then: a sample is due ``deadline_s`` after it arrived. Due are the
-        samples waiting (FIFO: the last ``backlog`` of the arrivals, the oldest first) and those
-        forecast to arrive (the traffic now, flat: ``_traffic_now``). A change trains at the
-        current count through its preparation (``lead_s - pause_s``) and nothing in its pause.
-        Where no count keeps every deadline (a pause is due first), the fewest that have trained
-        what is due by the horizon's end, never fewer than ``current``.
+        """``deadline_workers`` for this job: the arrivals it kept, the traffic now (``_traffic_now``)
+        as the forecast, its believed throughput and its actions' preparation and pause.
 
         Beyond the paper, whose Eq. 10 sizes every bin for its forecast rate: where an action ends
         within one arrivals interval (a seamless move, 3 minutes, on 5-minute metrics) the job can
@@ -998,37 +1041,10 @@ class KalePlanner:
         on 1-minute metrics, any 10-minute restart) the forecast keeps sizing the job: on the tune
         split's minute traces deadline sizing (a prototype of this rule) saved at most 0.03x the
         bound, lost up to 0.13x (WorldCup98's week 1) and held 2-34x hpa's lag."""
-        deadline, dt = self.deadline_s, self._interval_s
-        assert deadline is not None  # _sizes_by_deadlines
-        counts = [rate * dt for rate in self._recent]  # the oldest first, up to now
-        total = sum(counts)
-        cum = list(itertools.accumulate(counts, initial=0.0))
-        trained = max(0.0, total - backlog)  # a backlog older than the intervals kept: due at their start
-        rate = self._traffic_now()
-        start = -len(counts) * dt  # the oldest interval kept began this long before now
-
-        def arrived_by(t: float) -> float:  # t seconds from now; the future at the traffic now
-            if t >= 0:
-                return total + t * rate
-            x = t - start
-            if x <= 0:
-                return 0.0
-            j = min(int(x // dt), len(counts) - 1)
-            return cum[j] + (x / dt - j) * counts[j]
-
-        ends = [k * dt for k in range(1, max(1, math.ceil(DEADLINE_HORIZON_S / dt)) + 1)]
-        due = [max(0.0, arrived_by(end - deadline) - trained) for end in ends]
-        prep = max(0.0, self.lead_s - self.pause_s)
-
-        def trained_by(w: int, t: float) -> float:
-            if w == current:
-                return self.throughput(w) * t
-            return self.throughput(current) * min(prep, t) + self.throughput(w) * max(0.0, t - prep - self.pause_s)
-
-        for w in range(lo, hi + 1):
-            if all(trained_by(w, end) >= d for end, d in zip(ends, due, strict=True)):
-                return w
-        return max(current, next((w for w in range(lo, hi + 1) if trained_by(w, ends[-1]) >= due[-1]), hi))
+        assert self.deadline_s is not None  # _sizes_by_deadlines
+        return deadline_workers(self.throughput, [rate * self._interval_s for rate in self._recent], self._interval_s,
+                                backlog, self._traffic_now(), self.deadline_s, max(0.0, self.lead_s - self.pause_s),
+                                self.pause_s, current, lo, hi)
 
     def _deadline_plan(self, obs: JobObservation, backlog: float, lo: int, hi: int) -> ResourcePlan:
         """The plan where the job is sized by deadlines: up at once, in once ``DEADLINE_HOLD`` of
