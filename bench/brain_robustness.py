@@ -231,6 +231,8 @@ def run_online(trace: str, migration: str, split: str = "eval") -> dict[str, Any
     return {"part": "online", "trace": trace, "migration": migration, "bound_worker_hours": bound,
             "paid_bound_worker_hours": paid, "lag_priced_at_kale_lag": at_kale_lag,
             "lag_priced_within_lag_target": within_lag_target, "peak_to_mean": peak_to_mean,
+            "window_h": len(window) * interval / 3600,
+            "unforecast_h": sim.forecast_wait_s("kale", cfg, len(history) * interval) / 3600,
             "policies": {k: r.metrics() for k, r in res.items()}}
 
 
@@ -291,6 +293,11 @@ def summarize_online(rows: list[dict[str, Any]]) -> list[str]:
             cells.append(f"{m['worker_hours'] / r['bound_worker_hours']:.2f}x; {m['slo_violation_rate']:.1%}; {lag:.2f}x")
         out.append(f"| {r['trace']} | {r['migration']} | {r['peak_to_mean']:.1f} | {r['bound_worker_hours']:.0f} | "
                    + " | ".join(cells) + " |")
+    short = sorted({(r["trace"], r["unforecast_h"], r["window_h"]) for r in rows if r.get("unforecast_h")})
+    if short:
+        out += ["", "too little history for kale's and madu's forecasters (two days and two 10-minute bins) on: "
+                + ", ".join(f"{t} (none for the first {h:.1f} h of {w:.1f})" for t, h, w in short)
+                + "; until then kale scales by its threshold fallback alone, madu keeps its count"]
     out += ["", "kale against its targets, across traces (median / worst):", ""]
     out.append("| migration | metric | median / worst | target | worst meets it |")
     out.append("|---|---|---|---|---|")

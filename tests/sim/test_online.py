@@ -389,6 +389,13 @@ def test_cli_sim_online(tmp_path: Path):
     assert png.stat().st_size > 10_000
     assert 0 < data["oracle_worker_hours"] < data["policies"]["adequate"]["worker_hours"]
     assert "lower bound" in r.output
+    # two days of history, where the forecasters need two days and two 10-minute bins: said
+    assert "kale and madu need 48.3 h to fit a forecast: for the window's first 0.3 h" in r.output
+    one_day = runner.invoke(app, ["sim", "online", "--trace", str(trace), "--days", "2", "--peak-workers", "10",
+                                  "--policies", "kale,hpa"])
+    assert one_day.exit_code == 0, one_day.output
+    assert "24.0 h of arrivals before it and kale needs 48.3 h" in one_day.output
+    assert "first 24.3 h kale scales by its threshold fallback alone" in one_day.output
     relaxed = runner.invoke(app, ["sim", "online", "--trace", str(trace), "--days", "1", "--peak-workers", "10",
                                   "--policies", "adequate", "--bound-violations", "0.03", "--json", str(out)])
     assert relaxed.exit_code == 0, relaxed.output
@@ -422,6 +429,7 @@ def test_cli_sim_online(tmp_path: Path):
     early = runner.invoke(app, ["sim", "online", "--trace", str(trace), "--days", "1", "--skip-days", "1",
                                 "--peak-workers", "10", "--policies", "adequate"])
     assert early.exit_code == 0, early.output
+    assert "fit a forecast" not in early.output  # adequate forecasts nothing
     assert runner.invoke(app, ["sim", "online", "--trace", str(trace), "--skip-days", "5"]).exit_code == 2
     # partitions: 7 on 10 workers leave 3 idle; adequate's lag may grow where the pool's did not
     split = runner.invoke(app, ["sim", "online", "--trace", str(trace), "--days", "1", "--peak-workers", "10",

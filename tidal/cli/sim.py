@@ -132,6 +132,18 @@ def online(
                    f"{oracle:.1f} worker-h = {oracle / adequate:.2f}x the peak count's")
     else:
         typer.echo(f"no policy {kept}: even {peak_workers} workers cannot keep up")
+    had_s = len(history) * interval
+    late: dict[float, list[str]] = {}
+    for name in results:
+        wait = sim.forecast_wait_s(name, cfg, had_s)
+        if wait > 0:
+            late.setdefault(wait, []).append(name)
+    meanwhile = {"kale": "kale scales by its threshold fallback alone", "madu": "madu keeps its count"}
+    for wait, who in late.items():
+        what = "; ".join(meanwhile.get(name, f"{name} has no forecast") for name in who)
+        typer.echo(f"note: the window has {had_s / 3600:.1f} h of arrivals before it and {' and '.join(who)} "
+                   f"{'needs' if len(who) == 1 else 'need'} {(had_s + wait) / 3600:.1f} h to fit a forecast: for the "
+                   f"window's first {wait / 3600:.1f} h {what} (a smaller --days leaves more history)")
     if paid is not None and math.isfinite(paid):
         typer.echo(f"lower bound paying every {migration} action (perfect forecast, whole workers): {paid:.1f} "
                    f"worker-h = {paid / oracle:.2f}x the bound above")

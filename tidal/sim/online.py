@@ -94,6 +94,7 @@ __all__ = [
     "PolicyResult",
     "SimConfig",
     "default_true_model",
+    "forecast_wait_s",
     "oracle_worker_hours",
     "planner_factory",
     "scale_to_peak",
@@ -649,6 +650,19 @@ def planner_factory(name: str, cfg: SimConfig, mig: Migration) -> Callable[[], P
     if name == "madu":
         return lambda: MaduPlanner(lead_s=lead)
     return lambda: planners.get(name)
+
+
+def forecast_wait_s(name: str, cfg: SimConfig, history_s: float) -> float:
+    """How far into the window the planner ``name`` runs without a forecast, given ``history_s``
+    seconds of arrivals before it: a forecasting planner fits its forecaster once it has seen
+    ``min_history_bins`` planning bins (kale's and madu's Holt-Winters: two days and two bins of
+    10 minutes); 0 for a planner that forecasts nothing or has history enough. Until then kale
+    scales by its threshold fallback alone and madu keeps its count."""
+    planner = planner_factory(name, cfg, MIGRATIONS[cfg.migration])()
+    bins, every = getattr(planner, "min_history_bins", None), getattr(planner, "plan_interval_s", None)
+    if bins is None or every is None:
+        return 0.0
+    return max(0.0, bins * float(every) - history_s)
 
 
 def load_trace(rows: Sequence[Sequence[str]], column: str | None) -> tuple[np.ndarray, float]:
