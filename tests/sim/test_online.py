@@ -362,6 +362,20 @@ def test_a_pipeline_latency_is_a_floor_under_the_lag() -> None:
         sim.simulate(arrivals, {"four": lambda: FixedWorkers(4)}, sim.SimConfig(latency_s=-1.0))
 
 
+def test_the_planner_factory_passes_kale_arguments_and_refuses_them_elsewhere() -> None:
+    cfg = sim.SimConfig(migration="restart", interval_s=300.0)
+    mig = sim.MIGRATIONS["restart"]
+    kale = sim.planner_factory("kale", cfg, mig, track_error=None, min_history_bins=5)()
+    assert kale.track_error is None and kale.min_history_bins == 5  # type: ignore[attr-defined]
+    assert kale.lead_s == mig.prep_s + mig.pause_s  # type: ignore[attr-defined]
+    with pytest.raises(ConfigError, match="KalePlanner arguments given for 'hpa'"):
+        sim.planner_factory("hpa", cfg, mig, track_error=None)
+    # a forecasting planner says how far into a window it runs without a forecast
+    assert sim.forecast_wait_s("kale", cfg, 0.0) == pytest.approx((2 * 144 + 2) * 600.0)
+    assert sim.forecast_wait_s("kale", cfg, 86400.0 * 3) == 0.0
+    assert sim.forecast_wait_s("hpa", cfg, 0.0) == 0.0
+
+
 def test_load_trace_formats():
     counts, interval = sim.load_trace([["minute", "n"], ["0", "5"], ["1", "7"], ["3", "1"]], None)
     assert interval == 60.0 and list(counts) == [5, 7, 0, 1]

@@ -78,6 +78,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC
+from typing import Any
 
 import numpy as np
 
@@ -636,9 +637,9 @@ def _lag(cum: np.ndarray, arrivals: np.ndarray, consumed: float, now: float, dt:
     return max(0.0, now - (j + frac) * dt)
 
 
-def planner_factory(name: str, cfg: SimConfig, mig: Migration) -> Callable[[], Planner]:
+def planner_factory(name: str, cfg: SimConfig, mig: Migration, **kale: Any) -> Callable[[], Planner]:
     """The planner ``name`` as the simulated job configures it: the lead time is a scale-out's length (the
-    action that must come in time)."""
+    action that must come in time). ``kale``: more ``KalePlanner`` arguments (a yardstick's forecaster)."""
     from tidal.brain.baselines import MaduPlanner
     from tidal.brain.kale import KalePlanner
 
@@ -646,7 +647,9 @@ def planner_factory(name: str, cfg: SimConfig, mig: Migration) -> Callable[[], P
     if name == "kale":
         return lambda: KalePlanner(lead_s=lead, pause_s=mig.pause_s, measure_actions=False, batch_size=cfg.batch_size,
                                    headroom=cfg.load_headroom, lag_price=cfg.lag_price,
-                                   planned_lag_s=cfg.planned_lag_s)
+                                   planned_lag_s=cfg.planned_lag_s, **kale)
+    if kale:
+        raise ConfigError(f"KalePlanner arguments given for {name!r}")
     if name == "madu":
         return lambda: MaduPlanner(lead_s=lead)
     return lambda: planners.get(name)

@@ -1,0 +1,231 @@
+"""What knowing the traffic is worth (issue 22): kale, and a planner that optimizes over its
+forecast, each given a perfect forecast and a causal one.
+
+    .venv/bin/python bench/mpc_yardstick.py [--split tune] [--traces volume-like,volume-like-1]
+        [--migrations restart] [--caps 300,450,525,600] [--penalty 50] [--horizon-s 7200] [--procs 2]
+
+Where kale misses its worker-hour target, ``bench/brain_robustness.py`` prints what a schedule
+that knew the traffic needs (``tidal.sim.paid_bound.lag_priced_worker_hours``). This asks where
+the gap lies: in what kale does with what it knows, or in what it cannot know. Rows per trace:
+
+* ``kale``: as ``tidal sim online`` runs it;
+* ``kale, perfect forecast``: the same planner given each planning bin's true mean arrival rate
+  (``PerfectBins``) from the first interval on, never off track;
+* ``mpc, cap C s``: ``ForecastMPC`` with the traffic's mean over the last hour as its forecast,
+  flat (causal);
+* ``mpc, perfect, cap C s``: the same given the true arrivals and throughput noise ahead.
+
+``ForecastMPC`` is a receding-horizon rule, not a planner: it is given the job's true throughput
+model. After each interval (no action under way) it solves a dynamic program over the next
+``horizon_s``: states are (workers, samples waiting on a grid of half a worker-interval); each
+interval it keeps its count or starts an action to any count (the action's intervals train
+nothing and are paid at the larger count); the cost is worker-intervals, plus ``penalty``
+worker-intervals for each interval that ends with a sample older than the cap (FIFO over the
+arrivals so far and the forecast), plus what still waits at the horizon (in worker-intervals to
+train it). It takes the first decision. The cap trades lag for workers, as kale's margins do.
+
+Prints worker-hours over the LP bound, SLO violation, accumulated lag over hpa's and actions. A
+5-minute trace takes a few seconds a row; a week of minutes is slow (a longer program each
+minute) and not what this is for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from brain_robustness import traces
+
+from tidal.api import JobObservation, ResourcePlan
+from tidal.brain import forecast as forecasting
+from tidal.sim import online as sim
+
+MEAN_WINDOW_S = 3600.0  # the causal forecast: the mean arrival rate of the last hour, flat
+GRID = 2.0  # grid steps of samples waiting per worker-interval
+
+
+class PerfectBins:
+    """A forecaster that knows the future: ``bins`` are the true mean rates of every planning bin
+    of the run (history included); it forecasts from the bin after the last one it was given."""
+
+    name = "perfect"
+
+    def __init__(self, bins: np.ndarray) -> None:
+        self.bins = bins
+        self.seen = 0
+
+    def fit(self, series: Any) -> None:
+        self.seen = len(series)
+
+    def update(self, values: Any) -> None:
+        self.seen += len(values)
+
+    def predict(self, horizon: int) -> np.ndarray:
+        ahead = self.bins[self.seen : self.seen + horizon]
+        if len(ahead) < horizon:  # past the end of the run: its last bin, held
+            ahead = np.concatenate([ahead, np.full(horizon - len(ahead), self.bins[-1])])
+        return ahead
+
+
+class ForecastMPC:
+    """The yardstick's receding-horizon rule (module docstring). ``throughput[w]``: w workers'
+    true samples/s; ``truth`` and ``noise``: the run's arrivals and throughput noise per interval,
+    given for the perfect variant (None: the causal forecast)."""
+
+    name = "mpc"
+
+    def __init__(self, throughput: list[float], dt: float, action_intervals: int, cap_s: float, horizon: int,
+                 penalty: float, truth: np.ndarray | None = None, noise: np.ndarray | None = None) -> None:
+        self.throughput = np.asarray(throughput, dtype=float)
+        self.dt, self.action, self.cap_s, self.horizon, self.penalty = dt, action_intervals, cap_s, horizon, penalty
+        self.truth, self.noise = truth, noise
+        self.arrivals: list[float] = []  # per interval of the window, as observed
+        self.target: int | None = None
+
+    def plan(self, obs: JobObservation) -> ResourcePlan:
+        stream = obs.stream
+        assert stream is not None
+        self.arrivals.extend(map(float, stream.arrivals))
+        if self.target is None:
+            self.target = obs.current_workers
+        if obs.ready and self.arrivals:
+            self.target = self._decide(obs.current_workers, stream.backlog, obs.max_workers)
+        return ResourcePlan(workers=self.target, reason="mpc")
+
+    def _ahead(self) -> tuple[np.ndarray, np.ndarray]:
+        """Arrivals and throughput noise per interval over the horizon."""
+        h, now = self.horizon, len(self.arrivals)
+        if self.truth is not None and self.noise is not None:
+            a, n = self.truth[now : now + h], self.noise[now : now + h]
+            pad = h - len(a)
+            return np.concatenate([a, np.full(pad, a[-1] if len(a) else self.arrivals[-1])]), np.concatenate([n, np.ones(pad)])
+        k = max(1, round(MEAN_WINDOW_S / self.dt))
+        recent = self.arrivals[-k:]
+        return np.full(h, sum(recent) / len(recent)), np.ones(h)
+
+    def _decide(self, w0: int, backlog: float, most: int) -> int:
+        ahead, noise = self._ahead()
+        h, a_int, dt = self.horizon, self.action, self.dt
+        counts = np.arange(1, min(most, max(w0 + 2, int(np.searchsorted(self.throughput, 1.5 * ahead.max() / dt)) + 2)) + 1)
+        unit = self.throughput[1] * dt / GRID  # samples per grid step
+        # the most that may wait at the end of each interval ahead: what arrived within the cap before it
+        k = self.cap_s / dt
+        series = np.concatenate([np.asarray(self.arrivals[-math.ceil(k) - 1 :]), ahead])
+        cum = np.concatenate([[0.0], np.cumsum(series)])
+        ends = len(series) - h + np.arange(1, h + 1)
+        cap = np.floor((cum[ends] - np.interp(ends - k, np.arange(len(cum)), cum)) / unit).astype(int)
+        width = int(max(cap.max(), backlog / unit) + 2)
+        steps = np.arange(width)
+        arrive = ahead / unit
+        train = self.throughput[counts][:, None] * noise[None, :] * dt / unit  # (counts, h)
+        rows = np.arange(len(counts))
+        value = np.empty((h + 1, len(counts), width))
+        value[h] = steps[None, :] / GRID  # what still waits, in worker-intervals to train it
+        for t in range(h - 1, -1, -1):
+            nxt = np.maximum(0, np.floor(steps[None, :] + arrive[t] - train[:, t : t + 1])).astype(int)
+            best = counts[:, None] + value[t + 1][rows[:, None], np.minimum(nxt, width - 1)] + self.penalty * (nxt > cap[t])
+            if t + a_int <= h:
+                grown = np.floor(np.cumsum(arrive[t : t + a_int])).astype(int)
+                over = ((steps[None, :] + grown[:, None]) > cap[t : t + a_int, None]).sum(axis=0)
+                after = value[t + a_int][:, np.minimum(steps + grown[-1], width - 1)] + self.penalty * over[None, :]
+                paid = np.maximum(counts[:, None], counts[None, :]) * a_int  # (old, new)
+                moves = paid[:, :, None] + after[None, :, :]
+                moves[rows, rows, :] = np.inf  # to the same count is no action
+                best = np.minimum(best, moves.min(axis=1))
+            value[t] = best
+        if w0 > counts[-1]:
+            return w0
+        # the first decision from the state now: keep w0, or act to the count with the least cost
+        b = min(int(backlog / unit), width - 1)
+        nxt = int(max(0.0, math.floor(b + arrive[0] - train[w0 - 1, 0])))
+        keep = w0 + value[1][w0 - 1, min(nxt, width - 1)] + self.penalty * (nxt > cap[0])
+        if a_int > h:
+            return w0
+        grown = np.floor(np.cumsum(arrive[:a_int])).astype(int)
+        over = int(((b + grown) > cap[:a_int]).sum())
+        act = np.maximum(counts, w0) * a_int + value[a_int][:, min(b + int(grown[-1]), width - 1)] + self.penalty * over
+        act[w0 - 1] = np.inf
+        j = int(np.argmin(act))
+        return int(counts[j]) if act[j] < keep - 1e-9 else w0
+
+
+def run(trace: str, migration: str, split: str, caps: list[float], penalty: float, horizon_s: float) -> list[dict[str, Any]]:
+    window, history, interval = traces(split)[trace]()
+    cfg = sim.SimConfig(migration=migration, interval_s=interval)
+    scaled = sim.scale_to_peak(window, cfg)
+    factor = float(scaled.max() / window.max())
+    mig = sim.MIGRATIONS[migration]
+    throughput = [sim.true_throughput(cfg, w) for w in range(cfg.peak_workers + 1)]
+    noise = sim.throughput_noise(cfg, len(scaled))
+    action = math.ceil((mig.prep_s + mig.pause_s) / interval)
+    horizon = max(action + 1, round(horizon_s / interval))
+    # kale's planning bins over the whole run, history first, as KalePlanner forms them
+    per_bin = max(1, round(600.0 / interval))
+    series = np.concatenate([history * factor, scaled])
+    whole = len(series) // per_bin * per_bin
+    bins = series[:whole].reshape(-1, per_bin).mean(axis=1) / interval
+    forecasting.register(f"perfect:{trace}", lambda **_: PerfectBins(bins))
+    policies: dict[str, Any] = {
+        "kale": sim.planner_factory("kale", cfg, mig),
+        "kale, perfect forecast": sim.planner_factory("kale", cfg, mig, forecaster=f"perfect:{trace}",
+                                                      min_history_bins=1, track_error=None),
+        "hpa": sim.planner_factory("hpa", cfg, mig),
+    }
+    for cap in caps:
+        policies[f"mpc, cap {cap:g} s"] = lambda cap=cap: ForecastMPC(throughput, interval, action, cap, horizon, penalty)
+        policies[f"mpc, perfect, cap {cap:g} s"] = lambda cap=cap: ForecastMPC(
+            throughput, interval, action, cap, horizon, penalty, truth=scaled, noise=noise)
+    res = sim.simulate(scaled, policies, cfg, history=history * factor)
+    bound = sim.oracle_worker_hours(scaled, cfg)
+    hpa_lag = res["hpa"].accumulated_lag_min
+    return [{"trace": trace, "migration": migration, "policy": name, "worker_h_over_bound": r.worker_hours / bound,
+             "slo_violation_rate": r.slo_violation_rate, "lag_over_hpa": r.accumulated_lag_min / hpa_lag if hpa_lag else math.nan,
+             "actions": r.scaling_actions} for name, r in res.items() if name != "hpa"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--split", default="tune", choices=["eval", "tune"])
+    ap.add_argument("--traces", default=",".join(["volume-like"] + [f"volume-like-{k}" for k in range(1, 6)]),
+                    help="comma-separated (brain_robustness.traces)")
+    ap.add_argument("--migrations", default="restart")
+    ap.add_argument("--caps", default="300,450,525,600", help="seconds a sample may wait before the penalty, each below the SLO")
+    ap.add_argument("--penalty", type=float, default=50.0, help="worker-intervals per interval past the cap")
+    ap.add_argument("--horizon-s", type=float, default=7200.0, help="how far ahead the program looks")
+    ap.add_argument("--procs", type=int, default=os.cpu_count() or 1)
+    args = ap.parse_args()
+    known = traces(args.split)
+    names = [t for t in args.traces.split(",") if t]
+    if bad := [t for t in names if t not in known]:
+        sys.exit(f"unknown trace {bad[0]!r} in the {args.split} split; known: {', '.join(known)}")
+    migrations = [m for m in args.migrations.split(",") if m]
+    if bad := [m for m in migrations if m not in sim.MIGRATIONS]:
+        sys.exit(f"unknown migration {bad[0]!r}; known: {', '.join(sim.MIGRATIONS)}")
+    caps = [float(c) for c in args.caps.split(",") if c]
+    if not caps or any(not 0 < c < sim.SLO_LAG_S for c in caps):
+        sys.exit(f"--caps: seconds in (0, {sim.SLO_LAG_S:g}), got {args.caps!r}")
+    if not args.penalty > 0 or not args.horizon_s > 0:
+        sys.exit("--penalty and --horizon-s must be positive")
+    print("| trace | mig. | policy | worker-h / LP bound | SLO violation | acc. lag / hpa's | actions |")
+    print("|---|---|---|---:|---:|---:|---:|")
+    with ProcessPoolExecutor(max_workers=args.procs) as pool:
+        jobs = [pool.submit(run, t, m, args.split, caps, args.penalty, args.horizon_s)
+                for t, m in itertools.product(names, migrations)]
+        for job in jobs:
+            for r in job.result():
+                print(f"| {r['trace']} | {r['migration']} | {r['policy']} | {r['worker_h_over_bound']:.3f}x | "
+                      f"{r['slo_violation_rate']:.1%} | {r['lag_over_hpa']:.2f}x | {r['actions']} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
