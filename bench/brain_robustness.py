@@ -69,7 +69,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
@@ -271,6 +271,39 @@ def _over(value: float | None, base: float | None) -> str:
     if value is None or base is None or not (math.isfinite(value) and math.isfinite(base) and base > 0):
         return "n/a"
     return f"{value / base:.2f}x"
+
+
+def policy_rows(trace: str, migration: str, results: dict[str, Any], bound: float) -> list[dict[str, Any]]:
+    """A yardstick's rows (``bench/deadline_yardstick.py``, ``bench/mpc_yardstick.py``): every policy
+    of one simulation but hpa, its worker-hours over the LP ``bound`` and its lag over hpa's."""
+    hpa_lag = results["hpa"].accumulated_lag_min
+    return [{"trace": trace, "migration": migration, "policy": name, "worker_h_over_bound": r.worker_hours / bound,
+             "slo_violation_rate": r.slo_violation_rate, "lag_over_hpa": r.accumulated_lag_min / hpa_lag if hpa_lag else math.nan,
+             "actions": r.scaling_actions} for name, r in results.items() if name != "hpa"]
+
+
+def chosen_runs(split: str, trace_text: str, migration_text: str) -> list[tuple[str, str]]:
+    """(trace, migration) pairs from comma-separated names; exits with a message on an unknown one."""
+    from tidal.sim.online import MIGRATIONS
+
+    known = traces(split)
+    names = [t for t in trace_text.split(",") if t]
+    if bad := [t for t in names if t not in known]:
+        sys.exit(f"unknown trace {bad[0]!r} in the {split} split; known: {', '.join(known)}")
+    migrations = [m for m in migration_text.split(",") if m]
+    if bad := [m for m in migrations if m not in MIGRATIONS]:
+        sys.exit(f"unknown migration {bad[0]!r}; known: {', '.join(MIGRATIONS)}")
+    return [(t, m) for t in names for m in migrations]
+
+
+def print_policy_rows(batches: Iterable[Callable[[], list[dict[str, Any]]]]) -> None:
+    """A yardstick's table, printed as each batch of ``policy_rows`` comes in."""
+    print("| trace | mig. | policy | worker-h / LP bound | SLO violation | acc. lag / hpa's | actions |")
+    print("|---|---|---|---:|---:|---:|---:|")
+    for batch in batches:
+        for r in batch():
+            print(f"| {r['trace']} | {r['migration']} | {r['policy']} | {r['worker_h_over_bound']:.3f}x | "
+                  f"{r['slo_violation_rate']:.1%} | {r['lag_over_hpa']:.2f}x | {r['actions']} |", flush=True)
 
 
 def _check(value: float, target: float, upper: bool) -> str:

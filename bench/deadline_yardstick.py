@@ -25,8 +25,6 @@ Prints, per trace and migration, kale's and each deadline's worker-hours over th
 from __future__ import annotations
 
 import argparse
-import itertools
-import math
 import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -35,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from brain_robustness import traces
+from brain_robustness import chosen_runs, policy_rows, print_policy_rows, traces
 
 from tidal.api import JobObservation, ResourcePlan
 from tidal.brain.kale import deadline_workers
@@ -92,10 +90,7 @@ def run(trace: str, migration: str, split: str, deadlines: list[float], horizon_
         policies[f"deadline {d:g} s"] = lambda d=d: DeadlineRule(throughput, mig, d, horizon_s, hold)
     res = sim.simulate(scaled, policies, cfg, history=history * float(scaled.max() / window.max()))
     bound = sim.oracle_worker_hours(scaled, cfg)
-    hpa_lag = res["hpa"].accumulated_lag_min
-    return [{"trace": trace, "migration": migration, "policy": name, "worker_h_over_bound": r.worker_hours / bound,
-             "slo_violation_rate": r.slo_violation_rate, "lag_over_hpa": r.accumulated_lag_min / hpa_lag if hpa_lag else math.nan,
-             "actions": r.scaling_actions} for name, r in res.items() if name != "hpa"]
+    return policy_rows(trace, migration, res, bound)
 
 
 def main() -> None:
@@ -108,27 +103,15 @@ def main() -> None:
     ap.add_argument("--hold", type=int, default=2, help="intervals in a row asking for fewer before a scale-in")
     ap.add_argument("--procs", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args()
-    known = traces(args.split)
-    names = [t for t in args.traces.split(",") if t]
-    if bad := [t for t in names if t not in known]:
-        sys.exit(f"unknown trace {bad[0]!r} in the {args.split} split; known: {', '.join(known)}")
-    migrations = [m for m in args.migrations.split(",") if m]
-    if bad := [m for m in migrations if m not in sim.MIGRATIONS]:
-        sys.exit(f"unknown migration {bad[0]!r}; known: {', '.join(sim.MIGRATIONS)}")
+    runs = chosen_runs(args.split, args.traces, args.migrations)
     deadlines = [float(d) for d in args.deadlines.split(",") if d]
     if not deadlines or any(not 0 < d < sim.SLO_LAG_S for d in deadlines):
         sys.exit(f"--deadlines: seconds in (0, {sim.SLO_LAG_S:g}), got {args.deadlines!r}")
     if args.hold < 1 or not args.horizon_s > 0:
         sys.exit("--hold must be at least 1 and --horizon-s positive")
-    print("| trace | mig. | policy | worker-h / LP bound | SLO violation | acc. lag / hpa's | actions |")
-    print("|---|---|---|---:|---:|---:|---:|")
     with ProcessPoolExecutor(max_workers=args.procs) as pool:
-        jobs = [pool.submit(run, t, m, args.split, deadlines, args.horizon_s, args.hold)
-                for t, m in itertools.product(names, migrations)]
-        for job in jobs:
-            for r in job.result():
-                print(f"| {r['trace']} | {r['migration']} | {r['policy']} | {r['worker_h_over_bound']:.3f}x | "
-                      f"{r['slo_violation_rate']:.1%} | {r['lag_over_hpa']:.2f}x | {r['actions']} |", flush=True)
+        jobs = [pool.submit(run, t, m, args.split, deadlines, args.horizon_s, args.hold) for t, m in runs]
+        print_policy_rows(job.result for job in jobs)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ minute) and not what this is for.
 from __future__ import annotations
 
 import argparse
-import itertools
 import math
 import os
 import sys
@@ -44,7 +43,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from brain_robustness import traces
+from brain_robustness import chosen_runs, policy_rows, print_policy_rows, traces
 
 from tidal.api import JobObservation, ResourcePlan
 from tidal.brain import forecast as forecasting
@@ -187,10 +186,7 @@ def run(trace: str, migration: str, split: str, caps: list[float], penalty: floa
             throughput, interval, action, cap, horizon, penalty, truth=scaled, noise=noise)
     res = sim.simulate(scaled, policies, cfg, history=history * factor)
     bound = sim.oracle_worker_hours(scaled, cfg)
-    hpa_lag = res["hpa"].accumulated_lag_min
-    return [{"trace": trace, "migration": migration, "policy": name, "worker_h_over_bound": r.worker_hours / bound,
-             "slo_violation_rate": r.slo_violation_rate, "lag_over_hpa": r.accumulated_lag_min / hpa_lag if hpa_lag else math.nan,
-             "actions": r.scaling_actions} for name, r in res.items() if name != "hpa"]
+    return policy_rows(trace, migration, res, bound)
 
 
 def main() -> None:
@@ -204,27 +200,15 @@ def main() -> None:
     ap.add_argument("--horizon-s", type=float, default=7200.0, help="how far ahead the program looks")
     ap.add_argument("--procs", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args()
-    known = traces(args.split)
-    names = [t for t in args.traces.split(",") if t]
-    if bad := [t for t in names if t not in known]:
-        sys.exit(f"unknown trace {bad[0]!r} in the {args.split} split; known: {', '.join(known)}")
-    migrations = [m for m in args.migrations.split(",") if m]
-    if bad := [m for m in migrations if m not in sim.MIGRATIONS]:
-        sys.exit(f"unknown migration {bad[0]!r}; known: {', '.join(sim.MIGRATIONS)}")
+    runs = chosen_runs(args.split, args.traces, args.migrations)
     caps = [float(c) for c in args.caps.split(",") if c]
     if not caps or any(not 0 < c < sim.SLO_LAG_S for c in caps):
         sys.exit(f"--caps: seconds in (0, {sim.SLO_LAG_S:g}), got {args.caps!r}")
     if not args.penalty > 0 or not args.horizon_s > 0:
         sys.exit("--penalty and --horizon-s must be positive")
-    print("| trace | mig. | policy | worker-h / LP bound | SLO violation | acc. lag / hpa's | actions |")
-    print("|---|---|---|---:|---:|---:|---:|")
     with ProcessPoolExecutor(max_workers=args.procs) as pool:
-        jobs = [pool.submit(run, t, m, args.split, caps, args.penalty, args.horizon_s)
-                for t, m in itertools.product(names, migrations)]
-        for job in jobs:
-            for r in job.result():
-                print(f"| {r['trace']} | {r['migration']} | {r['policy']} | {r['worker_h_over_bound']:.3f}x | "
-                      f"{r['slo_violation_rate']:.1%} | {r['lag_over_hpa']:.2f}x | {r['actions']} |", flush=True)
+        jobs = [pool.submit(run, t, m, args.split, caps, args.penalty, args.horizon_s) for t, m in runs]
+        print_policy_rows(job.result for job in jobs)
 
 
 if __name__ == "__main__":
