@@ -296,6 +296,16 @@ def chosen_runs(split: str, trace_text: str, migration_text: str) -> list[tuple[
     return [(t, m) for t in names for m in migrations]
 
 
+def seconds_within_slo(text: str, flag: str) -> list[float]:
+    """Comma-separated seconds, each in (0, the SLO); exits with a message naming ``flag`` otherwise."""
+    from tidal.sim.online import SLO_LAG_S
+
+    values = [float(v) for v in text.split(",") if v]
+    if not values or any(not 0 < v < SLO_LAG_S for v in values):
+        sys.exit(f"{flag}: seconds in (0, {SLO_LAG_S:g}), got {text!r}")
+    return values
+
+
 def print_policy_rows(batches: Iterable[Callable[[], list[dict[str, Any]]]]) -> None:
     """A yardstick's table, printed as each batch of ``policy_rows`` comes in."""
     print("| trace | mig. | policy | worker-h / LP bound | SLO violation | acc. lag / hpa's | actions |")

@@ -33,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from brain_robustness import chosen_runs, policy_rows, print_policy_rows, traces
+from brain_robustness import chosen_runs, policy_rows, print_policy_rows, seconds_within_slo, traces
 
 from tidal.api import JobObservation, ResourcePlan
 from tidal.brain.kale import deadline_workers
@@ -104,9 +104,7 @@ def main() -> None:
     ap.add_argument("--procs", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args()
     runs = chosen_runs(args.split, args.traces, args.migrations)
-    deadlines = [float(d) for d in args.deadlines.split(",") if d]
-    if not deadlines or any(not 0 < d < sim.SLO_LAG_S for d in deadlines):
-        sys.exit(f"--deadlines: seconds in (0, {sim.SLO_LAG_S:g}), got {args.deadlines!r}")
+    deadlines = seconds_within_slo(args.deadlines, "--deadlines")
     if args.hold < 1 or not args.horizon_s > 0:
         sys.exit("--hold must be at least 1 and --horizon-s positive")
     with ProcessPoolExecutor(max_workers=args.procs) as pool:

@@ -43,7 +43,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from brain_robustness import chosen_runs, policy_rows, print_policy_rows, traces
+from brain_robustness import chosen_runs, policy_rows, print_policy_rows, seconds_within_slo, traces
 
 from tidal.api import JobObservation, ResourcePlan
 from tidal.brain import forecast as forecasting
@@ -201,9 +201,7 @@ def main() -> None:
     ap.add_argument("--procs", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args()
     runs = chosen_runs(args.split, args.traces, args.migrations)
-    caps = [float(c) for c in args.caps.split(",") if c]
-    if not caps or any(not 0 < c < sim.SLO_LAG_S for c in caps):
-        sys.exit(f"--caps: seconds in (0, {sim.SLO_LAG_S:g}), got {args.caps!r}")
+    caps = seconds_within_slo(args.caps, "--caps")
     if not args.penalty > 0 or not args.horizon_s > 0:
         sys.exit("--penalty and --horizon-s must be positive")
     with ProcessPoolExecutor(max_workers=args.procs) as pool:
