@@ -99,6 +99,27 @@ def test_allocator_queued_jobs_start_and_gangs_have_priority():
     assert out["g"] == {"V100": 4} and out["big"] == {"V100": 1}
 
 
+def test_least_attained_service_preempts_only_past_the_quantum():
+    hour = 3600.0
+    las = InterJobAllocator(IntraJobPlanner(), preempt_after_s=4 * hour)
+    old = ElasticJob("old", 0, 1, CAP, {"V100": 1}, attained_s=5 * hour)
+    new = ElasticJob("new", 1, 1, CAP)
+    # the cluster is full: the newcomer takes the GPU of the job that has trained 4 hours longer
+    assert by_job(las.allocate([old, new], free(V100=0, T4=0))) == {"old": {}, "new": {"V100": 1}}
+    # the paper's FIFO (no preemption): it waits
+    assert InterJobAllocator(IntraJobPlanner()).allocate([old, new], free(V100=0, T4=0)) == []
+    # within the quantum: no preemption, either of a young job or of one little older than the queued
+    young = ElasticJob("young", 0, 1, CAP, {"V100": 1}, attained_s=3 * hour)
+    assert las.allocate([young, new], free(V100=0, T4=0)) == []
+    back = ElasticJob("back", 0.5, 1, CAP, attained_s=2 * hour)  # submitted before new, preempted since
+    assert las.allocate([old, back], free(V100=0, T4=0)) == []  # 5 h is not 4 h more than 2 h
+    # queued jobs start least attained first, whatever their submission order
+    assert by_job(las.allocate([back, new], free(V100=1, T4=0))) == {"new": {"V100": 1}}
+    assert by_job(InterJobAllocator(IntraJobPlanner()).allocate([back, new], free(V100=1, T4=0))) == {"back": {"V100": 1}}
+    with pytest.raises(ConfigError, match="preempt_after_s"):
+        InterJobAllocator(IntraJobPlanner(), preempt_after_s=-1.0)
+
+
 def test_proposals_drop_plans_matched_with_fewer_gpus():
     # from 3 V100 with maxP = 8, Eq. 1 rates {V4}, {V5}, {V7}, {V3,P2} and {V3,P4} the same (3 ESTs
     # on one V100 bound the step): the allocator would take {V4} (best speedup per GPU), so the

@@ -160,6 +160,8 @@ class ElasticJob:
         measured_plans: throughput (steps/s) measured on each plan the job has run, keyed like
             ``banned``: the companion module's database of plans, corrected by what the
             framework reported. Estimates use it (``PlanDatabase``).
+        attained_s: seconds the job has trained so far, pauses excluded (its attained service;
+            ``InterJobAllocator``'s ``preempt_after_s`` orders and preempts by it).
     """
 
     job_id: str
@@ -173,6 +175,7 @@ class ElasticJob:
     measured_previous: float | None = None
     banned: frozenset[tuple[tuple[str, int], ...]] = frozenset()
     measured_plans: Mapping[tuple[tuple[str, int], ...], float] = field(default_factory=dict)
+    attained_s: float = 0.0
 
     @property
     def gpus(self) -> int:
@@ -423,12 +426,26 @@ class InterJobAllocator:
     3. While GPUs are free: all running elastic jobs propose (``IntraJobPlanner.propose``);
        the proposal with the highest speedup per GPU is accepted (ties: more GPUs, then
        the earlier job); one accepted proposal per job and round, rounds repeat until nothing fits.
+
+    With ``preempt_after_s`` (our extension; None, the default, is the paper's FIFO) elastic jobs
+    are ranked by the service they have had (``ElasticJob.attained_s``, least first, then
+    submission) wherever the steps above say submission order, and in step 2 a queued job that
+    finds no GPU free or reclaimable takes every GPU of the elastic job that has trained longest,
+    if that job has trained ``preempt_after_s`` longer than it and at least that long: the
+    preempted job goes back to the queue, where its attained service ranks it. This is
+    Tiresias's least-attained-service discipline (NSDI'19), which needs no job durations: with
+    FIFO, one-GPU jobs arriving at a full cluster wait behind jobs that run for days, although an
+    EasyScale job is scaled to zero and back in seconds (the paper's non-elastic jobs already
+    reclaim elastic ones down to zero, step 1).
     """
 
     name = "easyscale-inter"
 
-    def __init__(self, planner: IntraJobPlanner) -> None:
+    def __init__(self, planner: IntraJobPlanner, preempt_after_s: float | None = None) -> None:
+        if preempt_after_s is not None and not preempt_after_s >= 0:
+            raise ConfigError(f"preempt_after_s must not be negative, got {preempt_after_s:g}")
         self.planner = planner
+        self.preempt_after_s = preempt_after_s
 
     def allocate(self, jobs: Sequence[ElasticJob | GangJob], machines: Sequence[Machine]) -> list[GpuGrant]:
         avail: dict[str, int] = {}
@@ -436,6 +453,9 @@ class InterJobAllocator:
             avail[m.gpu_type] = avail.get(m.gpu_type, 0) + m.gpus
         alloc: dict[str, dict[str, int]] = {j.job_id: dict(_used(j.allocation)) for j in jobs}
         elastic = sorted((j for j in jobs if isinstance(j, ElasticJob)), key=lambda j: j.order)
+        if self.preempt_after_s is not None:  # least attained service first: that rank is the order
+            ranked_jobs = sorted(elastic, key=lambda j: (j.attained_s, j.order))
+            elastic = [replace(j, order=k) for k, j in enumerate(ranked_jobs)]
         gangs = sorted((j for j in jobs if isinstance(j, GangJob)), key=lambda j: j.order)
         by_id = {j.job_id: j for j in elastic}
         # each job's estimates are corrected by the bias measured on the plan it holds now
@@ -473,6 +493,8 @@ class InterJobAllocator:
             start = next((t for t in ranked if avail.get(t, 0) > 0), None)
             if start is None:
                 start = self._reclaim_one(elastic, alloc, ranked, avail)
+            if start is None and self.preempt_after_s is not None:
+                start = self._preempt(e, elastic, alloc, ranked, avail, self.preempt_after_s)
             if start is None:
                 break  # nothing left to start anyone with; later jobs wait too (FIFO)
             avail[start] -= 1
@@ -511,6 +533,22 @@ class InterJobAllocator:
             if new != _used(j.allocation):
                 changed.append(GpuGrant(j.job_id, new))
         return changed
+
+    @staticmethod
+    def _preempt(queued: ElasticJob, elastic: Sequence[ElasticJob], alloc: dict[str, dict[str, int]],
+                 types: Sequence[str], avail: dict[str, int], after_s: float) -> str | None:
+        """Free every GPU of the elastic job that has trained longest, at least ``after_s`` and
+        ``after_s`` longer than ``queued``, holding a GPU of one of ``types``; the first of
+        ``types`` then free, or None when no job may be preempted."""
+        floor = max(after_s, queued.attained_s + after_s)
+        victims = [e for e in elastic if e.attained_s >= floor and any(alloc[e.job_id].get(t, 0) for t in types)]
+        if not victims:
+            return None
+        victim = max(victims, key=lambda e: (e.attained_s, e.order))
+        for t, n in _used(alloc[victim.job_id]).items():
+            avail[t] = avail.get(t, 0) + n
+        alloc[victim.job_id] = {}
+        return next(t for t in types if avail.get(t, 0) > 0)
 
     def _reclaim_one(self, elastic: Sequence[ElasticJob], alloc: dict[str, dict[str, int]],
                      types: Sequence[str], avail: dict[str, int]) -> str | None:
