@@ -130,32 +130,26 @@ class ForecastMPC:
         rows = np.arange(len(counts))
         value = np.empty((h + 1, len(counts), width))
         value[h] = steps[None, :] / GRID  # what still waits, in worker-intervals to train it
+        keep = moves = np.empty(0)
         for t in range(h - 1, -1, -1):
             nxt = np.maximum(0, np.floor(steps[None, :] + arrive[t] - train[:, t : t + 1])).astype(int)
-            best = counts[:, None] + value[t + 1][rows[:, None], np.minimum(nxt, width - 1)] + self.penalty * (nxt > cap[t])
-            if t + a_int <= h:
+            keep = counts[:, None] + value[t + 1][rows[:, None], np.minimum(nxt, width - 1)] + self.penalty * (nxt > cap[t])
+            value[t] = keep
+            if t + a_int <= h:  # always at t = 0: the horizon is longer than an action
                 grown = np.floor(np.cumsum(arrive[t : t + a_int])).astype(int)
                 over = ((steps[None, :] + grown[:, None]) > cap[t : t + a_int, None]).sum(axis=0)
                 after = value[t + a_int][:, np.minimum(steps + grown[-1], width - 1)] + self.penalty * over[None, :]
                 paid = np.maximum(counts[:, None], counts[None, :]) * a_int  # (old, new)
                 moves = paid[:, :, None] + after[None, :, :]
                 moves[rows, rows, :] = np.inf  # to the same count is no action
-                best = np.minimum(best, moves.min(axis=1))
-            value[t] = best
+                value[t] = np.minimum(keep, moves.min(axis=1))
         if w0 > counts[-1]:
             return w0
-        # the first decision from the state now: keep w0, or act to the count with the least cost
+        # the first decision, read from the program's first interval at the state now
         b = min(int(backlog / unit), width - 1)
-        nxt = int(max(0.0, math.floor(b + arrive[0] - train[w0 - 1, 0])))
-        keep = w0 + value[1][w0 - 1, min(nxt, width - 1)] + self.penalty * (nxt > cap[0])
-        if a_int > h:
-            return w0
-        grown = np.floor(np.cumsum(arrive[:a_int])).astype(int)
-        over = int(((b + grown) > cap[:a_int]).sum())
-        act = np.maximum(counts, w0) * a_int + value[a_int][:, min(b + int(grown[-1]), width - 1)] + self.penalty * over
-        act[w0 - 1] = np.inf
+        act = moves[w0 - 1, :, b]
         j = int(np.argmin(act))
-        return int(counts[j]) if act[j] < keep - 1e-9 else w0
+        return int(counts[j]) if act[j] < keep[w0 - 1, b] - 1e-9 else w0
 
 
 def run(trace: str, migration: str, split: str, caps: list[float], penalty: float, horizon_s: float) -> list[dict[str, Any]]:
@@ -169,7 +163,7 @@ def run(trace: str, migration: str, split: str, caps: list[float], penalty: floa
     action = math.ceil((mig.prep_s + mig.pause_s) / interval)
     horizon = max(action + 1, round(horizon_s / interval))
     # kale's planning bins over the whole run, history first, as KalePlanner forms them
-    per_bin = max(1, round(600.0 / interval))
+    per_bin = max(1, round(sim.planner_factory("kale", cfg, mig)().plan_interval_s / interval))
     series = np.concatenate([history * factor, scaled])
     whole = len(series) // per_bin * per_bin
     bins = series[:whole].reshape(-1, per_bin).mean(axis=1) / interval
