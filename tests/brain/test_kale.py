@@ -569,16 +569,18 @@ def test_a_surge_is_sized_for_what_the_streams_past_surges_held_an_action_later(
         assert plan.workers <= 4 < need, (plan.workers, need)
 
 
-def _kale_in_the_simulator(interval_s: float, deadline_s: float | None,
-                           workers: tuple[int, float] = (1, 1.3)) -> dict[str, float | np.ndarray]:
-    """Kale under seamless moves on two days of steady traffic at ``workers[1]`` times what
-    ``workers[0]`` workers train (the simulator's true job), its metrics and per-interval workers
-    and lag."""
+def _kale_in_the_simulator(interval_s: float, deadline_s: float | None, workers: tuple[int, float] = (1, 1.3),
+                           migration: str = "seamless", shape: np.ndarray | None = None) -> dict[str, float | np.ndarray]:
+    """Kale on two days of traffic at ``workers[1]`` times what ``workers[0]`` workers train (the
+    simulator's true job), times ``shape`` per interval where given, its metrics and per-interval
+    workers and lag."""
     from tidal.sim import online as sim
 
-    cfg = sim.SimConfig(migration="seamless", interval_s=interval_s, noise=0.0)
-    mig = sim.MIGRATIONS["seamless"]
+    cfg = sim.SimConfig(migration=migration, interval_s=interval_s, noise=0.0)
+    mig = sim.MIGRATIONS[migration]
     arrivals = np.full(int(2 * 86400 / interval_s), workers[1] * sim.true_throughput(cfg, workers[0]) * interval_s)
+    if shape is not None:
+        arrivals = arrivals * shape
     make = lambda: KalePlanner(lead_s=mig.prep_s + mig.pause_s, pause_s=mig.pause_s,  # noqa: E731
                                measure_actions=False, batch_size=cfg.batch_size, deadline_s=deadline_s)
     r = sim.simulate(arrivals, {"kale": make}, cfg)["kale"]
@@ -599,12 +601,53 @@ def test_where_a_move_ends_within_an_interval_whole_workers_are_time_shared_with
     assert max(by_deadlines["lag_s"]) > max(by_forecast["lag_s"])  # the workers saved are paid in lag
 
 
-def test_where_a_move_spans_several_intervals_the_forecast_keeps_sizing_the_job() -> None:
-    """The same traffic and move on 1-minute metrics: the move takes three intervals, and the
-    planner plans as it does without deadline sizing."""
-    on, off = _kale_in_the_simulator(60.0, kale.DEADLINE_S), _kale_in_the_simulator(60.0, None)
-    assert np.array_equal(on["workers"], off["workers"])
-    assert on["worker_hours"] == off["worker_hours"]
+def test_on_minute_metrics_the_same_move_time_shares_whole_workers() -> None:
+    """The same traffic and move on 1-minute metrics (the move spans three intervals): whole
+    workers are time-shared as on 5-minute metrics."""
+    by_forecast = _kale_in_the_simulator(60.0, None)
+    by_deadlines = _kale_in_the_simulator(60.0, kale.DEADLINE_S)
+    assert {1.0, 2.0} <= set(np.unique(by_deadlines["workers"]))
+    assert by_deadlines["worker_hours"] < 0.85 * by_forecast["worker_hours"]
+    assert by_deadlines["slo_violation_rate"] == 0.0
+    assert max(by_deadlines["lag_s"]) <= kale.LAG_SLO_S
+
+
+def test_a_scale_in_waits_ten_minutes_of_plans_not_two_intervals() -> None:
+    """Noisy 1-minute traffic (log-normal, sigma 0.3) around 1.3 workers' worth: every stay at the
+    higher count lasts the ``DEADLINE_HOLD_S`` at least (counted in intervals, the hold was two
+    minutes of noise, and stays of 7 minutes were seen)."""
+    noise = np.exp(np.random.default_rng(0).normal(0.0, 0.3, 2 * 1440))
+    r = _kale_in_the_simulator(60.0, kale.DEADLINE_S, shape=noise)
+    up = np.round(np.asarray(r["workers"])) >= 2
+    edges = np.flatnonzero(np.diff(up.astype(int)))
+    stays = np.diff(edges)[::2] if up[edges[0] + 1] else np.diff(edges)[1::2]  # minutes at 2 or more
+    assert len(stays) >= 10 and stays.min() >= kale.DEADLINE_HOLD_S / 60.0, stays
+    assert r["slo_violation_rate"] == 0.0
+
+
+def test_deadline_sizing_shares_two_adjacent_counts_not_more() -> None:
+    """Traffic at 1.1 times what 4 workers train, 2.5 times that for 20 minutes every 3 hours.
+    After a burst nothing waits, and 3 workers keep every deadline over the next 30 minutes
+    (twice the deadline) before more must catch up: the job is never sized below 4, one fewer
+    than the traffic needs (without that floor it held 3 for 165 minutes and moved 112 times
+    where it moves 64)."""
+    bursts = np.ones(2 * 1440)
+    for start in range(6, len(bursts), 180):
+        bursts[start : start + 20] = 2.5
+    r = _kale_in_the_simulator(60.0, kale.DEADLINE_S, workers=(4, 1.1), shape=bursts)
+    settled = np.round(np.asarray(r["workers"])[60:])
+    assert {4.0, 5.0} <= set(np.unique(settled))
+    assert settled.min() >= 4.0, np.unique(settled)
+    assert r["slo_violation_rate"] == 0.0
+
+
+def test_under_a_restart_the_forecast_keeps_sizing_the_job() -> None:
+    """A 10-minute restart stops the job for longer than time-sharing can save: the planner plans
+    as it does without deadline sizing, on 1-minute and 5-minute metrics."""
+    for interval_s in (60.0, 300.0):
+        on = _kale_in_the_simulator(interval_s, kale.DEADLINE_S, migration="restart")
+        off = _kale_in_the_simulator(interval_s, None, migration="restart")
+        assert np.array_equal(on["workers"], off["workers"])
 
 
 def test_a_large_job_whose_whole_workers_round_up_little_keeps_the_forecast() -> None:
