@@ -1049,7 +1049,7 @@ class KalePlanner:
         return (whole - need) / whole
 
     def _deadline_workers(self, backlog: float, current: int, lo: int, hi: int) -> int:
-        """``deadline_workers`` for this job: the arrivals it kept, the traffic now (``_traffic_now``)
+        """``deadline_workers`` for this job: the arrivals it kept, the traffic now (read as below)
         as the forecast, its believed throughput and its actions' preparation and pause.
 
         Beyond the paper, whose Eq. 10 sizes every bin for its forecast rate: where an action ends
