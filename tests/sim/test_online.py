@@ -388,6 +388,25 @@ def test_load_trace_formats():
         sim.load_trace([["t", "a"], ["0", "1"], ["1", "2"]], "zzz")
 
 
+def test_cli_sim_online_time_share_trades_lag_for_workers(tmp_path: Path):
+    """Seamless moves, a small job (at most 4 workers, so whole workers round the traffic up by a
+    tenth or more most of the day): kale time-shares them by default, and ``--no-time-share``
+    sizes every count from the forecast, with more worker-hours and less lag."""
+    trace = tmp_path / "trace.csv"
+    trace.write_text("minute,count\n" + "".join(f"{i},{c:.1f}\n" for i, c in enumerate(daily(3 * 1440))))
+    metrics = {}
+    for flag in ("--time-share", "--no-time-share"):
+        out = tmp_path / f"{flag}.json"
+        r = runner.invoke(app, ["sim", "online", "--trace", str(trace), "--days", "1", "--peak-workers", "4",
+                                "--migration", "seamless", "--policies", "kale", flag, "--json", str(out)])
+        assert r.exit_code == 0, r.output
+        metrics[flag] = json.loads(out.read_text())["policies"]["kale"]
+    shared, forecast = metrics["--time-share"], metrics["--no-time-share"]
+    assert shared["worker_hours"] < 0.97 * forecast["worker_hours"], (shared, forecast)
+    assert shared["accumulated_lag_min"] > forecast["accumulated_lag_min"]
+    assert shared["slo_violation_rate"] <= 0.03
+
+
 def test_cli_sim_online(tmp_path: Path):
     trace = tmp_path / "trace.csv"
     counts = daily(3 * 1440)

@@ -57,6 +57,12 @@ def online(
     load_headroom: float = typer.Option(1.0, "--load-headroom", metavar="H", help=LOAD_HEADROOM_HELP),
     lag_price: float = typer.Option(0.0, "--lag-price", metavar="WORKERS", help=LAG_PRICE_HELP),
     planned_lag: float | None = typer.Option(None, "--planned-lag", metavar="SECONDS", help=PLANNED_LAG_HELP),
+    time_share: bool = typer.Option(
+        True, "--time-share/--no-time-share",
+        help="where a move is cheap (seamless: 3 minutes) and whole workers round the traffic up by a tenth or "
+             "more, kale time-shares them through what waits (one fewer while every sample can still be trained "
+             "within 15 minutes, then as many as the traffic needs): fewer worker-hours for a mean lag of a few "
+             "minutes; --no-time-share sizes every count from the forecast, for less lag"),
     policies: str = typer.Option("kale,hpa,autopilot,madu,adequate", "--policies"),
     bound_violations: float = typer.Option(
         0.0, "--bound-violations",
@@ -105,7 +111,8 @@ def online(
         cfg = sim.SimConfig(peak_workers=peak_workers, migration=migration, seed=seed, interval_s=interval,
                             true_model=sim.JOBS[job](), partitions=partitions,
                             shuffle_upper=upper, load_headroom=load_headroom, lag_price=lag_price,
-                            planned_lag_s=sim.SimConfig.planned_lag_s if planned_lag is None else planned_lag)
+                            planned_lag_s=sim.SimConfig.planned_lag_s if planned_lag is None else planned_lag,
+                            time_share=time_share)
         skip = round(skip_days * 86400 / interval)
         if skip >= len(counts) - 1:
             raise ConfigError(f"--skip-days {skip_days:g} leaves nothing of the trace")

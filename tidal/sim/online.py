@@ -244,6 +244,9 @@ class SimConfig:
     load_headroom: float = 1.0
     lag_price: float = 0.0
     planned_lag_s: float = 300.0  # kale's (its default: a quarter of the 20-minute SLO)
+    # kale time-shares whole workers through what waits where moves are cheap (KalePlanner.deadline_s);
+    # False: every count from the forecast (Eq. 10), for less lag
+    time_share: bool = True
 
 
 @dataclass
@@ -645,6 +648,8 @@ def planner_factory(name: str, cfg: SimConfig, mig: Migration, **kale: Any) -> C
 
     lead = mig.prep_s + mig.pause_s
     if name == "kale":
+        if not cfg.time_share:
+            kale = {"deadline_s": None, **kale}
         return lambda: KalePlanner(lead_s=lead, pause_s=mig.pause_s, measure_actions=False, batch_size=cfg.batch_size,
                                    headroom=cfg.load_headroom, lag_price=cfg.lag_price,
                                    planned_lag_s=cfg.planned_lag_s, **kale)
