@@ -282,6 +282,12 @@ def _over(value: float | None, base: float | None) -> str:
     return f"{value / base:.2f}x"
 
 
+def _lag_over_hpa(row: dict[str, Any], policy: str) -> float:
+    """A policy's accumulated lag over hpa's in one online run (nan where hpa's is 0)."""
+    hpa_lag = row["policies"]["hpa"]["accumulated_lag_min"]
+    return row["policies"][policy]["accumulated_lag_min"] / hpa_lag if hpa_lag > 0 else math.nan
+
+
 def policy_rows(trace: str, migration: str, results: dict[str, Any], bound: float) -> list[dict[str, Any]]:
     """A yardstick's rows (``bench/deadline_yardstick.py``, ``bench/mpc_yardstick.py``): every policy
     of one simulation but hpa, its worker-hours over the LP ``bound`` and its lag over hpa's."""
@@ -337,12 +343,11 @@ def summarize_online(rows: list[dict[str, Any]]) -> list[str]:
     out.append("| trace | mig. | peak/mean | bound wh | " + " | ".join(ONLINE_POLICIES) + " |")
     out.append("|---|---|---:|---:|" + "---|" * len(ONLINE_POLICIES))
     for r in sorted(rows, key=lambda r: (r["migration"], r["trace"])):
-        hpa_lag = r["policies"]["hpa"]["accumulated_lag_min"]
         cells = []
         for p in ONLINE_POLICIES:
             m = r["policies"][p]
-            lag = m["accumulated_lag_min"] / hpa_lag if hpa_lag > 0 else math.nan
-            cells.append(f"{m['worker_hours'] / r['bound_worker_hours']:.2f}x; {m['slo_violation_rate']:.1%}; {lag:.2f}x")
+            cells.append(f"{m['worker_hours'] / r['bound_worker_hours']:.2f}x; {m['slo_violation_rate']:.1%}; "
+                         f"{_lag_over_hpa(r, p):.2f}x")
         out.append(f"| {r['trace']} | {r['migration']} | {r['peak_to_mean']:.1f} | {r['bound_worker_hours']:.0f} | "
                    + " | ".join(cells) + " |")
     short = sorted({(r["trace"], r["unforecast_h"], r["window_h"]) for r in rows if r.get("unforecast_h")})
@@ -363,7 +368,7 @@ def summarize_online(rows: list[dict[str, Any]]) -> list[str]:
         # itself keeps the SLO (flat traffic, seamless moves) its lag is a few minutes and the
         # ratio says nothing: those traces are left out of it (and counted)
         behind = [r for r in sel if r["policies"]["hpa"]["slo_violation_rate"] > SLO_TARGET / 100]
-        lag = [r["policies"]["kale"]["accumulated_lag_min"] / r["policies"]["hpa"]["accumulated_lag_min"] for r in behind]
+        lag = [_lag_over_hpa(r, "kale") for r in behind]
         for label, vals, target, unit in ((f"worker-h / bound ({len(sel)} traces)", wh, wh_target, "x"),
                                           (f"SLO violation % ({len(sel)} traces)", slo, SLO_TARGET, "%"),
                                           (f"acc. lag / hpa's ({len(behind)} traces where hpa misses the SLO)",
@@ -408,7 +413,7 @@ def summarize_strict_lag(rows: list[dict[str, Any]]) -> list[str]:
     out.append("|---|---|---:|---:|---:|---:|---|")
     for r in sorted(rows, key=lambda r: (r["migration"], r["trace"])):
         kale, hpa, bound = r["policies"]["kale"], r["policies"]["hpa"], r["bound_worker_hours"]
-        lag = kale["accumulated_lag_min"] / hpa["accumulated_lag_min"] if hpa["accumulated_lag_min"] > 0 else math.nan
+        lag = _lag_over_hpa(r, "kale")
         target = KALE_TARGET[r["migration"]]
         wh = kale["worker_hours"] / bound
         within = r.get("lag_priced_within_lag_target")
