@@ -421,6 +421,8 @@ def summarize_strict_lag(rows: list[dict[str, Any]]) -> list[str]:
             verdict = "met"
         elif within is not None and within > target * bound:
             verdict = "out of reach: the bound is over the worker-hour target"
+        elif within is None and lag > LAG_TARGET:  # summarized from a --json of a run without --strict-lag
+            verdict = "MISSED; the bound was not computed"
         else:
             verdict = "MISSED, not ruled out"
         out.append(f"| {r['trace']} | {r['migration']} | {hpa['slo_violation_rate']:.1%} | {wh:.2f}x | {lag:.2f}x | "
