@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -44,6 +45,14 @@ def produce(url: str, partitions: int, per_partition: list[int], first_index: in
 def audit(job: Job, url: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([TIDAL, "audit", str(job.ledger), "--stream", url], capture_output=True, text=True,
                           timeout=120)
+
+
+def assert_every_worker_kept(job: Job) -> None:
+    """No worker was declared failed: a re-form for a partition that came or went is taken by every
+    member at the same step (a worker that left alone once held its peer in the step's collective
+    for the 60-s collective timeout, and the master replaced that healthy worker)."""
+    failed = [line for line in job.output().splitlines() if re.search(r"worker \d+ failed", line)]
+    assert not failed, "\n".join(failed)
 
 
 def test_a_stream_job_trains_every_record_once_through_sigkills(tmp_path: Path) -> None:
@@ -88,6 +97,7 @@ def test_a_partition_that_appears_while_the_job_runs_is_trained(tmp_path: Path) 
             wait_for(lambda: any("partitions [0, 2]" in e["message"] for e in job.events()), 60,
                      "the new partition", job)
             assert job.wait(300) == 0, job.output()[-3000:]
+            assert_every_worker_kept(job)
         finally:
             job.kill_all()
         done = audit(job, url)
@@ -122,6 +132,7 @@ def test_a_partition_that_disappears_while_the_job_runs_is_dropped_at_the_next_r
             wait_for(lambda: [s["partition"] for s in job.status()["stream"]] == [0, 1], 60,
                      "status without partition 2", job)
             assert job.wait(300) == 0, job.output()[-3000:]
+            assert_every_worker_kept(job)
         finally:
             job.kill_all()
         result = audit_stream(job.ledger.read_text().splitlines(), kept)

@@ -92,6 +92,7 @@ class Job:
         self._steps: StepRunner | None = None
         self._comm: RoundComm | None = None
         self._in_round = False
+        self._reform_asked: str | None = None  # ask_reform's why, until the next round forms
         # the step runner moves the step count and hands the step's records to the reporter
         # under this lock; the reporter reads both under it (tidal.worker.reporter)
         self._lock = threading.Lock()
@@ -339,8 +340,19 @@ class Job:
     # ------------------------------------------------------------------ what the step runner tells
     @property
     def reform_notice(self) -> bool:
-        """The master asked this worker to re-form (set by the reporter, cleared by a new round)."""
-        return self._reporter is not None and self._reporter.reform_notice
+        """This worker's round must re-form: the master asked (set by the reporter) or this worker
+        did (``ask_reform``); cleared by a new round. The step header carries it to every member."""
+        return self._reform_asked is not None or (self._reporter is not None and self._reporter.reform_notice)
+
+    def ask_reform(self, why: str) -> None:
+        """Re-form after the next step, every member at once: the flag rides in this worker's
+        step header (``reform_notice``) and the step runner leaves after applying the step in
+        which any member raised it. A worker that left alone between steps (as the stream loader
+        once did on a partition it saw disappear) left its peers waiting in that step's collective
+        until the collective timeout (60 s), and the master replaced one of them as failed."""
+        if self._reform_asked is None:
+            log.info("worker %d asks round %d to re-form: %s", self.worker_id, self.round, why)
+            self._reform_asked = why
 
     def step_applied(self, applied: AppliedStep) -> None:
         """Hand an applied step to the reporter (its records, this worker's throughput, the end
@@ -484,6 +496,7 @@ class Job:
         else:
             state.restore()
         self._reporter.joined(self._comm)
+        self._reform_asked = None
         self._in_round = True
         self.generation += 1
         steps.enter_round(self._comm, a.rank, a.world_size)

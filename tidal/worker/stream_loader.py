@@ -21,8 +21,8 @@ A worker with nothing to read takes part in the step with no samples (after wait
 again. Malformed records (``decode`` says which) are logged with their ids, counted for the
 master and skipped; they are committed with the step (they never come back), and count in the
 step's sample weight. Every ``discover_s`` (every ``IDLE_DISCOVER_S`` while it has nothing to
-read) the loader lists the stream's partitions: one that appears or disappears makes the worker
-re-form, and the master assigns the new set (a partition that disappears keeps its committed
+read) the loader lists the stream's partitions: one that appears or disappears makes the round
+re-form after the next step (``Job.ask_reform``), and the master assigns the new set (a partition that disappears keeps its committed
 position: if it comes back, it is read after it). When the master ends the job
 (``--stop-when-drained``), the loop calls ``job.finish()`` and stops.
 """
@@ -93,6 +93,8 @@ class StreamHost(Protocol):
     def ensure_round(self) -> None: ...
 
     def leave_for_rendezvous(self, why: str) -> None: ...
+
+    def ask_reform(self, why: str) -> None: ...
 
     def finish(self) -> None: ...
 
@@ -182,10 +184,9 @@ class StreamLoader:
                 self._next_discover = self.clock() + self.discover_s
                 seen = self.source.partitions()
                 new, gone = sorted(set(seen) - set(job.stream_partitions)), sorted(set(job.stream_partitions) - set(seen))
-                if new or gone:
+                if new or gone:  # every member re-forms after the next step, and the master assigns them
                     job.stream_partitions = seen
-                    job.leave_for_rendezvous(f"stream partitions changed (new: {new}, gone: {gone})")
-                    continue
+                    job.ask_reform(f"stream partitions changed (new: {new}, gone: {gone})")
             taken: Taken | None
             if self._unit is not None:  # global shuffling: the local queue, filled by the unit's reader
                 queued = self._unit.take_runs(job.round, self.poll_s, self.batch_size, STEP_RANGES)
