@@ -109,3 +109,26 @@ def test_a_worker_the_master_declared_failed_stops_training_with_an_error(tmp_pa
     with pytest.raises(WorkerGoneError):  # the loop cannot go on either
         job.ensure_round()
     assert master.paths == ["/v1/report"]
+
+
+def test_a_reform_asked_for_is_taken_after_the_next_step_once() -> None:
+    """``ask_reform`` rides in the step header: the step runs, the round is left after it, and the
+    ask ends with that round (a local run re-enters without a master, so it must not stay set)."""
+    job = Job(None, 0, "local")
+    model, optimizer = model_and_optimizer()
+    job.state(model, optimizer)
+    job.ensure_round()
+    generation = job.generation
+    job.ask_reform("a partition came")
+    assert job.reform_notice
+    job.steps.begin(0, 0, 1)
+    model(torch.ones(1, 1)).sum().backward()
+    assert job.step() is True
+    assert not job.reform_notice
+    job.ensure_round()
+    assert job.generation == generation + 1
+    job.steps.begin(0, 1, 2)
+    model(torch.ones(1, 1)).sum().backward()
+    assert job.step() is True
+    job.ensure_round()
+    assert job.generation == generation + 1  # the next step did not re-form again

@@ -92,7 +92,7 @@ class Job:
         self._steps: StepRunner | None = None
         self._comm: RoundComm | None = None
         self._in_round = False
-        self._reform_asked: str | None = None  # ask_reform's why, until the next round forms
+        self._reform_asked: str | None = None  # ask_reform's why, until this worker leaves the round
         # the step runner moves the step count and hands the step's records to the reporter
         # under this lock; the reporter reads both under it (tidal.worker.reporter)
         self._lock = threading.Lock()
@@ -341,7 +341,7 @@ class Job:
     @property
     def reform_notice(self) -> bool:
         """This worker's round must re-form: the master asked (set by the reporter) or this worker
-        did (``ask_reform``); cleared by a new round. The step header carries it to every member."""
+        did (``ask_reform``); cleared when it leaves the round. The step header carries it to every member."""
         return self._reform_asked is not None or (self._reporter is not None and self._reporter.reform_notice)
 
     def ask_reform(self, why: str) -> None:
@@ -496,7 +496,6 @@ class Job:
         else:
             state.restore()
         self._reporter.joined(self._comm)
-        self._reform_asked = None
         self._in_round = True
         self.generation += 1
         steps.enter_round(self._comm, a.rank, a.world_size)
@@ -567,6 +566,7 @@ class Job:
     def _leave_round(self, *, pause: bool = False) -> None:
         """Close the round's communicator; ``pause``: to re-form (the reporter counts the pause)."""
         self._in_round = False
+        self._reform_asked = None  # asked of the round left (a local run re-enters without the master)
         if self._reporter is not None:
             self._reporter.left(pause=pause)
         if self._steps is not None:

@@ -22,9 +22,9 @@ again. Malformed records (``decode`` says which) are logged with their ids, coun
 master and skipped; they are committed with the step (they never come back), and count in the
 step's sample weight. Every ``discover_s`` (every ``IDLE_DISCOVER_S`` while it has nothing to
 read) the loader lists the stream's partitions: one that appears or disappears makes the round
-re-form after the next step (``Job.ask_reform``), and the master assigns the new set (a partition that disappears keeps its committed
-position: if it comes back, it is read after it). When the master ends the job
-(``--stop-when-drained``), the loop calls ``job.finish()`` and stops.
+re-form after the next step (``Job.ask_reform``), and the master assigns the new set (a partition
+that disappears keeps its committed position: if it comes back, it is read after it). When the
+master ends the job (``--stop-when-drained``), the loop calls ``job.finish()`` and stops.
 """
 
 from __future__ import annotations
