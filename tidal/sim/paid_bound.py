@@ -56,13 +56,13 @@ from tidal.sim.online import (
     true_throughput,
 )
 
-__all__ = ["GRID", "lag_priced_worker_hours", "paid_moves_worker_hours"]
+__all__ = ["GRID", "ActionPhase", "action_phases", "lag_priced_worker_hours", "oldest_age", "paid_moves_worker_hours"]
 
 GRID = 10  # grid steps per worker-interval of samples waiting
 
 
 @dataclass(frozen=True)
-class _Phase:
+class ActionPhase:
     """One interval of a scaling action: the share of it trained, by the new workers or the old,
     and the share of it paid at the count held before the hand-over (``Migration.held``)."""
 
@@ -71,7 +71,7 @@ class _Phase:
     before: float  # share paid at the count before the hand-over (the old, or max(old, new) with overlap)
 
 
-def _phases(cfg: SimConfig, scale_out: bool) -> list[_Phase]:
+def action_phases(cfg: SimConfig, scale_out: bool) -> list[ActionPhase]:
     """The intervals after a decision to grow the job (``scale_out``) or to shrink it until the
     next decision may start an action (``simulate``'s bookkeeping: the action ends in the first
     interval whose end is at or past prep + pause, paid at the new count)."""
@@ -84,7 +84,7 @@ def _phases(cfg: SimConfig, scale_out: bool) -> list[_Phase]:
         lo, hi = (i - 1) * dt, i * dt
         paused = max(0.0, min(hi, prep + pause) - max(lo, prep))
         before = 0.0 if i == length else mig.before_share(lo, dt)
-        out.append(_Phase(train=(dt - paused) / dt, new=i == length, before=before))
+        out.append(ActionPhase(train=(dt - paused) / dt, new=i == length, before=before))
     return out
 
 
@@ -200,9 +200,9 @@ class _Solver:
         self.limit = np.floor(slo_allowance(a, dt) / self.step + 1e-9).astype(np.int64)
         # the actions' intervals: one list for both directions when they cost the same, else the
         # scale-outs' (to a count above the old) and the scale-ins' (below it)
-        out, into = _phases(cfg, scale_out=True), _phases(cfg, scale_out=False)
+        out, into = action_phases(cfg, scale_out=True), action_phases(cfg, scale_out=False)
         self.overlap = MIGRATIONS[cfg.migration].both_before_handover  # a scale-out holds the new count before it
-        self.actions: list[tuple[list[_Phase], str]] = [(out, "both")] if out == into else [(out, "out"), (into, "in")]
+        self.actions: list[tuple[list[ActionPhase], str]] = [(out, "both")] if out == into else [(out, "out"), (into, "in")]
         self.floor = float(self.counts[0] * n)  # no schedule pays less than the fewest workers throughout
         self.mu = 0.0  # the price of a lag-minute in the run under way (``run``)
         self._oldest: dict[int, np.ndarray] = {}  # interval -> age of the oldest waiting sample, per column
@@ -225,7 +225,7 @@ class _Solver:
         if oldest is None:  # the same for every price: computed once a run of prices
             every = np.arange(self.width(t))
             consumed = np.maximum(self.cum[t + 1] - every * self.step, 0.0)
-            oldest = np.where(every > 0, _oldest_age(self.cum, self.arrivals, consumed, (t + 1) * self.dt, self.dt), 0.0)
+            oldest = np.where(every > 0, oldest_age(self.cum, self.arrivals, consumed, (t + 1) * self.dt, self.dt), 0.0)
             self._oldest[t] = oldest
         lag_s = np.maximum(oldest[columns][None, :], self.queue_wait[:, t][:, None])
         return lag_s * self.dt / 3600.0
@@ -299,7 +299,7 @@ class _Solver:
             v = v + lam * over[None, :]
         return _shift_rows(v, np.full(v.shape[0], int(ahead[-1])), self.width(t + count - 1))
 
-    def _old_part(self, v: np.ndarray, t: int, phases: list[_Phase], lam: float) -> np.ndarray:
+    def _old_part(self, v: np.ndarray, t: int, phases: list[ActionPhase], lam: float) -> np.ndarray:
         """Every row of ``v`` (the old count) through an action's intervals before it ends."""
         i = t
         while phases:
@@ -311,7 +311,7 @@ class _Solver:
                 i, phases = i + 1, phases[1:]
         return v
 
-    def _unfinished(self, v: np.ndarray, t: int, lam: float, phases: list[_Phase]) -> float:
+    def _unfinished(self, v: np.ndarray, t: int, lam: float, phases: list[ActionPhase]) -> float:
         """The least cost of an action of ``phases`` started at the end of interval t - 1 and still
         under way when the run ends: its intervals so far, each paid at least at the old count before
         the hand-over and at the fewest workers after it."""
@@ -320,7 +320,7 @@ class _Solver:
         v = self._old_part(v, t, phases[:left], lam) + before * self.counts[:, None] + (left - before) * self.counts[0]
         return float(v.min())
 
-    def _move(self, v: np.ndarray, t: int, lam: float, phases: list[_Phase], direction: str) -> np.ndarray:
+    def _move(self, v: np.ndarray, t: int, lam: float, phases: list[ActionPhase], direction: str) -> np.ndarray:
         """From ``v`` at the end of interval t - 1: the cost, when the action ends, of a scaling
         action of ``phases`` to each count (rows: the new count) from a count at or below it
         (``direction`` "out"), above it ("in"), or any ("both")."""
@@ -351,7 +351,7 @@ class _Solver:
         return out + after * counts
 
 
-def _oldest_age(cum: np.ndarray, arrivals: np.ndarray, consumed: np.ndarray, now: float | np.ndarray,
+def oldest_age(cum: np.ndarray, arrivals: np.ndarray, consumed: np.ndarray, now: float | np.ndarray,
                 dt: float) -> np.ndarray:
     """``tidal.sim.online._lag`` for many ``consumed`` at once: the age at ``now`` of the next
     sample to train, arrivals spread evenly within each interval."""
@@ -371,7 +371,7 @@ def _queue_wait(a: np.ndarray, cfg: SimConfig, counts: np.ndarray, rate: np.ndar
     out = np.zeros((len(counts), n))
     if cfg.latency_s > 0:  # what arrived in the last latency_s cannot be trained yet: the oldest of it waits
         cum = np.concatenate([[0.0], np.cumsum(a)])
-        ages = _oldest_age(cum, a, reachable, (np.arange(n) + 1) * dt, dt)
+        ages = oldest_age(cum, a, reachable, (np.arange(n) + 1) * dt, dt)
         out[:] = np.where(cum[1:] - reachable > 1e-6, ages, 0.0)[None, :]
     if cfg.shuffle_upper is not None and cfg.partitions:
         for i, w in enumerate(counts):
