@@ -86,20 +86,13 @@ class PerfectBins:
         return ahead
 
 
-class ForecastMPC:
-    """The yardstick's receding-horizon rule (module docstring). ``throughput[w]``: w workers'
-    true samples/s; ``truth`` and ``noise``: the run's arrivals and throughput noise per interval,
-    given for the perfect variant (None: the causal forecast)."""
+class RecedingHorizon:
+    """What the yardstick's programs share: the arrivals as observed, and a decision (``_decide``:
+    the first of a program over what lies ahead) after each interval with no action under way."""
 
     name = "mpc"
-
-    def __init__(self, throughput: list[float], dt: float, action_intervals: int, cap_s: float, horizon: int,
-                 penalty: float, truth: np.ndarray | None = None, noise: np.ndarray | None = None) -> None:
-        self.throughput = np.asarray(throughput, dtype=float)
-        self.dt, self.action, self.cap_s, self.horizon, self.penalty = dt, action_intervals, cap_s, horizon, penalty
-        self.truth, self.noise = truth, noise
-        self.arrivals: list[float] = []  # per interval of the window, as observed
-        self.target: int | None = None
+    arrivals: list[float]
+    target: int | None = None
 
     def plan(self, obs: JobObservation) -> ResourcePlan:
         stream = obs.stream
@@ -109,7 +102,23 @@ class ForecastMPC:
             self.target = obs.current_workers
         if obs.ready and self.arrivals:
             self.target = self._decide(obs.current_workers, stream.backlog, obs.max_workers)
-        return ResourcePlan(workers=self.target, reason="mpc")
+        return ResourcePlan(workers=self.target, reason=self.name)
+
+    def _decide(self, w0: int, backlog: float, most: int) -> int:
+        raise NotImplementedError
+
+
+class ForecastMPC(RecedingHorizon):
+    """The yardstick's receding-horizon rule (module docstring). ``throughput[w]``: w workers'
+    true samples/s; ``truth`` and ``noise``: the run's arrivals and throughput noise per interval,
+    given for the perfect variant (None: the causal forecast)."""
+
+    def __init__(self, throughput: list[float], dt: float, action_intervals: int, cap_s: float, horizon: int,
+                 penalty: float, truth: np.ndarray | None = None, noise: np.ndarray | None = None) -> None:
+        self.throughput = np.asarray(throughput, dtype=float)
+        self.dt, self.action, self.cap_s, self.horizon, self.penalty = dt, action_intervals, cap_s, horizon, penalty
+        self.truth, self.noise = truth, noise
+        self.arrivals = []  # per interval of the window, as observed
 
     def _ahead(self) -> tuple[np.ndarray, np.ndarray]:
         """Arrivals and throughput noise per interval over the horizon."""
@@ -162,7 +171,7 @@ class ForecastMPC:
         return int(counts[j]) if act[j] < keep[w0 - 1, b] - 1e-9 else w0
 
 
-class LagPricedMPC:
+class LagPricedMPC(RecedingHorizon):
     """A receding-horizon program that prices the accumulated lag (Kale Eq. 11) rather than capping
     a sample's age: after each interval with no action under way it minimizes, over the next
     ``horizon`` intervals, worker-intervals plus ``price`` per lag-minute, and takes the first
@@ -199,17 +208,6 @@ class LagPricedMPC:
         self.overlap = sim.MIGRATIONS[cfg.migration].both_before_handover
         self.hour = max(1, round(3600.0 / self.dt))
         self.day = max(1, round(DAY_S / self.dt))
-        self.target: int | None = None
-
-    def plan(self, obs: JobObservation) -> ResourcePlan:
-        stream = obs.stream
-        assert stream is not None
-        self.arrivals.extend(map(float, stream.arrivals))
-        if self.target is None:
-            self.target = obs.current_workers
-        if obs.ready:
-            self.target = self._decide(obs.current_workers, stream.backlog, obs.max_workers)
-        return ResourcePlan(workers=self.target, reason="mpc-lag")
 
     def _ahead(self) -> tuple[np.ndarray, np.ndarray]:
         """Arrivals and throughput noise per interval over the horizon."""
