@@ -242,11 +242,9 @@ class LagPricedMPC(RecedingHorizon):
         series = np.concatenate([np.asarray(self.arrivals[-self.hour :]), ahead])
         cum = np.concatenate([[0.0], np.cumsum(series)])
         base = len(series) - h
-        lag = np.empty((h, width))
-        for t in range(h):
-            consumed = np.maximum(cum[base + t + 1] - steps * unit, 0.0)
-            ages = oldest_age(cum, series, consumed, (base + t + 1) * dt, dt)
-            lag[t] = np.where(steps > 0, ages, 0.0) / 60.0 * dt / 60.0 * self.price
+        ends = base + 1 + np.arange(h)[:, None]  # (h, 1): each interval's end, in intervals of the series
+        ages = oldest_age(cum, series, np.maximum(cum[ends] - steps[None, :] * unit, 0.0), ends * dt, dt)
+        lag = np.where(steps[None, :] > 0, ages, 0.0) / 60.0 * dt / 60.0 * self.price  # (h, width)
         arrive = ahead / unit
         trains = f[counts][:, None] * noise[None, :] * dt / unit  # (counts, h)
         old_phases = [p for p in self.phases if not p.new]
@@ -283,7 +281,7 @@ class LagPricedMPC(RecedingHorizon):
             if t == 0:
                 keep0 = keep
         r, b = w0 - lo, min(backlog / unit, width - 1)
-        act = np.array([float(np.interp(b, steps, move0[r, j])) for j in rows])
+        act = np.array([float(np.interp(b, steps, move0[r, j])) for j in rows])  # inf to its own count
         j = int(np.argmin(act))
         return int(counts[j]) if act[j] < float(np.interp(b, steps, keep0[r])) - 1e-9 else w0
 
@@ -309,12 +307,6 @@ def run(trace: str, migration: str, split: str, caps: list[float], penalty: floa
     noise = sim.throughput_noise(cfg, len(scaled))
     action = math.ceil((mig.prep_s + mig.pause_s) / interval)
     horizon = max(action + 1, round(horizon_s / interval))
-    # kale's planning bins over the whole run, history first, as KalePlanner forms them
-    per_bin = max(1, round(sim.planner_factory("kale", cfg, mig)().plan_interval_s / interval))
-    series = np.concatenate([history * factor, scaled])
-    whole = len(series) // per_bin * per_bin
-    bins = series[:whole].reshape(-1, per_bin).mean(axis=1) / interval
-    forecasting.register(f"perfect:{trace}", lambda **_: PerfectBins(bins))
     if lag_prices:  # the strict lag reading: kale, hpa and the lag-priced program
         top = [sim.true_throughput(cfg, w) for w in range(2 * cfg.peak_workers + 1)]
         priced: dict[str, Any] = {"kale": sim.planner_factory("kale", cfg, mig), "hpa": sim.planner_factory("hpa", cfg, mig)}
@@ -324,6 +316,12 @@ def run(trace: str, migration: str, split: str, caps: list[float], penalty: floa
                     cfg, top, price, horizon, history * factor, fc, grid, truth=scaled, noise=noise)
         res = sim.simulate(scaled, priced, cfg, history=history * factor)
         return policy_rows(trace, migration, res, sim.oracle_worker_hours(scaled, cfg))
+    # kale's planning bins over the whole run, history first, as KalePlanner forms them
+    per_bin = max(1, round(sim.planner_factory("kale", cfg, mig)().plan_interval_s / interval))
+    series = np.concatenate([history * factor, scaled])
+    whole = len(series) // per_bin * per_bin
+    bins = series[:whole].reshape(-1, per_bin).mean(axis=1) / interval
+    forecasting.register(f"perfect:{trace}", lambda **_: PerfectBins(bins))
     policies: dict[str, Any] = {
         "kale": sim.planner_factory("kale", cfg, mig),
         "kale, perfect forecast": sim.planner_factory("kale", cfg, mig, forecaster=f"perfect:{trace}",
