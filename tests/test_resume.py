@@ -62,10 +62,15 @@ def test_every_worker_killed_resumes_from_the_flash_checkpoint(tmp_path: Path) -
     assert 2 <= len(kept) <= 3, kept  # --checkpoint-keep 2, and the final checkpoint
 
 
-def test_keep_never_deletes_the_checkpoint_the_master_would_resume_from(tmp_path: Path) -> None:
+@pytest.mark.parametrize("persist_delay_s", ["0", "0.1"], ids=["disk", "slow-disk"])
+def test_keep_never_deletes_the_checkpoint_the_master_would_resume_from(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, persist_delay_s: str) -> None:
     """A checkpoint every 2 steps at 50 steps/s, keep 1: the master learns of checkpoints after
     they are taken, so the one it would resume from is older than the newest (it was pruned, and
-    the resume fell back to step -1, before the persister kept it)."""
+    the resume fell back to step -1, before the persister kept it). A disk slower than the
+    checkpoints (each snapshot persisted 0.1 s late): the snapshot a worker reported is still
+    pending when the next save comes (it was replaced, and every resume failed down to step -1)."""
+    monkeypatch.setenv("TIDAL_PERSIST_DELAY_S", persist_delay_s)  # the workers' persisters inherit it
     samples, epochs = 120_000, 1
     job = Job(tmp_path, "2:2", example_args(samples, epochs, 256, 0.01),
               run_args=["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2",

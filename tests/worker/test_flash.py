@@ -283,6 +283,21 @@ def test_a_new_snapshot_replaces_an_older_pending_one(make: Callable[..., FlashC
     assert [i.step for i in list_checkpoints(fc.directory)] == [3, 1]
 
 
+def test_without_replace_pending_a_save_keeps_the_pending_snapshot(make: Callable[..., FlashCheckpoint],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job's worker has reported its pending snapshot to the master: a newer save is skipped."""
+    monkeypatch.setenv("TIDAL_PERSIST_DELAY_S", "0.6")
+    fc = make(replace_pending=False)
+    fc.save(1, state(1), [])
+    wait_state(fc, 1, "persisting")
+    assert fc.save(2, state(2), []).where == "shm"
+    skipped = fc.save(3, state(3), [])  # slot of 1 busy, slot of 2 pending and kept
+    assert (skipped.where, skipped.dropped_step) == ("none", None) and "not yet persisted" in skipped.note
+    assert fc.wait_persisted(2).name == "step-00000002"
+    assert fc.wait_persisted(1).name == "step-00000001"
+    assert [i.step for i in list_checkpoints(fc.directory)] == [2, 1]
+
+
 def test_with_one_slot_a_save_during_persisting_is_skipped(make: Callable[..., FlashCheckpoint],
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TIDAL_PERSIST_DELAY_S", "0.6")

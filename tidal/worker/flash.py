@@ -18,7 +18,9 @@ A save takes the free slot holding the oldest snapshot; with none free it REPLAC
 pending snapshot (``SaveResult.dropped_step``): only the newest snapshot matters for a resume,
 and a disk that cannot keep up must not pile up snapshots nor block training. With every slot
 busy (``slots=1`` while the persister writes it) the save is SKIPPED (``where="none"``, said in
-``note``): training never waits on the disk. With two slots, a save always leaves the previous
+``note``): training never waits on the disk. ``replace_pending=False`` skips instead of
+replacing: a job's worker has told its master of the pending snapshot, and the master may
+already have chosen it to resume from (``PeriodicCheckpoint``). With two slots, a save always leaves the previous
 snapshot intact in the other slot, so a crash in the middle of a copy loses only that copy.
 
 Integrity. The saver marks a slot FILLING with the save's sequence number first and READY with it
@@ -226,11 +228,13 @@ class FlashCheckpoint:
     """Snapshots of a state tree in shared memory, persisted to ``directory`` asynchronously."""
 
     def __init__(self, directory: str | Path, *, name: str, slots: int = 2, shm_dir: str | Path = "/dev/shm",
-                 max_shm_bytes: int | None = None, persist: bool = True, keep: int = 0) -> None:
+                 max_shm_bytes: int | None = None, persist: bool = True, keep: int = 0,
+                 replace_pending: bool = True) -> None:
         """``keep``: the persister deletes the checkpoints of ``directory`` past the ``keep`` newest
         (by step) after each it writes; 0 keeps every one. A snapshot's ``meta`` may bound that
         with ``"keep_from": s``: no checkpoint of step ``s`` or newer is deleted after it is
-        written (``tidal.worker.persister.prune``)."""
+        written (``tidal.worker.persister.prune``). ``replace_pending``: whether a save with no
+        free slot may overwrite a snapshot not yet persisted (else it is skipped)."""
         if not _NAME.fullmatch(name):
             raise ValueError(f"name {name!r}: use 1 to 100 of A-Z a-z 0-9 _ . -")
         if slots < 1:
@@ -243,6 +247,7 @@ class FlashCheckpoint:
         self.shm_dir = Path(shm_dir)
         self.max_shm_bytes = max_shm_bytes
         self.persist = persist
+        self.replace_pending = replace_pending
         self._slots = [_Slot(i, slotfmt.slot_path(self.shm_dir, name, i)) for i in range(slots)]
         self._layout: _Layout | None = None
         self._seq = self._last_seq() + 1
@@ -363,8 +368,9 @@ class FlashCheckpoint:
         with self._creating:  # a slot the background is still creating is waited for, not raced
             slot, dropped = self._pick()
             if slot is None:
-                note = (f"skipped: every shared-memory slot ({len(self._slots)}) is being persisted or read; "
-                        "training does not wait for the disk")
+                note = (f"skipped: every shared-memory slot ({len(self._slots)}) is being persisted or read"
+                        + ("" if self.replace_pending else " or holds a snapshot not yet persisted")
+                        + "; training does not wait for the disk")
                 self._set_status(step, ("skipped", note))
                 return SaveResult(step, time.perf_counter() - start, layout.nbytes, "none", None, note)
             try:
@@ -448,7 +454,7 @@ class FlashCheckpoint:
         dropped: int | None = None
         if free:
             chosen = min(free, key=lambda f: f[0])[1]
-        elif pending:
+        elif pending and self.replace_pending:
             _, dropped, chosen = min(pending, key=lambda p: p[0])
         for slot in self._slots:
             if slot is not chosen:
@@ -630,7 +636,9 @@ class PeriodicCheckpoint:
         self._last_at = self.clock()
         try:
             if self.flash is None:
-                self.flash = FlashCheckpoint(self.directory, name=self.name, keep=self.keep)
+                # the snapshot not yet persisted is the one this worker last reported: its master
+                # may resume from it, so a newer save waits for a free slot (is skipped) instead
+                self.flash = FlashCheckpoint(self.directory, name=self.name, keep=self.keep, replace_pending=False)
             result = self.flash.save(step, tree, contexts, meta)
         except (FlashError, OSError, ValueError) as exc:
             self._note(f"checkpoint of step {step} not taken: {exc}")
