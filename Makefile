@@ -5,7 +5,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 PYTHON ?= python3
 
-.PHONY: setup chromium redis demo test lint unit bench clean
+.PHONY: setup system-packages demo test lint unit bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -15,17 +15,16 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q -e '.[dev,all]'
 	touch $(STAMP)
 
-setup: $(STAMP) chromium redis
+setup: $(STAMP) system-packages
 
-# Debian's headless browser for tests/master/test_dashboard.py (skipped without it); as root.
-chromium:
-	@command -v chromium >/dev/null || (apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null)
-
-# Redis for the stream-source tests (tests/redis_server.py starts its own servers; skipped without it); as root.
-redis:
-	@command -v redis-server >/dev/null || (apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null)
+# Debian's headless browser for tests/master/test_dashboard.py and Redis for the stream-source
+# tests (tests/redis_server.py starts its own servers); both skipped without them. As root, with
+# one `apt-get update` for whichever is missing (each binary is named as its package).
+SYSTEM_PACKAGES := chromium redis-server
+system-packages:
+	@missing=""; for p in $(SYSTEM_PACKAGES); do command -v $$p >/dev/null || missing="$$missing $$p"; done; \
+	[ -z "$$missing" ] || (apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null)
 
 demo: setup
 	$(VENV)/bin/tidal demo

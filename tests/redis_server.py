@@ -103,7 +103,7 @@ class RedisServer:
 def redis_server(directory: Path, *, persistent: bool = False) -> Iterator[RedisServer]:
     """A started server, stopped on leaving; skips the test when redis-server is not installed."""
     if not available():
-        pytest.skip(f"{REDIS_SERVER} is not installed (make redis)")
+        pytest.skip(f"{REDIS_SERVER} is not installed (make setup installs it)")
     server = RedisServer(directory, persistent=persistent)
     try:
         for attempt in range(3):  # another process may take the free port before the server binds it
