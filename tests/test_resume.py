@@ -53,7 +53,7 @@ def test_every_worker_killed_resumes_from_the_flash_checkpoint(tmp_path: Path) -
     backs = rollbacks(job)
     back = backs[-1]
     assert backs == sorted(backs, reverse=True) and back >= 19 and (back + 1) % 10 == 0, (  # a checkpoint
-        backs, job.output()[-3000:])
+        f"rollbacks {backs}\n{job.output()[-3000:]}")
     audit = job.audit(samples, epochs)
     assert audit.ok, audit.summary()  # every sample once in the model's lineage
     job_id = job.info()["job_id"]
@@ -82,7 +82,8 @@ def test_keep_never_deletes_the_checkpoint_the_master_would_resume_from(
     finally:
         job.kill_all()
     backs = rollbacks(job)
-    assert len(backs) == 1 and backs[0] >= 1 and (backs[0] + 1) % 2 == 0, (backs, job.output()[-3000:])
+    assert len(backs) == 1 and backs[0] >= 1 and (backs[0] + 1) % 2 == 0, (
+        f"rollbacks {backs}\n{job.output()[-3000:]}")  # a string: pytest prints it whole, a tuple cut short
     assert "could not be loaded" not in job.output()
     audit = job.audit(samples, epochs)
     assert audit.ok, audit.summary()
