@@ -20,8 +20,9 @@ and a disk that cannot keep up must not pile up snapshots nor block training. Wi
 busy (``slots=1`` while the persister writes it) the save is SKIPPED (``where="none"``, said in
 ``note``): training never waits on the disk. ``replace_pending=False`` skips instead of
 replacing: a job's worker has told its master of the pending snapshot, and the master may
-already have chosen it to resume from (``PeriodicCheckpoint``). With two slots, a save always leaves the previous
-snapshot intact in the other slot, so a crash in the middle of a copy loses only that copy.
+already have chosen it to resume from (``PeriodicCheckpoint``). With two slots, a save always
+leaves the previous snapshot intact in the other slot, so a crash in the middle of a copy loses
+only that copy.
 
 Integrity. The saver marks a slot FILLING with the save's sequence number first and READY with it
 again last; a slot left FILLING (the saver died during the copy) is torn and skipped. The CRC-32
