@@ -98,6 +98,7 @@ VOLUME_DRAWS = 6  # draws of the volume-like generator in the tune split
 SLO_TARGET = 3.0  # % of the minutes over Kale's 20-minute lag SLO
 KALE_TARGET = {"restart": 1.5, "seamless": 1.3}  # kale's worker-hours / the lower bound
 LAG_TARGET = 0.35  # kale's accumulated lag / hpa's
+PROGRAM_ROW = "kale-program"  # --kale-program's policy
 
 
 # ---------------------------------------------------------------- traces
@@ -214,7 +215,8 @@ def traces(split: str = "eval") -> dict[str, Callable[[], tuple[np.ndarray, np.n
 # ---------------------------------------------------------------- runs (in worker processes)
 
 
-def run_online(trace: str, migration: str, split: str = "eval", strict_lag: bool = False) -> dict[str, Any]:
+def run_online(trace: str, migration: str, split: str = "eval", strict_lag: bool = False,
+               program: tuple[float, float] | None = None) -> dict[str, Any]:
     from tidal.sim import online as sim
     from tidal.sim.paid_bound import lag_priced_worker_hours, paid_moves_worker_hours
 
@@ -223,6 +225,10 @@ def run_online(trace: str, migration: str, split: str = "eval", strict_lag: bool
     scaled = sim.scale_to_peak(window, cfg)
     factor = float(scaled.max() / window.max())
     res = sim.simulate(scaled, ONLINE_POLICIES, cfg, history=history * factor)
+    if program is not None:  # kale planning over hours with the lag priced (--kale-program)
+        kale = sim.planner_factory("kale", cfg, sim.MIGRATIONS[migration], program_horizon_s=program[0] * 3600.0,
+                                   program_lag_price=program[1])
+        res.update(sim.simulate(scaled, {PROGRAM_ROW: kale}, cfg, history=history * factor))
     bound = sim.oracle_worker_hours(scaled, cfg)
     # where kale misses its target, the bound that pays every action as this migration does, with
     # the SLO violations the target allows: is the target within reach of any count schedule?
@@ -242,6 +248,7 @@ def run_online(trace: str, migration: str, split: str = "eval", strict_lag: bool
             "lag_priced_within_lag_target": within_lag_target, "peak_to_mean": peak_to_mean,
             "window_h": len(window) * interval / 3600,
             "unforecast_h": sim.forecast_wait_s("kale", cfg, len(history) * interval) / 3600,
+            "program": None if program is None else f"{program[0]:g}:{program[1]:g}",
             "policies": {k: r.metrics() for k, r in res.items()}}
 
 
@@ -430,6 +437,25 @@ def summarize_strict_lag(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def summarize_program(rows: list[dict[str, Any]]) -> list[str]:
+    """``--kale-program``: kale planning over hours with the lag priced, against both targets read
+    on every trace (worker-hours, SLO, and the lag at 0.35x hpa's also where hpa keeps the SLO)."""
+    out: list[str] = []
+    programs = [r for r in rows if PROGRAM_ROW in r["policies"]]
+    if programs:
+        out += ["", f"kale planning over hours with the lag priced (--kale-program {programs[0].get('program', '')}): "
+                "worker-h / bound, SLO violation, acc. lag / hpa's, actions", "",
+                "| trace | mig. | worker-h / bound | SLO violation | lag / hpa's | actions | both targets |",
+                "|---|---|---:|---:|---:|---:|---|"]
+        for r in sorted(programs, key=lambda r: (r["migration"], r["trace"])):
+            prog, bound = r["policies"][PROGRAM_ROW], r["bound_worker_hours"]
+            wh, lag = prog["worker_hours"] / bound, _lag_over_hpa(r, PROGRAM_ROW)
+            both = wh <= KALE_TARGET[r["migration"]] and lag <= LAG_TARGET and 100 * prog["slo_violation_rate"] <= SLO_TARGET
+            out.append(f"| {r['trace']} | {r['migration']} | {wh:.3f}x | {prog['slo_violation_rate']:.1%} | {lag:.2f}x | "
+                       f"{prog['scaling_actions']} | {'met' if both else 'missed'} |")
+    return out
+
+
 def _by_load(rows: list[dict[str, Any]], part: str) -> dict[float | None, list[dict[str, Any]]]:
     groups: dict[float | None, list[dict[str, Any]]] = {}
     for r in rows:
@@ -547,6 +573,10 @@ def main() -> None:
     ap.add_argument("--strict-lag", action="store_true",
                     help="online: read the lag target on every trace, with the foresight bound within it where kale "
                          "is over it (4-18 minutes more a week of minutes)")
+    ap.add_argument("--kale-program", metavar="HOURS:PRICE",
+                    help="online: also run kale planning over HOURS of its forecast with each "
+                         "lag-minute priced at PRICE worker-minutes (tidal sim online --program-hours; 1-3 min more "
+                         "a week of minutes), and say where it meets both targets")
     ap.add_argument("--json", type=Path, help="write every run's metrics here")
     ap.add_argument("--from-json", type=Path, help="summarize the runs of an earlier --json instead of running")
     args = ap.parse_args()
@@ -564,7 +594,16 @@ def main() -> None:
         migrations = [m for m in args.migrations.split(",") if m]
         if not migrations or any(m not in ("restart", "seamless") for m in migrations):
             sys.exit(f"--migrations: restart and/or seamless, got {args.migrations!r}")
-        tasks += [(run_online, (t, m, args.split, args.strict_lag)) for t in names for m in migrations]
+        program = None
+        if args.kale_program:
+            try:
+                hours, price = (float(v) for v in args.kale_program.split(":"))
+            except ValueError:
+                sys.exit(f"--kale-program: HOURS:PRICE, got {args.kale_program!r}")
+            if not (0 < hours <= 24 and price > 0):
+                sys.exit("--kale-program: HOURS in (0, 24] and a positive PRICE")
+            program = (hours, price)
+        tasks += [(run_online, (t, m, args.split, args.strict_lag, program)) for t in names for m in migrations]
     for part in parts:
         if part in LOADS:  # slowest (dlrover-rm) first so the pool stays busy to the end
             tasks += [(run_cluster, (part, s, load, args.jobs)) for s in _seeds(args.seeds) for load in LOADS[part]]
@@ -589,6 +628,7 @@ def main() -> None:
         lines += summarize_online(online)
         if args.strict_lag:
             lines += summarize_strict_lag(online)
+        lines += summarize_program(online)
     if any(r["part"] == "dlrover-rm" for r in rows):
         lines += summarize_dlrover_rm(rows)
     if any(r["part"] == "goldminer" for r in rows):

@@ -54,8 +54,9 @@ from brain_robustness import chosen_runs, policy_rows, print_policy_rows, second
 
 from tidal.api import JobObservation, ResourcePlan
 from tidal.brain import forecast as forecasting
+from tidal.brain.lag_program import count_range, solve
 from tidal.sim import online as sim
-from tidal.sim.paid_bound import action_phases, oldest_age
+from tidal.sim.paid_bound import action_phases
 
 MEAN_WINDOW_S = 3600.0  # the causal forecast: the mean arrival rate of the last hour, flat
 GRID = 2.0  # grid steps of samples waiting per worker-interval
@@ -204,7 +205,6 @@ class LagPricedMPC(RecedingHorizon):
         self.arrivals = [float(x) for x in history]  # per interval: the history, then what was observed
         self.seen_history = len(self.arrivals)
         self.phases = out
-        self.held_before = sum(p.before for p in out)  # intervals paid at the count before the hand-over
         self.overlap = sim.MIGRATIONS[cfg.migration].both_before_handover
         self.hour = max(1, round(3600.0 / self.dt))
         self.day = max(1, round(DAY_S / self.dt))
@@ -227,73 +227,12 @@ class LagPricedMPC(RecedingHorizon):
 
     def _decide(self, w0: int, backlog: float, most: int) -> int:
         ahead, noise = self._ahead()
-        h, dt, f = self.horizon, self.dt, self.throughput
-        most = min(most, len(f) - 1)
-        lo = max(1, min(w0, int(np.searchsorted(f * dt, 0.8 * ahead.min()))) - 1)
-        hi = min(most, max(w0, int(np.searchsorted(f * dt, 1.3 * ahead.max())) + 1) + 1)
+        lo, hi = count_range(self.throughput, self.dt, w0, ahead, most)
         if not lo <= w0 <= hi:
             return w0
-        counts = np.arange(lo, hi + 1)
-        rows = np.arange(len(counts))
-        unit = max(float(ahead.mean()), f[1] * dt) / self.grid  # samples per grid step
-        width = math.ceil(max(12 * ahead.max(), backlog + ahead.max()) / unit) + 2  # 12 peak intervals waiting
-        steps = np.arange(width, dtype=float)
-        # the lag-minutes each interval ahead adds with x grid steps waiting at its end (FIFO)
-        series = np.concatenate([np.asarray(self.arrivals[-self.hour :]), ahead])
-        cum = np.concatenate([[0.0], np.cumsum(series)])
-        base = len(series) - h
-        ends = base + 1 + np.arange(h)[:, None]  # (h, 1): each interval's end, in intervals of the series
-        ages = oldest_age(cum, series, np.maximum(cum[ends] - steps[None, :] * unit, 0.0), ends * dt, dt)
-        lag = np.where(steps[None, :] > 0, ages, 0.0) / 60.0 * dt / 60.0 * self.price  # (h, width)
-        arrive = ahead / unit
-        trains = f[counts][:, None] * noise[None, :] * dt / unit  # (counts, h)
-        old_phases = [p for p in self.phases if not p.new]
-        new_phases = [p for p in self.phases if p.new]
-        length = len(self.phases)
-        old_held = np.maximum(counts[:, None], counts[None, :]) if self.overlap else np.repeat(counts[:, None], len(counts), 1)
-        paid = old_held * self.held_before + counts[None, :] * (length - self.held_before)  # (old, new)
-        value = np.empty((h + 1, len(counts), width))
-        value[h] = steps[None, :] * unit / (f[counts][:, None] * dt)  # what still waits, in worker-intervals
-        keep0 = move0 = np.empty(0)
-        for t in range(h - 1, -1, -1):
-            nxt = np.clip(steps[None, :] + arrive[t] - trains[:, t : t + 1], 0, width - 1)
-            keep = counts[:, None] + _between(lag[t], None, nxt) + _between(value[t + 1], rows[:, None], nxt)
-            value[t] = keep
-            if t + length <= h:  # an action started now ends within the horizon
-                x = np.broadcast_to(steps[None, :], keep.shape)
-                cost = np.zeros(keep.shape)
-                i = t
-                for phase in old_phases:  # rows: the old count
-                    x = np.clip(x + arrive[i] - trains[:, i : i + 1] * phase.train, 0, width - 1)
-                    cost = cost + _between(lag[i], None, x)
-                    i += 1
-                x3 = np.broadcast_to(x[:, None, :], (len(counts), len(counts), width))  # (old, new, waiting)
-                cost3 = np.broadcast_to(cost[:, None, :], x3.shape)
-                for phase in new_phases:
-                    x3 = np.clip(x3 + arrive[i] - trains[None, :, i : i + 1] * phase.train, 0, width - 1)
-                    cost3 = cost3 + _between(lag[i], None, x3)
-                    i += 1
-                moves = cost3 + _between(value[t + length], rows[None, :, None], x3) + paid[:, :, None]
-                moves[rows, rows, :] = math.inf  # to the same count is no action
-                value[t] = np.minimum(keep, moves.min(axis=1))
-                if t == 0:
-                    move0 = moves
-            if t == 0:
-                keep0 = keep
-        r, b = w0 - lo, min(backlog / unit, width - 1)
-        act = np.array([float(np.interp(b, steps, move0[r, j])) for j in rows])  # inf to its own count
-        j = int(np.argmin(act))
-        return int(counts[j]) if act[j] < float(np.interp(b, steps, keep0[r])) - 1e-9 else w0
-
-
-def _between(table: np.ndarray, rows: np.ndarray | None, x: np.ndarray) -> np.ndarray:
-    """``table`` (one row, or rows picked by ``rows``) at the continuous columns ``x``, linearly."""
-    lo = np.floor(x).astype(np.int64)
-    hi = np.minimum(lo + 1, table.shape[-1] - 1)
-    share = x - lo
-    if rows is None:
-        return table[lo] * (1 - share) + table[hi] * share
-    return table[rows, lo] * (1 - share) + table[rows, hi] * share
+        policy = solve(self.throughput, self.dt, self.phases, self.overlap, self.price * self.dt / 60.0,
+                       np.asarray(self.arrivals[-self.hour :]), ahead, backlog, lo, hi, self.grid, noise)
+        return policy.decide(0, w0, backlog)
 
 
 def run(trace: str, migration: str, split: str, caps: list[float], penalty: float, horizon_s: float,

@@ -26,6 +26,7 @@ import numpy as np
 
 from tidal.api import ConfigError, JobObservation, ResourcePlan, StreamObservation
 from tidal.brain import forecast as forecasting
+from tidal.brain import lag_program
 from tidal.brain.api import FitError, Forecaster, ThroughputConfig, ThroughputSample
 from tidal.brain.models import KaleSyncModel, LinearisedModel
 
@@ -409,6 +410,8 @@ DEADLINE_HOLD_S = 600.0
 DEADLINE_NOW_S = 300.0
 #: ... and only while rounding the traffic now up to whole workers (Eq. 10) costs at least this share of them
 DEADLINE_ROUNDING = 0.1
+# planning over hours (``program_horizon_s``): worker-minutes per lag-minute
+PROGRAM_LAG_PRICE = 12.0
 
 #: the past surges whose course a surge's scale-up is sized from (``KalePlanner._surge_rate``), and
 #: how many must have been seen before it is
@@ -634,6 +637,8 @@ class KalePlanner:
         surge_ratio: float | None = SURGE_RATIO,
         surge_catch_up_s: float = SURGE_CATCH_UP_S,
         deadline_s: float | None = DEADLINE_S,
+        program_horizon_s: float | None = None,
+        program_lag_price: float = PROGRAM_LAG_PRICE,
     ) -> None:
         if not headroom > 0:
             raise ConfigError(f"headroom must be positive, got {headroom:g}")
@@ -677,6 +682,14 @@ class KalePlanner:
         if deadline_s is not None and not deadline_s > 0:
             raise ConfigError(f"deadline_s must be positive, got {deadline_s:g}")
         self.deadline_s = deadline_s
+        if program_horizon_s is not None and not program_horizon_s > 0:
+            raise ConfigError(f"program_horizon_s must be positive, got {program_horizon_s:g}")
+        if not program_lag_price > 0:
+            raise ConfigError(f"program_lag_price must be positive, got {program_lag_price:g}")
+        self.program_horizon_s = program_horizon_s
+        self.program_lag_price = program_lag_price
+        self._policy: lag_program.Policy | None = None
+        self._policy_at = 0  # self._seen when the policy was solved
         self._fewer_asks = 0  # deadline sizing: intervals in a row that asked for fewer workers
         self.track_error = track_error
         self.surge_ratio = surge_ratio
@@ -981,6 +994,30 @@ class KalePlanner:
             worst = max(worst, backlog / max(load, 1e-9))
         return worst
 
+    def _forecast(self, bins: int, interval_s: float, window: int, surge: bool,
+                  now_rate: float) -> tuple[np.ndarray, bool, float]:
+        """The arrival rate per planning bin for the next ``bins`` (the bin under way first), as a
+        plan reads it: the forecaster's, or while it is off track the traffic now, flat; scaled
+        down to the traffic when it has fallen below (``_fallen``); raised over the first
+        ``window`` bins to a surge's rate (``_surge_rate`` of ``now_rate``). Returns it, whether
+        the forecaster is off track, and the rate a surge's scale-up is sized for (else
+        ``now_rate``); ``last_forecast`` keeps it."""
+        assert self._forecaster is not None
+        fc = np.asarray(self._forecaster.predict(bins), dtype=float)
+        off_track = self._off_track()
+        if off_track:  # the traffic now, flat, rather than a trend taken from a jump
+            fc = np.full(len(fc), self._traffic_now())
+        fallen = self._fallen(interval_s, float(fc[0]))
+        if fallen is not None:  # re-anchored at the traffic now
+            self._fell_at_bin = len(self._bins)
+            fc = fc * (fallen / float(fc[0]))
+        if surge:  # the forecast missed it: the surge's traffic lasts through the lead window at least
+            now_rate = self._surge_rate(now_rate)
+            # off track, the traffic now was the surge's peak: the surge's traffic replaces it
+            fc = np.full(len(fc), now_rate) if off_track else _raised(fc, window, now_rate)
+        self.last_forecast = [float(v) for v in fc]
+        return fc, off_track, now_rate
+
     def _worth_acting_lag(self, lag_s: float, off_track: bool) -> float:
         """The projected lag at the current count past which a scale-up is planned: past
         ``planned_lag_s`` and the lag now, and while the forecast is off track (the traffic now,
@@ -1108,6 +1145,59 @@ class KalePlanner:
             self._action_since = obs.now_s
         return self._resource_plan(target, f"deadlines: {want} workers train every sample within {self.deadline_s:.0f} s")
 
+    def _program_plan(self, obs: JobObservation, stream: StreamObservation, replan: bool, surge: bool,
+                      now_rate: float, lo: int, hi: int) -> ResourcePlan:
+        """The plan where the job plans over hours (``program_horizon_s``): the count the lag-priced
+        program (``tidal.brain.lag_program``) holds at the job's state, solved over the plan's
+        forecast (``_forecast``: off track, fallen and surging as the plan reads it; the traffic now,
+        flat, before a forecaster is fitted) whenever the plan would re-plan, and read between.
+
+        Kale's Eq. 10 sizes each bin for its forecast alone, so its workers run 95-98% busy and each
+        action's pause is lag; its margins trade that lag for workers along a frontier that passes
+        beside a corner of few minutes of lag for few spare workers (issue 22's strict lag reading,
+        bench/RESULTS.md, twentieth to twenty-fourth passes). The program prices each lag-minute at
+        ``program_lag_price`` worker-minutes and sees the whole ramp: it scales in on a ramp down only
+        where it need not scale out again within the horizon. Its throughput is the planner's belief,
+        an action the measured lead and pause (the joiners start beside the old set during the lead
+        less the pause, the leavers go at the pause)."""
+        current, dt = obs.current_workers, stream.interval_s
+        if not self._measured:
+            return self._resource_plan(current, "program: no throughput measured yet")
+        horizon = max(2, round(self.program_horizon_s / dt)) if self.program_horizon_s is not None else 0
+        k = self._seen - self._policy_at
+        if replan or self._policy is None or not self._policy.covers(k, current):
+            self._last_plan_bin = len(self._bins)
+            if self._forecaster is not None:
+                bins = math.ceil((horizon + len(self._partial)) * dt / self.plan_interval_s) + 1
+                window = max(1, math.ceil(self.lead_s / self.plan_interval_s)) + 1
+                fc, _, _ = self._forecast(max(bins, self.horizon_bins), dt, window, surge, now_rate)
+                per_bin = max(1, round(self.plan_interval_s / dt))
+                ahead = np.repeat(fc, per_bin)[len(self._partial) : len(self._partial) + horizon] * dt
+            else:
+                ahead = np.full(horizon, self._traffic_now() * dt)
+            prep = max(0.0, self.lead_s - self.pause_s)
+            phases = lag_program.action_phases(prep, self.pause_s, dt,
+                                               lambda since, span: min(1.0, max(0.0, (prep - since) / span)))
+            if len(ahead) <= len(phases):
+                return self._resource_plan(current, "program: horizon shorter than an action")
+            believed = [0.0] + [self.throughput(w) for w in range(1, hi + 2)]
+            a, b = lag_program.count_range(believed, dt, current, ahead, hi)
+            a, b = max(a, lo), min(b, hi)
+            past = np.asarray(list(itertools.islice(reversed(self._recent), round(3600.0 / dt)))[::-1]) * dt
+            if not a <= current <= b:
+                self._policy = None
+                return self._resource_plan(current, "program: the job's count is outside its range")
+            self._policy = lag_program.solve(believed, dt, phases, True, self.program_lag_price, past, ahead,
+                                             stream.backlog, a, b)
+            self._policy_at, k = self._seen, 0
+        target = self._policy.decide(k, current, stream.backlog)
+        self._target = self._planned = target
+        if target != current:
+            self._last_change_s = obs.now_s
+            self._action_since = obs.now_s
+        return self._resource_plan(target, f"program: {target} workers at {stream.backlog:.0f} samples waiting, "
+                                           f"{self.program_lag_price:g} worker-min per lag-min")
+
     def _resource_plan(self, workers: int, reason: str) -> ResourcePlan:
         model = self._model
         return ResourcePlan(workers=workers, reason=reason, model="" if model is None else model.name,
@@ -1131,7 +1221,7 @@ class KalePlanner:
             self._target = current
         if scaling:
             return ResourcePlan(workers=self._target, reason="scaling in progress")
-        if self._sizes_by_deadlines(stream.interval_s, hi):
+        if self.program_horizon_s is None and self._sizes_by_deadlines(stream.interval_s, hi):
             return self._deadline_plan(obs, stream.backlog, lo, hi)
         reason = "hold"
         bin_index = len(self._bins)
@@ -1141,23 +1231,14 @@ class KalePlanner:
         # and so does a surge far above what the job trains and what was forecast
         now_rate = float(stream.arrivals[-1]) / stream.interval_s if stream.arrivals else 0.0
         surge = self._surging(now_rate, current)
+        if self.program_horizon_s is not None:
+            return self._program_plan(obs, stream, bin_index != self._last_plan_bin or replan or surge,
+                                      surge, now_rate, lo, hi)
         if self._forecaster is not None and (bin_index != self._last_plan_bin or replan or surge) and self._measured:
             self._last_plan_bin = bin_index
-            fc = self._forecaster.predict(self.horizon_bins)
-            off_track = self._off_track()
-            if off_track:  # the traffic now, flat, rather than a trend taken from a jump
-                fc = np.full(len(fc), self._traffic_now())
-            fallen = self._fallen(stream.interval_s, float(fc[0]))
-            if fallen is not None:  # re-anchored at the traffic now
-                self._fell_at_bin = bin_index
-                fc = np.asarray(fc, dtype=float) * (fallen / float(fc[0]))
             lead_bins = max(1, math.ceil(self.lead_s / self.plan_interval_s))
             window = lead_bins + 1
-            if surge:  # the forecast missed it: the surge's traffic lasts through the lead window at least
-                now_rate = self._surge_rate(now_rate)
-                # off track, the traffic now was the surge's peak: the surge's traffic replaces it
-                fc = np.full(len(fc), now_rate) if off_track else _raised(fc, window, now_rate)
-            self.last_forecast = [float(v) for v in fc]
+            fc, off_track, now_rate = self._forecast(self.horizon_bins, stream.interval_s, window, surge, now_rate)
             hold = max(window, lead_bins + math.ceil(self.tau_s / self.plan_interval_s))
             # after an action: it stops training for pause_s, and what arrives meanwhile must be
             # drained too; a change is sized for that (a surge's over a longer time, see _surging)

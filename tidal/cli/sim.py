@@ -63,6 +63,16 @@ def online(
              "more, kale time-shares them through what waits (one fewer while every sample can still be trained "
              "within 15 minutes, then as many as the traffic needs): fewer worker-hours for a mean lag of a few "
              "minutes; --no-time-share sizes every count from the forecast, for less lag"),
+    program_hours: float | None = typer.Option(
+        None, "--program-hours", metavar="HOURS",
+        help="kale plans over HOURS of its forecast with each lag-minute priced (--program-lag-price) instead of "
+             "sizing each 10-minute bin by Eq. 10: it sees a whole ramp and pays each move's pause where it falls, "
+             "for a lag of a few minutes at a few more workers (3 is a good start; a week of minutes takes 1-3 min "
+             "a policy instead of seconds)"),
+    program_lag_price: float | None = typer.Option(
+        None, "--program-lag-price", metavar="WORKER_MIN",
+        help="with --program-hours: worker-minutes one lag-minute is worth (default kale's, 12; higher: less lag, "
+             "more workers)"),
     policies: str = typer.Option("kale,hpa,autopilot,madu,adequate", "--policies"),
     bound_violations: float = typer.Option(
         0.0, "--bound-violations",
@@ -102,6 +112,10 @@ def online(
     if not 0 <= bound_violations < 1:
         raise fail("--bound-violations must be in [0, 1)")
     check_kale_knobs(load_headroom, lag_price, "kale", planned_lag)
+    if program_hours is not None and not 0 < program_hours <= 24:
+        raise fail(f"--program-hours must be in (0, 24], got {program_hours:g}")
+    if program_lag_price is not None and (program_hours is None or not program_lag_price > 0):
+        raise fail("--program-lag-price needs --program-hours and must be positive")
     names = [p.strip() for p in policies.split(",") if p.strip()]
     if not names:
         raise fail("--policies is empty")
@@ -112,7 +126,10 @@ def online(
                             true_model=sim.JOBS[job](), partitions=partitions,
                             shuffle_upper=upper, load_headroom=load_headroom, lag_price=lag_price,
                             planned_lag_s=sim.SimConfig.planned_lag_s if planned_lag is None else planned_lag,
-                            time_share=time_share)
+                            time_share=time_share,
+                            program_horizon_s=None if program_hours is None else program_hours * 3600.0,
+                            program_lag_price=sim.SimConfig.program_lag_price if program_lag_price is None
+                            else program_lag_price)
         skip = round(skip_days * 86400 / interval)
         if skip >= len(counts) - 1:
             raise ConfigError(f"--skip-days {skip_days:g} leaves nothing of the trace")

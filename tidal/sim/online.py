@@ -85,7 +85,7 @@ import numpy as np
 from tidal.api import ConfigError, JobObservation, StreamObservation
 from tidal.brain import planners
 from tidal.brain.api import Planner, ThroughputConfig
-from tidal.brain.kale import shuffle_wait_s
+from tidal.brain.kale import PROGRAM_LAG_PRICE, shuffle_wait_s
 from tidal.brain.models import KaleSyncModel, LinearisedModel
 
 __all__ = [
@@ -247,6 +247,9 @@ class SimConfig:
     # kale time-shares whole workers through what waits where moves are cheap (KalePlanner.deadline_s);
     # False: every count from the forecast (Eq. 10), for less lag
     time_share: bool = True
+    # kale plans over this many seconds with the lag priced (KalePlanner.program_horizon_s; None: Eq. 10)
+    program_horizon_s: float | None = None
+    program_lag_price: float = PROGRAM_LAG_PRICE  # worker-minutes per lag-minute (KalePlanner.program_lag_price)
 
 
 @dataclass
@@ -652,7 +655,9 @@ def planner_factory(name: str, cfg: SimConfig, mig: Migration, **kale: Any) -> C
             kale = {"deadline_s": None, **kale}
         return lambda: KalePlanner(lead_s=lead, pause_s=mig.pause_s, measure_actions=False, batch_size=cfg.batch_size,
                                    headroom=cfg.load_headroom, lag_price=cfg.lag_price,
-                                   planned_lag_s=cfg.planned_lag_s, **kale)
+                                   planned_lag_s=cfg.planned_lag_s,
+                                   **{"program_horizon_s": cfg.program_horizon_s,
+                                      "program_lag_price": cfg.program_lag_price, **kale})
     if kale:
         raise ConfigError(f"KalePlanner arguments given for {name!r}")
     if name == "madu":

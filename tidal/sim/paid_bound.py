@@ -42,11 +42,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
 from tidal.api import ConfigError
+from tidal.brain.lag_program import ActionPhase, oldest_age
+from tidal.brain.lag_program import action_phases as phases_of_action
 from tidal.sim.online import (
     MIGRATIONS,
     SimConfig,
@@ -61,31 +62,13 @@ __all__ = ["GRID", "ActionPhase", "action_phases", "lag_priced_worker_hours", "o
 GRID = 10  # grid steps per worker-interval of samples waiting
 
 
-@dataclass(frozen=True)
-class ActionPhase:
-    """One interval of a scaling action: the share of it trained, by the new workers or the old,
-    and the share of it paid at the count held before the hand-over (``Migration.held``)."""
-
-    train: float
-    new: bool  # trained by the new count; else by the old count
-    before: float  # share paid at the count before the hand-over (the old, or max(old, new) with overlap)
-
-
 def action_phases(cfg: SimConfig, scale_out: bool) -> list[ActionPhase]:
     """The intervals after a decision to grow the job (``scale_out``) or to shrink it until the
     next decision may start an action (``simulate``'s bookkeeping: the action ends in the first
     interval whose end is at or past prep + pause, paid at the new count)."""
     mig = MIGRATIONS[cfg.migration]
     prep, pause = mig.cost(scale_out)
-    dt = cfg.interval_s
-    length = max(1, math.ceil((prep + pause) / dt - 1e-9))
-    out = []
-    for i in range(1, length + 1):
-        lo, hi = (i - 1) * dt, i * dt
-        paused = max(0.0, min(hi, prep + pause) - max(lo, prep))
-        before = 0.0 if i == length else mig.before_share(lo, dt)
-        out.append(ActionPhase(train=(dt - paused) / dt, new=i == length, before=before))
-    return out
+    return phases_of_action(prep, pause, cfg.interval_s, mig.before_share)
 
 
 def paid_moves_worker_hours(arrivals: np.ndarray, cfg: SimConfig, *, violations: float = 0.0,
@@ -349,16 +332,6 @@ class _Solver:
                 out = self._idle(out, i, 1, lam)
             i += 1
         return out + after * counts
-
-
-def oldest_age(cum: np.ndarray, arrivals: np.ndarray, consumed: np.ndarray, now: float | np.ndarray,
-                dt: float) -> np.ndarray:
-    """``tidal.sim.online._lag`` for many ``consumed`` at once: the age at ``now`` of the next
-    sample to train, arrivals spread evenly within each interval."""
-    j = np.clip(np.searchsorted(cum, consumed, side="right") - 1, 0, len(arrivals) - 1)
-    per = arrivals[j]
-    frac = np.divide(consumed - cum[j], per, out=np.zeros_like(consumed), where=per > 0)
-    return np.maximum(0.0, now - (j + frac) * dt)
 
 
 def _queue_wait(a: np.ndarray, cfg: SimConfig, counts: np.ndarray, rate: np.ndarray,

@@ -1,0 +1,128 @@
+"""The lag-priced program (Kale Eq. 11 over a horizon) against every schedule, and kale planning with it."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from tidal.api import ConfigError
+from tidal.brain import lag_program
+from tidal.brain.kale import KalePlanner
+from tidal.sim import online as sim
+
+DT = 60.0
+F = [0.0, 100.0, 190.0, 270.0]  # samples/s of 0..3 workers
+PHASES = lag_program.action_phases(30.0, 60.0, DT, lambda since, span: min(1.0, max(0.0, (30.0 - since) / span)))
+
+
+def _schedule_cost(decisions: tuple[int, ...], w0: int, x0: float, past: np.ndarray, ahead: np.ndarray,
+                   price: float) -> float:
+    """Worker-minutes plus ``price`` per lag-minute of one schedule, simulated forward: ``decisions``
+    per interval with no action under way, the count to move to (the current one: keep)."""
+    series = np.concatenate([past, ahead])
+    cum = np.concatenate([[0.0], np.cumsum(series)])
+    base, h, m = len(past), len(ahead), DT / 60.0
+
+    def lag(t: int, x: float) -> float:  # at the end of interval t with x waiting
+        if x <= 0:
+            return 0.0
+        end = base + t + 1
+        age = lag_program.oldest_age(cum, series, np.array([max(cum[end] - x, 0.0)]), end * DT, DT)[0]
+        return price * age / 60.0 * m
+
+    w, x, t, cost, it = w0, x0, 0, 0.0, iter(decisions)
+    while t < h:
+        v = next(it)
+        if v == w or t + len(PHASES) > h:
+            x = max(0.0, x + ahead[t] - F[w] * DT)
+            cost += w * m + lag(t, x)
+            t += 1
+            continue
+        for phase in PHASES:
+            x = max(0.0, x + ahead[t] - F[v if phase.new else w] * DT * phase.train)
+            cost += lag(t, x) + (phase.before * max(w, v) + (1 - phase.before) * v) * m
+            t += 1
+        w = v
+    return cost + x / (F[w] * DT) * m
+
+
+@pytest.mark.parametrize("w0,x0", [(1, 0.0), (2, 9_000.0), (3, 0.0)])
+def test_the_program_is_the_cheapest_schedule(w0: int, x0: float) -> None:
+    """Seven 1-minute intervals of a ramp up and down, 1-3 workers, an action two intervals long
+    (half of each trains): on a fine grid the program's value at the state now is the least over
+    every schedule of keeps and moves, and its first decision is that schedule's."""
+    past = np.full(60, 120.0 * DT)
+    ahead = np.array([120.0, 150.0, 260.0, 260.0, 250.0, 120.0, 90.0]) * DT
+    price = 0.5
+    policy = lag_program.solve(F, DT, PHASES, True, price, past, ahead, x0, 1, 3, grid=4000)
+    best, first = math.inf, w0
+    for decisions in itertools.product(range(1, 4), repeat=len(ahead)):
+        cost = _schedule_cost(decisions, w0, x0, past, ahead, price)
+        if cost < best - 1e-9:
+            best, first = cost, decisions[0]
+    col = x0 / policy.unit
+    lo = int(col)
+    r = w0 - 1
+    value = min(np.interp(col, [lo, lo + 1], policy.keep[0, r, lo : lo + 2]),
+                np.interp(col, [lo, lo + 1], policy.move[0, r, lo : lo + 2]))
+    assert value == pytest.approx(best, rel=2e-3)
+    assert policy.decide(0, w0, x0) == first
+
+
+def test_a_program_sees_a_ramp_within_its_horizon_and_not_beyond() -> None:
+    """One worker keeps up with the traffic now; in 40 minutes it doubles for hours. A program
+    that sees the rise moves once the pause it pays is cheaper than the lag it avoids; one whose
+    horizon ends before the rise keeps its one worker."""
+    past = np.full(60, 90.0 * DT)
+    ahead = np.concatenate([np.full(40, 90.0), np.full(140, 180.0)]) * DT
+    seeing = lag_program.solve(F, DT, PHASES, True, 8.0, past, ahead, 0.0, 1, 3)
+    blind = lag_program.solve(F, DT, PHASES, True, 8.0, past, ahead[:30], 0.0, 1, 3)
+    assert blind.decide(0, 1, 0.0) == 1
+    moves = [k for k in range(40) if seeing.decide(k, 1, 0.0) != 1]
+    assert moves and seeing.decide(moves[0], 1, 0.0) == 2
+    assert 30 <= moves[0] < 40  # late enough to pay little, early enough to be there at the rise
+
+
+def _diurnal_days(days: int, interval_s: float) -> np.ndarray:
+    t = np.arange(int(days * 86400 / interval_s)) * interval_s
+    return 1.0 + 0.8 * np.sin(2 * np.pi * t / 86400.0) ** 2
+
+
+def _kale_program(price: float | None, days: int = 3) -> sim.PolicyResult:
+    """Kale on a smooth diurnal trace (2 days of history, then ``days - 2`` scored), seamless moves,
+    planning over 3 hours at ``price`` (None: Eq. 10, the default)."""
+    cfg = sim.SimConfig(migration="seamless", interval_s=300.0, program_horizon_s=None if price is None else 10800.0,
+                        program_lag_price=8.0 if price is None else price)
+    shape = _diurnal_days(days, cfg.interval_s)
+    split = int(2 * 86400 / cfg.interval_s)
+    history, window = shape[:split], shape[split:]
+    scaled = sim.scale_to_peak(window, cfg)
+    factor = float(scaled.max() / window.max())
+    kale = sim.planner_factory("kale", cfg, sim.MIGRATIONS["seamless"])
+    return sim.simulate(scaled, {"kale": kale}, cfg, history=history * factor)["kale"]
+
+
+def test_kale_planning_over_hours_trades_workers_for_lag_at_its_price() -> None:
+    """On a smooth diurnal day kale sizing each bin by Eq. 10 runs its workers nearly busy and
+    pays each move's pause in lag; planning over 3 hours with the lag priced keeps a fraction of
+    that lag for a few more worker-hours and fewer moves, and a higher price buys less lag for
+    more workers."""
+    eq10, cheap, dear = _kale_program(None), _kale_program(4.0), _kale_program(32.0)
+    assert cheap.accumulated_lag_min < 0.5 * eq10.accumulated_lag_min
+    assert cheap.scaling_actions < eq10.scaling_actions
+    assert cheap.worker_hours < 1.25 * eq10.worker_hours
+    assert dear.accumulated_lag_min < cheap.accumulated_lag_min
+    assert dear.worker_hours > cheap.worker_hours
+    assert max(dear.slo_violation_rate, cheap.slo_violation_rate) == 0.0
+
+
+def test_a_program_of_no_horizon_or_no_price_is_refused() -> None:
+    with pytest.raises(ConfigError, match="program_horizon_s"):
+        KalePlanner(program_horizon_s=0.0)
+    with pytest.raises(ConfigError, match="program_lag_price"):
+        KalePlanner(program_horizon_s=3600.0, program_lag_price=0.0)
+    with pytest.raises(ValueError, match="horizon"):
+        lag_program.solve(F, DT, PHASES, True, 1.0, np.ones(5), np.ones(2), 0.0, 1, 3)
