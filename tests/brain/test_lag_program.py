@@ -126,3 +126,26 @@ def test_a_program_of_no_horizon_or_no_price_is_refused() -> None:
         KalePlanner(program_horizon_s=3600.0, program_lag_price=0.0)
     with pytest.raises(ValueError, match="horizon"):
         lag_program.solve(F, DT, PHASES, True, 1.0, np.ones(5), np.ones(2), 0.0, 1, 3)
+
+
+def test_a_low_price_keeps_the_slo_only_with_its_penalty() -> None:
+    """Traffic 1.3x what one worker trains for three hours, the lag priced at almost nothing: the
+    program keeps its one worker for two hours and more, the oldest sample aging past the 15-minute
+    bound (what still waits at the horizon's end is priced, so it moves near it); with the SLO's
+    penalty it adds a worker before the bound is passed."""
+    past = np.full(60, 100.0 * DT)
+    ahead = np.full(180, 130.0 * DT)
+
+    def first_move(slo_s: float | None) -> int | None:
+        policy = lag_program.solve(F, DT, PHASES, True, 0.01, past, ahead, 0.0, 1, 3, slo_s=slo_s)
+        backlog = 0.0
+        for k in range(len(policy.keep)):
+            if policy.decide(k, 1, backlog) != 1:
+                return k
+            backlog += ahead[k] - F[1] * DT
+        return None
+
+    unpenalized = first_move(None)
+    assert unpenalized is None or unpenalized > 120
+    moved = first_move(900.0)
+    assert moved is not None and (moved + len(PHASES)) * 30.0 / 130.0 < 15.0  # minutes of age when its workers come

@@ -512,3 +512,28 @@ def test_cli_plan_kale():
     r = runner.invoke(app, [*args[:-1], "40000", "--json"])
     assert json.loads(r.output) == {"workers": 10, "throughput": pytest.approx(30005.46, rel=1e-4), "feasible": False}
     assert runner.invoke(app, [*args[:5], "not json", *args[6:]]).exit_code == 2
+
+
+def test_cli_sim_online_program_hours_buys_down_the_lag(tmp_path: Path):
+    """``--program-hours``: kale plans over hours with the lag priced, on 5-minute metrics with
+    seamless moves: less lag than the default at more worker-hours, more so at a higher price;
+    bad values refused."""
+    trace = tmp_path / "trace.csv"
+    five_min = daily(3 * 1440).reshape(-1, 5).sum(axis=1)
+    trace.write_text("minute,count\n" + "".join(f"{5 * i},{c:.1f}\n" for i, c in enumerate(five_min)))
+    metrics = {}
+    for name, flags in {"default": [], "p4": ["--program-hours", "3", "--program-lag-price", "4"],
+                        "p32": ["--program-hours", "3", "--program-lag-price", "32"]}.items():
+        out = tmp_path / f"{name}.json"
+        r = runner.invoke(app, ["sim", "online", "--trace", str(trace), "--days", "1", "--peak-workers", "10",
+                                "--migration", "seamless", "--policies", "kale", "--json", str(out), *flags])
+        assert r.exit_code == 0, r.output
+        metrics[name] = json.loads(out.read_text())["policies"]["kale"]
+    assert metrics["p4"]["accumulated_lag_min"] < metrics["default"]["accumulated_lag_min"]
+    assert metrics["p32"]["accumulated_lag_min"] < metrics["p4"]["accumulated_lag_min"]
+    assert metrics["p32"]["worker_hours"] > metrics["p4"]["worker_hours"]
+    assert max(m["slo_violation_rate"] for m in metrics.values()) <= 0.03
+    for bad in (["--program-hours", "0"], ["--program-hours", "25"], ["--program-lag-price", "4"],
+                ["--program-hours", "3", "--program-lag-price", "-1"]):
+        r = runner.invoke(app, ["sim", "online", "--trace", str(trace), *bad])
+        assert r.exit_code == 2, (bad, r.output)

@@ -602,6 +602,15 @@ class KalePlanner:
     master asks every second (``JobSpec.planner_interval_s``), so live the forecast sizes the job
     unless the planner is asked once a minute or less often.
 
+    ``program_horizon_s`` (off by default): plan over that long with each lag-minute priced at
+    ``program_lag_price`` worker-minutes (Kale Eq. 11's accumulated lag against workers,
+    ``tidal.brain.lag_program``) instead of Eq. 10 per bin and the rules above; see
+    ``_program_plan``. For a job whose lag must stay near a threshold autoscaler's at a few more
+    workers: on issue 22's eval split (seamless, 3 hours, price 12) 1.16-1.30x the lower bound at
+    0.21-0.42x hpa's lag on the smooth traces, 1.36-1.62x on spiky ones (bench/RESULTS.md,
+    twenty-fifth pass). Simulation only so far: a live master's one-second arrivals make a
+    horizon of hours 10,800 intervals long.
+
     A change is only requested when it differs from the current count by at least ``rho``.
     While a scaling action is under way (``not obs.ready``) the planner keeps the target.
     """
@@ -1159,7 +1168,10 @@ class KalePlanner:
         ``program_lag_price`` worker-minutes and sees the whole ramp: it scales in on a ramp down only
         where it need not scale out again within the horizon. Its throughput is the planner's belief,
         an action the measured lead and pause (the joiners start beside the old set during the lead
-        less the pause, the leavers go at the pause)."""
+        less the pause, the leavers go at the pause). An interval that would end with a sample older
+        than the fallback's ``lag_bound_s`` (15 minutes, below the SLO) costs an hour of a worker
+        more (``lag_program.SLO_PENALTY``): a price low enough for a restart's long pauses let the
+        lag pass the SLO on a sixth of the minutes (tune split, wc98-w1, 1 per lag-minute)."""
         current, dt = obs.current_workers, stream.interval_s
         if not self._measured:
             return self._resource_plan(current, "program: no throughput measured yet")
@@ -1188,7 +1200,7 @@ class KalePlanner:
                 self._policy = None
                 return self._resource_plan(current, "program: the job's count is outside its range")
             self._policy = lag_program.solve(believed, dt, phases, True, self.program_lag_price, past, ahead,
-                                             stream.backlog, a, b)
+                                             stream.backlog, a, b, slo_s=self.fallback.lag_bound_s)
             self._policy_at, k = self._seen, 0
         target = self._policy.decide(k, current, stream.backlog)
         self._target = self._planned = target

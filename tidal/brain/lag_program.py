@@ -32,8 +32,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["ActionPhase", "Policy", "action_phases", "count_range", "oldest_age", "solve"]
+__all__ = ["SLO_PENALTY", "ActionPhase", "Policy", "action_phases", "count_range", "oldest_age", "solve"]
 
+SLO_PENALTY = 60.0  # worker-minutes per minute that ends past the SLO: an hour of a worker
 LAG_WIDTH_INTERVALS = 12  # samples waiting the program considers: up to this many peak intervals of arrivals
 
 
@@ -123,7 +124,8 @@ def count_range(throughput: Sequence[float] | np.ndarray, interval_s: float, wor
 
 def solve(throughput: Sequence[float] | np.ndarray, interval_s: float, phases: Sequence[ActionPhase],
           overlap: bool, price: float, past: np.ndarray, ahead: np.ndarray, backlog: float, lo: int, hi: int,
-          grid: int = 8, noise: np.ndarray | None = None) -> Policy:
+          grid: int = 8, noise: np.ndarray | None = None, slo_s: float | None = None,
+          slo_penalty: float = SLO_PENALTY) -> Policy:
     """The program of the module docstring for counts ``lo``..``hi``.
 
     ``throughput[w]``: samples/s of w workers (believed), defined up to ``hi``; ``phases``: an
@@ -132,7 +134,10 @@ def solve(throughput: Sequence[float] | np.ndarray, interval_s: float, phases: S
     arrivals of the last intervals (an hour suffices: the oldest waiting sample is looked up in
     them), ``ahead``: the forecast arrivals per interval over the horizon (its length); ``backlog``:
     samples waiting now (sizes the grid); ``grid``: columns per mean interval of arrivals ahead;
-    ``noise``: the throughput's factor per interval ahead (a yardstick's perfect information; None: 1).
+    ``noise``: the throughput's factor per interval ahead (a yardstick's perfect information; None: 1);
+    ``slo_s``: where given, each interval that ends with a sample older than that costs
+    ``slo_penalty`` worker-minutes a minute more (the lag's price is linear in the age; an SLO is a
+    threshold, and a low price alone let a restart's lag pass it).
     """
     f = np.asarray(throughput, dtype=float)
     ahead = np.asarray(ahead, dtype=float)
@@ -143,7 +148,10 @@ def solve(throughput: Sequence[float] | np.ndarray, interval_s: float, phases: S
     counts = np.arange(lo, hi + 1)
     rows = np.arange(len(counts))
     unit = max(float(ahead.mean()), float(f[1]) * dt) / grid
-    width = math.ceil(max(LAG_WIDTH_INTERVALS * ahead.max(), backlog + ahead.max()) / unit) + 2
+    # samples waiting the grid holds (more are clipped to its last column): 12 peak intervals, and
+    # with an SLO a quarter more than the arrivals of its bound, so that its last column is past it
+    held_intervals = max(LAG_WIDTH_INTERVALS, 0.0 if slo_s is None else 1.25 * slo_s / dt)
+    width = math.ceil(max(held_intervals * ahead.max(), backlog + ahead.max()) / unit) + 2
     steps = np.arange(width, dtype=float)
     # lag-minutes each interval ahead adds (times the price, in worker-minutes) with x columns waiting at its end
     series = np.concatenate([np.asarray(past, dtype=float), ahead])
@@ -152,6 +160,8 @@ def solve(throughput: Sequence[float] | np.ndarray, interval_s: float, phases: S
     ages = oldest_age(cum, series, np.maximum(cum[ends] - steps[None, :] * unit, 0.0), ends * dt, dt)
     minutes = dt / 60.0
     lag = np.where(steps[None, :] > 0, ages, 0.0) / 60.0 * minutes * price  # (h, width)
+    if slo_s is not None:  # an interval that ends past the SLO costs slo_penalty worker-minutes a minute
+        lag += np.where(ages > slo_s, slo_penalty * minutes, 0.0)
     arrive = ahead / unit
     trains = f[counts][:, None] * (np.ones(h) if noise is None else np.asarray(noise, dtype=float))[None, :] * dt / unit
     old_phases = [p for p in phases if not p.new]
