@@ -1175,7 +1175,8 @@ class KalePlanner:
         current, dt = obs.current_workers, stream.interval_s
         if not self._measured:
             return self._resource_plan(current, "program: no throughput measured yet")
-        horizon = max(2, round(self.program_horizon_s / dt)) if self.program_horizon_s is not None else 0
+        assert self.program_horizon_s is not None  # plan() calls this only then
+        horizon = max(2, round(self.program_horizon_s / dt))
         k = self._seen - self._policy_at
         if replan or self._policy is None or not self._policy.covers(k, current):
             self._last_plan_bin = len(self._bins)

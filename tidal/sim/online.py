@@ -653,11 +653,10 @@ def planner_factory(name: str, cfg: SimConfig, mig: Migration, **kale: Any) -> C
     if name == "kale":
         if not cfg.time_share:
             kale = {"deadline_s": None, **kale}
+        kale = {"program_horizon_s": cfg.program_horizon_s, "program_lag_price": cfg.program_lag_price, **kale}
         return lambda: KalePlanner(lead_s=lead, pause_s=mig.pause_s, measure_actions=False, batch_size=cfg.batch_size,
                                    headroom=cfg.load_headroom, lag_price=cfg.lag_price,
-                                   planned_lag_s=cfg.planned_lag_s,
-                                   **{"program_horizon_s": cfg.program_horizon_s,
-                                      "program_lag_price": cfg.program_lag_price, **kale})
+                                   planned_lag_s=cfg.planned_lag_s, **kale)
     if kale:
         raise ConfigError(f"KalePlanner arguments given for {name!r}")
     if name == "madu":
