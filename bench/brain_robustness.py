@@ -56,9 +56,11 @@ is a few minutes). ``--strict-lag`` reads it on every trace: wherever kale's lag
 hpa's, the foresight bound within 0.35x hpa's lag too, and a table of whether both targets
 together are within reach of any schedule there (4-18 minutes a week of minutes: the eval's 11
 seamless runs took 70 minutes on 2 cores).
-``--kale-program HOURS:PRICE`` runs kale planning over HOURS of its forecast with each lag-minute
-priced (``tidal sim online --program-hours``, off by default) beside the others and says where it
-meets both targets read that way (the eval's 11 seamless runs with it: 15 minutes on 2 cores).
+``--kale-program HOURS:PRICE[:RATIO]`` runs kale planning over HOURS of its forecast with each
+lag-minute priced (``tidal sim online --program-hours``, off by default) beside the others and says
+where it meets both targets read that way (the eval's 11 seamless runs with it: 15 minutes on 2
+cores); with RATIO the price starts at PRICE and kale moves it to keep its lag at RATIO times a
+simulated HPA's (``--program-lag-ratio``).
 
 Time: about an hour on 2 cores, most of it dlrover-rm (30 runs of five policies, NSGA-II).
 
@@ -219,7 +221,7 @@ def traces(split: str = "eval") -> dict[str, Callable[[], tuple[np.ndarray, np.n
 
 
 def run_online(trace: str, migration: str, split: str = "eval", strict_lag: bool = False,
-               program: tuple[float, float] | None = None) -> dict[str, Any]:
+               program: tuple[float, float, float | None] | None = None) -> dict[str, Any]:
     from tidal.sim import online as sim
     from tidal.sim.paid_bound import lag_priced_worker_hours, paid_moves_worker_hours
 
@@ -230,7 +232,7 @@ def run_online(trace: str, migration: str, split: str = "eval", strict_lag: bool
     res = sim.simulate(scaled, ONLINE_POLICIES, cfg, history=history * factor)
     if program is not None:  # kale planning over hours with the lag priced (--kale-program)
         kale = sim.planner_factory("kale", cfg, sim.MIGRATIONS[migration], program_horizon_s=program[0] * 3600.0,
-                                   program_lag_price=program[1])
+                                   program_lag_price=program[1], program_lag_ratio=program[2])
         res.update(sim.simulate(scaled, {PROGRAM_ROW: kale}, cfg, history=history * factor))
     bound = sim.oracle_worker_hours(scaled, cfg)
     # where kale misses its target, the bound that pays every action as this migration does, with
@@ -251,7 +253,7 @@ def run_online(trace: str, migration: str, split: str = "eval", strict_lag: bool
             "lag_priced_within_lag_target": within_lag_target, "peak_to_mean": peak_to_mean,
             "window_h": len(window) * interval / 3600,
             "unforecast_h": sim.forecast_wait_s("kale", cfg, len(history) * interval) / 3600,
-            "program": None if program is None else f"{program[0]:g}:{program[1]:g}",
+            "program": None if program is None else ":".join(f"{v:g}" for v in program if v is not None),
             "policies": {k: r.metrics() for k, r in res.items()}}
 
 
@@ -576,10 +578,11 @@ def main() -> None:
     ap.add_argument("--strict-lag", action="store_true",
                     help="online: read the lag target on every trace, with the foresight bound within it where kale "
                          "is over it (4-18 minutes more a week of minutes)")
-    ap.add_argument("--kale-program", metavar="HOURS:PRICE",
+    ap.add_argument("--kale-program", metavar="HOURS:PRICE[:RATIO]",
                     help="online: also run kale planning over HOURS of its forecast with each "
                          "lag-minute priced at PRICE worker-minutes (tidal sim online --program-hours; 1-3 min more "
-                         "a week of minutes), and say where it meets both targets")
+                         "a week of minutes), and say where it meets both targets; with RATIO the price starts at "
+                         "PRICE and kale keeps its lag at RATIO times a simulated HPA's (--program-lag-ratio)")
     ap.add_argument("--json", type=Path, help="write every run's metrics here")
     ap.add_argument("--from-json", type=Path, help="summarize the runs of an earlier --json instead of running")
     args = ap.parse_args()
@@ -600,12 +603,15 @@ def main() -> None:
         program = None
         if args.kale_program:
             try:
-                hours, price = (float(v) for v in args.kale_program.split(":"))
+                hours, price, *rest = (float(v) for v in args.kale_program.split(":"))
+                if len(rest) > 1:
+                    raise ValueError
             except ValueError:
-                sys.exit(f"--kale-program: HOURS:PRICE, got {args.kale_program!r}")
-            if not (0 < hours <= 24 and price > 0):
-                sys.exit("--kale-program: HOURS in (0, 24] and a positive PRICE")
-            program = (hours, price)
+                sys.exit(f"--kale-program: HOURS:PRICE[:RATIO], got {args.kale_program!r}")
+            ratio = rest[0] if rest else None
+            if not (0 < hours <= 24 and price > 0 and (ratio is None or ratio > 0)):
+                sys.exit("--kale-program: HOURS in (0, 24], a positive PRICE and RATIO")
+            program = (hours, price, ratio)
         tasks += [(run_online, (t, m, args.split, args.strict_lag, program)) for t in names for m in migrations]
     for part in parts:
         if part in LOADS:  # slowest (dlrover-rm) first so the pool stays busy to the end

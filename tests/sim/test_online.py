@@ -534,6 +534,7 @@ def test_cli_sim_online_program_hours_buys_down_the_lag(tmp_path: Path):
     assert metrics["p32"]["worker_hours"] > metrics["p4"]["worker_hours"]
     assert max(m["slo_violation_rate"] for m in metrics.values()) <= 0.03
     for bad in (["--program-hours", "0"], ["--program-hours", "25"], ["--program-lag-price", "4"],
-                ["--program-hours", "3", "--program-lag-price", "-1"]):
+                ["--program-hours", "3", "--program-lag-price", "-1"], ["--program-lag-ratio", "0.3"],
+                ["--program-hours", "3", "--program-lag-ratio", "0"]):
         r = runner.invoke(app, ["sim", "online", "--trace", str(trace), *bad])
         assert r.exit_code == 2, (bad, r.output)

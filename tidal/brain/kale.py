@@ -21,6 +21,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -29,6 +30,9 @@ from tidal.brain import forecast as forecasting
 from tidal.brain import lag_program
 from tidal.brain.api import FitError, Forecaster, ThroughputConfig, ThroughputSample
 from tidal.brain.models import KaleSyncModel, LinearisedModel
+
+if TYPE_CHECKING:
+    from tidal.brain.shadow import ShadowHPA
 
 __all__ = [
     "KalePlanner",
@@ -412,6 +416,14 @@ DEADLINE_NOW_S = 300.0
 DEADLINE_ROUNDING = 0.1
 # planning over hours (``program_horizon_s``): worker-minutes per lag-minute
 PROGRAM_LAG_PRICE = 12.0
+#: with ``program_lag_ratio``: the price moves by this much of log(lag / target) per hour (dual ascent),
+#: within PROGRAM_PRICE_RANGE; PROGRAM_LAG_SLACK_MIN of accumulated lag (lag-minutes x minutes) on both
+#: sides of the ratio, so that the first quiet hours do not swing it. Chosen on issue 22's tune split
+#: (bench/RESULTS.md, twenty-sixth pass): at 0.5 an hour the price ran to its ends and back; above 64
+#: it buys little lag for many workers where the forecast misses the surges
+PROGRAM_PRICE_GAIN_PER_H = 0.1
+PROGRAM_PRICE_RANGE = (1.0, 64.0)
+PROGRAM_LAG_SLACK_MIN = 30.0
 
 #: the past surges whose course a surge's scale-up is sized from (``KalePlanner._surge_rate``), and
 #: how many must have been seen before it is
@@ -611,6 +623,13 @@ class KalePlanner:
     twenty-fifth pass). Simulation only so far: a live master's one-second arrivals make a
     horizon of hours 10,800 intervals long.
 
+    ``program_lag_ratio`` (with ``program_horizon_s``; off by default): the price is not fixed but
+    set by the job: it starts at ``program_lag_price`` and moves by dual ascent so that the job's
+    accumulated lag stays at that ratio of what the Kubernetes HPA would have let accumulate on the
+    same traffic, simulated beside it (``tidal.brain.shadow.ShadowHPA``, on the planner's belief of
+    F(w) and its measured lead and pause; ``_reprice``). One fixed price was too low for some
+    traces and too high for others (twenty-fifth pass).
+
     A change is only requested when it differs from the current count by at least ``rho``.
     While a scaling action is under way (``not obs.ready``) the planner keeps the target.
     """
@@ -648,6 +667,7 @@ class KalePlanner:
         deadline_s: float | None = DEADLINE_S,
         program_horizon_s: float | None = None,
         program_lag_price: float = PROGRAM_LAG_PRICE,
+        program_lag_ratio: float | None = None,
     ) -> None:
         if not headroom > 0:
             raise ConfigError(f"headroom must be positive, got {headroom:g}")
@@ -695,8 +715,15 @@ class KalePlanner:
             raise ConfigError(f"program_horizon_s must be positive, got {program_horizon_s:g}")
         if not program_lag_price > 0:
             raise ConfigError(f"program_lag_price must be positive, got {program_lag_price:g}")
+        if program_lag_ratio is not None and not (program_lag_ratio > 0 and program_horizon_s is not None):
+            raise ConfigError(f"program_lag_ratio must be positive and needs program_horizon_s, got {program_lag_ratio:g}")
         self.program_horizon_s = program_horizon_s
         self.program_lag_price = program_lag_price
+        self.program_lag_ratio = program_lag_ratio
+        self.lag_price_now = program_lag_price  # moved towards program_lag_ratio where it is set
+        self._shadow: ShadowHPA | None = None  # with program_lag_ratio, from the first measured throughput
+        self._own_lag_min = 0.0  # the job's accumulated lag since the shadow started (its score)
+        self._priced_at_s: float | None = None
         self._policy: lag_program.Policy | None = None
         self._policy_at = 0  # self._seen when the policy was solved
         self._fewer_asks = 0  # deadline sizing: intervals in a row that asked for fewer workers
@@ -1200,7 +1227,8 @@ class KalePlanner:
             if not a <= current <= b:
                 self._policy = None
                 return self._resource_plan(current, "program: the job's count is outside its range")
-            self._policy = lag_program.solve(believed, dt, phases, True, self.program_lag_price, past, ahead,
+            self._reprice(obs.now_s)
+            self._policy = lag_program.solve(believed, dt, phases, True, self.lag_price_now, past, ahead,
                                              stream.backlog, a, b, slo_s=self.fallback.lag_bound_s)
             self._policy_at, k = self._seen, 0
         target = self._policy.decide(k, current, stream.backlog)
@@ -1209,7 +1237,38 @@ class KalePlanner:
             self._last_change_s = obs.now_s
             self._action_since = obs.now_s
         return self._resource_plan(target, f"program: {target} workers at {stream.backlog:.0f} samples waiting, "
-                                           f"{self.program_lag_price:g} worker-min per lag-min")
+                                           f"{self.lag_price_now:.3g} worker-min per lag-min")
+
+    def _step_shadow(self, obs: JobObservation, stream: StreamObservation) -> None:
+        """Feed the interval's arrivals to the shadow HPA (``tidal.brain.shadow``) and add the job's
+        own lag to its score, from the first measured throughput on (the shadow trains at the
+        planner's belief)."""
+        if self._shadow is None:
+            if not self._measured:
+                return
+            from tidal.brain.shadow import ShadowHPA  # baselines imports this module
+
+            self._shadow = ShadowHPA(workers=obs.current_workers, max_workers=obs.max_workers,
+                                     lead_s=self.lead_s, pause_s=self.pause_s)
+        dt = stream.interval_s
+        self._shadow.lead_s, self._shadow.pause_s = self.lead_s, self.pause_s  # as measured
+        for a in stream.arrivals:
+            self._shadow.step(float(a), dt, self.throughput)
+        self._own_lag_min += stream.lag_s / 60.0 * dt / 60.0 * len(stream.arrivals)
+
+    def _reprice(self, now_s: float) -> None:
+        """Move ``lag_price_now`` by dual ascent on the lag target: up where the job's accumulated lag
+        is above ``program_lag_ratio`` times the shadow HPA's, down where below, in proportion to
+        log(lag / target) and the hours since the last move."""
+        if self._shadow is None or self.program_lag_ratio is None:
+            return
+        if self._priced_at_s is not None:
+            hours = (now_s - self._priced_at_s) / 3600.0
+            miss = ((self._own_lag_min + PROGRAM_LAG_SLACK_MIN)
+                    / (self.program_lag_ratio * self._shadow.accumulated_lag_min + PROGRAM_LAG_SLACK_MIN))
+            lo, hi = PROGRAM_PRICE_RANGE
+            self.lag_price_now = min(hi, max(lo, self.lag_price_now * miss ** (PROGRAM_PRICE_GAIN_PER_H * hours)))
+        self._priced_at_s = now_s
 
     def _resource_plan(self, workers: int, reason: str) -> ResourcePlan:
         model = self._model
@@ -1224,6 +1283,8 @@ class KalePlanner:
         self._add_arrivals(stream.arrivals, stream.interval_s)
         self._add_measured(stream.measured)
         self._maybe_refit_forecaster()
+        if self.program_lag_ratio is not None:
+            self._step_shadow(obs, stream)
         recent = stream.arrivals[-5:] if stream.arrivals else []
         rate = (sum(recent) / (len(recent) * stream.interval_s)) if recent else (self._bins[-1] if self._bins else 0.0)
         self.fallback.observe(stream.backlog, scaling, stream.lag_s, rate)

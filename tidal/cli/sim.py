@@ -72,7 +72,12 @@ def online(
     program_lag_price: float | None = typer.Option(
         None, "--program-lag-price", metavar="WORKER_MIN",
         help="with --program-hours: worker-minutes one lag-minute is worth (default kale's, 12; higher: less lag, "
-             "more workers)"),
+             "more workers); with --program-lag-ratio, the price it starts at"),
+    program_lag_ratio: float | None = typer.Option(
+        None, "--program-lag-ratio", metavar="RATIO",
+        help="with --program-hours: kale sets its own price, keeping its accumulated lag at RATIO times what "
+             "the Kubernetes HPA would accumulate on the same traffic (simulated beside the job on kale's "
+             "belief; e.g. 0.3)"),
     policies: str = typer.Option("kale,hpa,autopilot,madu,adequate", "--policies"),
     bound_violations: float = typer.Option(
         0.0, "--bound-violations",
@@ -116,6 +121,8 @@ def online(
         raise fail(f"--program-hours must be in (0, 24], got {program_hours:g}")
     if program_lag_price is not None and (program_hours is None or not program_lag_price > 0):
         raise fail("--program-lag-price needs --program-hours and must be positive")
+    if program_lag_ratio is not None and (program_hours is None or not program_lag_ratio > 0):
+        raise fail("--program-lag-ratio needs --program-hours and must be positive")
     names = [p.strip() for p in policies.split(",") if p.strip()]
     if not names:
         raise fail("--policies is empty")
@@ -129,7 +136,7 @@ def online(
                             time_share=time_share,
                             program_horizon_s=None if program_hours is None else program_hours * 3600.0,
                             program_lag_price=sim.SimConfig.program_lag_price if program_lag_price is None
-                            else program_lag_price)
+                            else program_lag_price, program_lag_ratio=program_lag_ratio)
         skip = round(skip_days * 86400 / interval)
         if skip >= len(counts) - 1:
             raise ConfigError(f"--skip-days {skip_days:g} leaves nothing of the trace")

@@ -250,6 +250,8 @@ class SimConfig:
     # kale plans over this many seconds with the lag priced (KalePlanner.program_horizon_s; None: Eq. 10)
     program_horizon_s: float | None = None
     program_lag_price: float = PROGRAM_LAG_PRICE  # worker-minutes per lag-minute (KalePlanner.program_lag_price)
+    # the price set by the job against a shadow HPA's lag (KalePlanner.program_lag_ratio; None: fixed)
+    program_lag_ratio: float | None = None
 
 
 @dataclass
@@ -653,7 +655,8 @@ def planner_factory(name: str, cfg: SimConfig, mig: Migration, **kale: Any) -> C
     if name == "kale":
         if not cfg.time_share:
             kale = {"deadline_s": None, **kale}
-        kale = {"program_horizon_s": cfg.program_horizon_s, "program_lag_price": cfg.program_lag_price, **kale}
+        kale = {"program_horizon_s": cfg.program_horizon_s, "program_lag_price": cfg.program_lag_price,
+                "program_lag_ratio": cfg.program_lag_ratio, **kale}
         return lambda: KalePlanner(lead_s=lead, pause_s=mig.pause_s, measure_actions=False, batch_size=cfg.batch_size,
                                    headroom=cfg.load_headroom, lag_price=cfg.lag_price,
                                    planned_lag_s=cfg.planned_lag_s, **kale)
