@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from tidal.api import ConfigError
+from tidal.brain import shadow as shadow_module
 from tidal.brain.kale import PROGRAM_PRICE_RANGE, KalePlanner
 from tidal.brain.shadow import ShadowHPA
 from tidal.sim import online as sim
@@ -72,3 +73,19 @@ def test_a_ratio_needs_a_horizon_and_must_be_positive() -> None:
         KalePlanner(program_lag_ratio=0.3)
     with pytest.raises(ConfigError, match="program_lag_ratio"):
         KalePlanner(program_horizon_s=3600.0, program_lag_ratio=0.0)
+
+
+def test_the_shadow_drops_what_it_has_trained_and_ages_the_rest_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A live job's shadow steps for weeks: the intervals trained through are dropped (every
+    TRIM_AFTER of them), with every lag what it is when all are kept."""
+    cfg = sim.SimConfig(migration="seamless", noise=0.0)
+    scaled = sim.scale_to_peak(_diurnal(2.0, cfg.interval_s), cfg)
+    f = [sim.true_throughput(cfg, w) for w in range(cfg.peak_workers + 1)]
+    runs = []
+    for keep in (10**9, 50):
+        monkeypatch.setattr(shadow_module, "TRIM_AFTER", keep)
+        shadow = ShadowHPA(workers=2, max_workers=cfg.peak_workers, lead_s=182.0, pause_s=122.0)
+        runs.append(([shadow.step(float(a), cfg.interval_s, f.__getitem__) for a in scaled], len(shadow._cum)))
+    (kept, n_kept), (trimmed, n_trimmed) = runs
+    assert max(kept) > 60.0 and trimmed == kept
+    assert n_kept == len(scaled) + 1 and n_trimmed < 3 * 50

@@ -18,10 +18,13 @@ from dataclasses import dataclass, field
 from tidal.api import JobObservation, StreamObservation
 from tidal.brain.baselines import HPAPlanner
 
+TRIM_AFTER = 1024  # intervals trained through that are kept before they are dropped
+
 
 @dataclass
 class ShadowHPA:
-    """An HPA-scaled copy of the job, stepped once per interval of arrivals (``step``).
+    """An HPA-scaled copy of the job, stepped once per interval of arrivals (``step``; every
+    interval as long as the first, as a stream's are).
 
     ``lead_s``: from a decision to the new count training; ``pause_s``: the last part of it, in
     which nothing trains. ``accumulated_lag_min``: the oldest waiting sample's age (minutes) at
@@ -35,7 +38,8 @@ class ShadowHPA:
     hpa: HPAPlanner = field(default_factory=HPAPlanner)
     accumulated_lag_min: float = 0.0
     now_s: float = 0.0
-    _cum: list[float] = field(default_factory=lambda: [0.0])  # arrived by the end of each interval
+    _cum: list[float] = field(default_factory=lambda: [0.0])  # arrived by the start of each interval kept
+    _first: int = 0  # the index of the interval _cum starts at (those before it are trained and dropped)
     _consumed: float = 0.0
     _action: tuple[int, float, float] | None = None  # (new count, pause start, end)
     _busy: float = 0.0
@@ -78,8 +82,16 @@ class ShadowHPA:
         each interval), 0 with none."""
         cum = self._cum
         if cum[-1] - self._consumed <= 1e-6:
+            j = len(cum) - 1
+            if j >= TRIM_AFTER:
+                del cum[:j]
+                self._first += j
             return 0.0
         j = min(bisect.bisect_right(cum, self._consumed) - 1, len(cum) - 2)
         span = cum[j + 1] - cum[j]
         frac = (self._consumed - cum[j]) / span if span > 0 else 0.0
-        return max(0.0, self.now_s - (j + frac) * dt)
+        age = max(0.0, self.now_s - (self._first + j + frac) * dt)
+        if j >= TRIM_AFTER:  # intervals trained through: a live job's would grow without end
+            del cum[:j]
+            self._first += j
+        return age
