@@ -60,7 +60,7 @@ seamless runs took 70 minutes on 2 cores).
 lag-minute priced (``tidal sim online --program-hours``, off by default) beside the others and says
 where it meets both targets read that way (the eval's 11 seamless runs with it: 15 minutes on 2
 cores); with RATIO the price starts at PRICE and kale moves it to keep its lag at RATIO times a
-simulated HPA's (``--program-lag-ratio``; 25 minutes).
+simulated HPA's (``--program-lag-ratio``; 25 minutes, on the VM when it ran about 1.5x slower).
 
 Time: about an hour on 2 cores, most of it dlrover-rm (30 runs of five policies, NSGA-II).
 

@@ -1261,7 +1261,9 @@ class KalePlanner:
     def _reprice(self, now_s: float) -> None:
         """Move ``lag_price_now`` by dual ascent on the lag target: up where the job's accumulated lag
         is above ``program_lag_ratio`` times the shadow HPA's, down where below, in proportion to
-        log(lag / target) and the hours since the last move."""
+        log(lag / target) and the hours since the last move. The price is the multiplier of the
+        constraint "accumulated lag <= ratio x the HPA's" in the Lagrangian of "fewest
+        worker-minutes" (Kale Eq. 11's lag against workers), stepped in log space so it stays positive."""
         if self._shadow is None or self.program_lag_ratio is None:
             return
         if self._priced_at_s is not None:
