@@ -79,19 +79,16 @@ class ShadowHPA:
 
     def _oldest_age(self, dt: float) -> float:
         """Age at the interval's end of the oldest sample waiting (arrivals spread evenly within
-        each interval), 0 with none."""
+        each interval, as ``lag_program.oldest_age`` reads them, here on a list that grows by one a
+        step), 0 with none; then drops the intervals trained through once TRIM_AFTER are kept."""
         cum = self._cum
-        if cum[-1] - self._consumed <= 1e-6:
-            j = len(cum) - 1
-            if j >= TRIM_AFTER:
-                del cum[:j]
-                self._first += j
-            return 0.0
-        j = min(bisect.bisect_right(cum, self._consumed) - 1, len(cum) - 2)
-        span = cum[j + 1] - cum[j]
-        frac = (self._consumed - cum[j]) / span if span > 0 else 0.0
-        age = max(0.0, self.now_s - (self._first + j + frac) * dt)
-        if j >= TRIM_AFTER:  # intervals trained through: a live job's would grow without end
+        j = min(bisect.bisect_right(cum, self._consumed) - 1, len(cum) - 2)  # the next sample's interval
+        age = 0.0
+        if cum[-1] - self._consumed > 1e-6:
+            span = cum[j + 1] - cum[j]
+            frac = (self._consumed - cum[j]) / span if span > 0 else 0.0
+            age = max(0.0, self.now_s - (self._first + j + frac) * dt)
+        if j >= TRIM_AFTER:  # a live job's shadow steps for weeks
             del cum[:j]
             self._first += j
         return age
