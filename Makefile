@@ -34,21 +34,16 @@ lint: setup
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
 
-# Component tests (each starts at most a few processes of its own) run two at a time; the
-# job tests (tests/test_*.py: whole jobs with timeouts and SIGKILLs) one at a time, so that
-# no job's timing shares the 2 cores with another test. The job tests whose every assertion
-# holds at any speed (a fingerprint, a ledger; no pause or rate is measured, every wait is
-# long; a kill falls mid-run because each step sleeps) run in the first phase, a file per
-# xdist worker. The Ray job tests stay serial: a replacement placed on a machine that joins
-# must start before the job ends.
-COMPONENT_TESTS := $(sort $(dir $(wildcard tests/*/test_*.py)))
-SPEED_FREE_JOB_TESTS := tests/test_cli_errors.py tests/test_determinism.py tests/test_resume.py \
-		tests/test_data_workers_job.py
-SERIAL_JOB_TESTS := $(filter-out $(SPEED_FREE_JOB_TESTS),$(wildcard tests/test_*.py))
-
+# Component tests (each starts at most a few processes of its own) and the job tests marked
+# speed_free (whole jobs whose every assertion holds at any speed: a fingerprint, a ledger, a
+# status; no pause or rate is measured, every wait is long, a kill falls mid-run because each step
+# sleeps) run two at a time, a file per xdist worker; the other job tests (tests/test_*.py, marked
+# serial by tests/conftest.py) one at a time, so that no measured pause or rate shares the 2 cores.
+# The Ray job tests stay serial: a replacement placed on a machine that joins must start before the
+# job ends.
 unit: setup
-	$(VENV)/bin/pytest -q -n 2 --dist loadfile $(COMPONENT_TESTS) $(SPEED_FREE_JOB_TESTS)
-	$(VENV)/bin/pytest -q $(SERIAL_JOB_TESTS)
+	$(VENV)/bin/pytest -q -n 2 --dist loadfile -m "not serial" tests
+	$(VENV)/bin/pytest -q -m serial tests
 
 test: lint unit
 

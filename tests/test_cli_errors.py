@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.speed_free
+
 TIDAL = str(Path(sys.executable).with_name("tidal"))
 
 

@@ -20,7 +20,7 @@ import pytest
 
 from tests.jobtools import ROOT, TIDAL, Job, fingerprint, plain_python_fingerprint, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.speed_free]
 
 RAW = ["--raw-features", "--crosses", "8"]
 

@@ -22,7 +22,7 @@ import pytest
 
 from tests.jobtools import Job, fingerprint, plain_python_fingerprint
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.speed_free]
 
 # 16,000 samples = 62.5 batches of 256: each epoch's last step has a half batch and an EST with
 # none, so the unequal weighting (tidal.worker.logical.Weighting) is compared across k as well

@@ -22,6 +22,7 @@ from tests.jobtools import EXAMPLE, Job, alive, example_args, wait_for
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.speed_free
 def test_exactly_once_under_random_sigkills(tmp_path: Path, jobs: list[Job]) -> None:
     samples, epochs = 60_000, 3
     job = Job(tmp_path, "3:3", example_args(samples, epochs, 256, 0.05)).start()
@@ -49,6 +50,7 @@ def test_exactly_once_under_random_sigkills(tmp_path: Path, jobs: list[Job]) -> 
     assert launched == 3 + kills
 
 
+@pytest.mark.speed_free
 def test_scale_out_and_in_without_restarting_survivors(tmp_path: Path, jobs: list[Job]) -> None:
     samples, epochs = 60_000, 2
     job = Job(tmp_path, "1:3", example_args(samples, epochs, 256, 0.03), run_args=["--initial", "1"]).start()
@@ -99,6 +101,7 @@ def test_hung_worker_is_detected_and_replaced(tmp_path: Path, jobs: list[Job]) -
     assert result.ok, result.summary()
 
 
+@pytest.mark.speed_free
 def test_master_failover_keeps_workers_and_ledger(tmp_path: Path, jobs: list[Job]) -> None:
     samples, epochs = 60_000, 2
     job = Job(tmp_path, "2:2", example_args(samples, epochs, 256, 0.03)).start()
@@ -134,6 +137,7 @@ def test_straggler_gets_smaller_shards(tmp_path: Path, jobs: list[Job]) -> None:
     assert smaller > 0
 
 
+@pytest.mark.speed_free
 def test_script_runs_under_plain_python(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIDAL_")}
     out = subprocess.run([sys.executable, str(EXAMPLE), *example_args(20_000, 1, 512)], env=env,

@@ -81,6 +81,7 @@ def test_a_full_disk_pauses_the_job_and_loses_nothing(tmp_path: Path, jobs: list
     assert "job paused" in job.output() and "state reloaded from the journal" in job.output()
 
 
+@pytest.mark.speed_free
 def test_a_full_checkpoint_dir_fails_the_job_with_the_reason(tmp_path: Path, jobs: list[Job],
                                                             small_fs: Callable[[str, int], Path]) -> None:
     checkpoints = small_fs("checkpoints", 1)
@@ -96,6 +97,7 @@ def test_a_full_checkpoint_dir_fails_the_job_with_the_reason(tmp_path: Path, job
     assert job.audit(samples, epochs).ok
 
 
+@pytest.mark.speed_free
 def test_a_checkpoint_dir_that_fills_up_is_reported_while_training_goes_on(
         tmp_path: Path, jobs: list[Job], small_fs: Callable[[str, int], Path]) -> None:
     """Flash checkpoints into a disk that fills up mid-job (issue 17): the persister's ENOSPC is in
@@ -125,6 +127,7 @@ def test_a_checkpoint_dir_that_fills_up_is_reported_while_training_goes_on(
     assert all(c.ok for c in after) and max(c.step for c in after) > full["finalized_step"] + 20
 
 
+@pytest.mark.speed_free
 def test_a_stray_finish_is_refused_and_the_job_trains_everything(tmp_path: Path, jobs: list[Job]) -> None:
     samples, epochs = 30_000, 2
     job = Job(tmp_path, "2:2", example_args(samples, epochs, 256, 0.02))

@@ -7,9 +7,13 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.jobtools import TIDAL, Job, example_args
 from tidal.worker.checkpoint import load_meta
 from tidal.worker.flash import list_checkpoints
+
+pytestmark = pytest.mark.speed_free
 
 
 def test_a_job_checkpoints_every_n_steps_in_the_background(tmp_path: Path) -> None:

@@ -13,6 +13,8 @@ from tidal.history import FORMAT, HistoryError, SQLiteHistory
 from tidal.master.api import JobSpec
 from tidal.master.server import job_features, planner_for
 
+pytestmark = pytest.mark.speed_free
+
 
 def spec(tmp_path: Path, history: Path | None, planner: str = "dlrover-rm") -> JobSpec:
     return JobSpec(job_id="new", argv=["python", "/x/train.py", "--samples", "10"], min_workers=1, max_workers=6,

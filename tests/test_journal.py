@@ -19,6 +19,8 @@ from tidal.api import ConfigError
 from tidal.master.journal import Journal, MemoryJournal, SqliteJournal
 from tidal.master.shards import CommittedRange, ShardEntry, ShardState
 
+pytestmark = pytest.mark.speed_free
+
 
 class Boom(Exception):
     pass

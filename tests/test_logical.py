@@ -17,6 +17,8 @@ from tidal.worker.logical import (
     unflatten,
 )
 
+pytestmark = pytest.mark.speed_free
+
 
 def _params() -> list[torch.nn.Parameter]:
     return [torch.nn.Parameter(torch.zeros(2, 3)), torch.nn.Parameter(torch.zeros(4))]

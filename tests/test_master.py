@@ -23,6 +23,8 @@ from tidal.master.api import BadRequestError, JobSpec, StaleRoundMasterError
 from tidal.master.job import JobMaster
 from tidal.master.journal import MemoryJournal
 
+pytestmark = pytest.mark.speed_free
+
 
 class FakeClock:
     def __init__(self) -> None:

@@ -63,12 +63,14 @@ def ps_job(tmp_path: Path, jobs: list[Job], servers: int | str, workers: str, *e
     return job, ckpt
 
 
+@pytest.mark.speed_free
 def test_one_server_one_worker_is_plain_python(tmp_path: Path, jobs: list[Job], reference: str) -> None:
     job, ckpt = ps_job(tmp_path, jobs, 1, "1:1")
     assert job.wait(240) == 0, job.output()[-3000:]
     assert fingerprint(ckpt) == reference
 
 
+@pytest.mark.speed_free
 def test_same_model_on_three_servers_through_a_worker_sigkill(tmp_path: Path, jobs: list[Job],
                                                               reference: str) -> None:
     job, ckpt = ps_job(tmp_path, jobs, 3, "2:3", "--step-sleep", "0.1")
@@ -89,6 +91,7 @@ def test_same_model_on_three_servers_through_a_worker_sigkill(tmp_path: Path, jo
     assert not job.server_processes()
 
 
+@pytest.mark.speed_free
 def test_servers_scale_1_3_2_with_a_server_sigkilled_and_the_model_is_the_same(tmp_path: Path, jobs: list[Job],
                                                                                 reference: str) -> None:
     # about 24 steps of 0.5 s (more with the steps trained again): a server starts in about 3 s
@@ -135,6 +138,7 @@ def test_servers_scale_1_3_2_with_a_server_sigkilled_and_the_model_is_the_same(t
         job.scale_ps(3)  # the job is over
 
 
+@pytest.mark.speed_free
 def test_async_mode_trains_and_commits_every_sample_once(tmp_path: Path, jobs: list[Job]) -> None:
     """``--ps-async`` (Kale Eq. 8): the servers apply each contribution on arrival; the job
     trains (its AUC near the sync run's) and the ledger shows every sample once."""
@@ -166,6 +170,7 @@ def test_a_hot_server_gives_shards_away_and_the_model_is_the_same(tmp_path: Path
     assert job.audit(SAMPLES, EPOCHS).ok
 
 
+@pytest.mark.speed_free
 def test_status_json_lists_the_servers(tmp_path: Path, jobs: list[Job]) -> None:
     job, _ = ps_job(tmp_path, jobs, 2, "1:1", "--step-sleep", "0.2")
     job.wait_step(3, 120)
@@ -198,6 +203,7 @@ def test_status_json_lists_the_servers(tmp_path: Path, jobs: list[Job]) -> None:
             assert browser.errors() == []
 
 
+@pytest.mark.speed_free
 def test_a_killed_server_fails_a_job_without_checkpoints(tmp_path: Path, jobs: list[Job]) -> None:
     job, _ = ps_job(tmp_path, jobs, 2, "2:2", "--step-sleep", "0.1")
     job.wait_step(3, 120)

@@ -18,6 +18,8 @@ from tidal.master.journal import SqliteJournal
 from tidal.worker.checkpoint import fingerprint, latest_checkpoint
 from tidal.worker.flash import list_checkpoints
 
+pytestmark = pytest.mark.speed_free
+
 SCRIPT = ROOT / "tests" / "scripts" / "bn_dropout.py"
 
 

@@ -25,6 +25,8 @@ from tidal.master.shards import (
     ShardState,
 )
 
+pytestmark = pytest.mark.speed_free
+
 S = ShardState
 
 

@@ -13,6 +13,8 @@ import torch
 from tidal.api import FrameError, frames
 from tidal.worker.state import State, pack_state, unpack_state
 
+pytestmark = pytest.mark.speed_free
+
 
 def assert_same(a: Any, b: Any, path: str = "tree") -> None:
     """Deep equality that also checks container types, key types, dtypes and shapes.

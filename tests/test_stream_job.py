@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.jobtools import ROOT, TIDAL, Job, wait_for
 from tests.redis_server import redis_server
@@ -55,6 +56,7 @@ def assert_every_worker_kept(job: Job) -> None:
     assert not failed, "\n".join(failed)
 
 
+@pytest.mark.speed_free
 def test_a_stream_job_trains_every_record_once_through_sigkills(tmp_path: Path) -> None:
     rng = random.Random(7)
     with redis_server(tmp_path / "redis") as server:
@@ -104,6 +106,7 @@ def test_a_partition_that_appears_while_the_job_runs_is_trained(tmp_path: Path) 
         assert done.returncode == 0 and "partition 2: 2000 records" in done.stdout, done.stdout + done.stderr
 
 
+@pytest.mark.speed_free
 def test_a_partition_that_disappears_while_the_job_runs_is_dropped_at_the_next_round(tmp_path: Path) -> None:
     """A partition's stream key deleted while it still holds records: the workers see it gone, the
     job re-forms without it (status no longer lists it) and ends once the others are drained;
@@ -142,6 +145,7 @@ def test_a_partition_that_disappears_while_the_job_runs_is_dropped_at_the_next_r
         assert 0 < by[2].records < 240_000 and by[2].later > 0  # trained in part, the rest deleted untrained
 
 
+@pytest.mark.speed_free
 def test_an_unreachable_stream_is_one_line(tmp_path: Path) -> None:
     script = tmp_path / "t.py"
     script.write_text("pass\n")
@@ -153,6 +157,7 @@ def test_an_unreachable_stream_is_one_line(tmp_path: Path) -> None:
     assert alone.returncode == 2 and "--stop-when-drained, --trim-after-commit and --global-shuffle need --stream" in alone.stderr
 
 
+@pytest.mark.speed_free
 def test_tidal_stop_ends_a_stream_job_and_status_shows_the_partitions(tmp_path: Path) -> None:
     with redis_server(tmp_path / "redis") as server:
         url = server.url("clicks")
@@ -179,6 +184,7 @@ def test_tidal_stop_ends_a_stream_job_and_status_shows_the_partitions(tmp_path: 
         assert done.returncode == 0 and done.stdout.startswith("PASSED"), done.stdout + done.stderr
 
 
+@pytest.mark.speed_free
 def test_tidal_stop_of_a_dataset_job_is_refused(tmp_path: Path) -> None:
     job = Job(tmp_path, "1:1", ["--samples", "200000", "--step-sleep", "0.01", "--log-every", "0"]).start()
     try:
@@ -191,6 +197,7 @@ def test_tidal_stop_of_a_dataset_job_is_refused(tmp_path: Path) -> None:
         job.kill_all()
 
 
+@pytest.mark.speed_free
 def test_redis_restarting_while_the_job_runs_loses_and_repeats_nothing(tmp_path: Path) -> None:
     with redis_server(tmp_path / "redis", persistent=True) as server:
         url = server.url("clicks")
@@ -208,6 +215,7 @@ def test_redis_restarting_while_the_job_runs_loses_and_repeats_nothing(tmp_path:
         assert done.returncode == 0 and "partition 0: 4000 records" in done.stdout, done.stdout + done.stderr
 
 
+@pytest.mark.speed_free
 def test_trim_after_commit_deletes_only_committed_records(tmp_path: Path) -> None:
     with redis_server(tmp_path / "redis") as server:
         url = server.url("clicks")

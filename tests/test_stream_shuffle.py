@@ -20,6 +20,8 @@ from tests.jobtools import TIDAL, Job, wait_for
 from tests.redis_server import redis_server
 from tests.test_stream_job import audit, produce
 
+pytestmark = pytest.mark.speed_free
+
 # every step waits 20 ms of emulated device time: the worker with the big partition cannot keep
 # up alone, the others idle without shuffling
 ARGS = ["--batch-size", "64", "--step-sleep", "0.02", "--log-every", "0"]
