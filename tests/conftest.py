@@ -28,10 +28,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Marks ``serial`` every test in tests/test_*.py (whole jobs with timeouts and SIGKILLs) that is
     not marked ``speed_free``: one whose pause, rate or planner decision is measured, or whose kill
     must land in a window, would fail or flake beside another test on 2 cores. ``make unit`` runs
-    the rest two at a time and these alone (``-m serial``). The job tests are put first."""
+    the rest two at a time and these alone (``-m serial``)."""
     for item in items:
         if item.path.parent == _JOB_TESTS and item.get_closest_marker("speed_free") is None:
             item.add_marker(pytest.mark.serial)
-    # the job tests first: ``--dist loadfile`` hands out files in this order, and a job file of
-    # minutes handed out last would leave one core idle while the other runs it alone
-    items.sort(key=lambda item: item.path.parent != _JOB_TESTS)
