@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -664,3 +665,22 @@ def test_a_deadline_of_no_time_is_refused() -> None:
     for bad in (0.0, -60.0, math.nan):
         with pytest.raises(ConfigError, match="deadline_s"):
             KalePlanner(deadline_s=bad)
+
+
+def test_before_a_forecast_exists_the_plan_scales_in_to_the_busiest_twenty_minutes_of_three_hours() -> None:
+    """A job with no history (the forecaster needs two days) started at 6 workers: 20 minutes of
+    traffic that 4 workers keep up with, then five hours that 2 do, each action a 10-minute
+    restart. The plan scales in (it did nothing before a forecast, so the job kept 6 workers), but
+    not below the 4 the busiest 20 minutes needed until 3 hours after them, and never out."""
+    truth = models.KaleSyncModel([0.00035, 2.5726, 0.9824, 0.0016])
+    f = lambda w: truth.predict(models.ThroughputConfig(w, batch_size=16384))  # noqa: E731
+    high, low = f(4) / 1.3, f(2) / 1.3
+    arrivals = [high * 60.0] * 20 + [low * 60.0] * 300
+    planner = KalePlanner(forecaster="seasonal-naive", batch_size=16384, lead_s=600, model=truth)
+    decided, lags = _run_with_restarts(planner, f, arrivals, 6)
+    assert planner._forecaster is None
+    assert all(b <= a for a, b in itertools.pairwise(decided)), decided  # never out
+    window_min = round((kale.UNFORECAST_WINDOW_S + kale.NOW_WINDOW_S) / 60.0)
+    assert min(decided[:window_min]) >= 4, decided
+    assert decided[-1] == minimal_workers(f, low, 32).workers == 2, decided
+    assert max(lags) < kale.LAG_SLO_S
