@@ -366,7 +366,8 @@ def summarize_online(rows: list[dict[str, Any]]) -> list[str]:
     if short:
         out += ["", "too little history for kale's and madu's forecasters (two days and two 10-minute bins) on: "
                 + ", ".join(f"{t} (none for the first {h:.1f} h of {w:.1f})" for t, h, w in short)
-                + "; until then kale scales by its threshold fallback alone, madu keeps its count"]
+                + "; until then kale scales out by its threshold fallback alone and in to what the last 3 hours' "
+                "busiest 20 minutes need, madu keeps its count"]
     out += ["", "kale against its targets, across traces (median / worst):", ""]
     out.append("| migration | metric | median / worst | target | worst meets it |")
     out.append("|---|---|---|---|---|")

@@ -428,7 +428,8 @@ def test_cli_sim_online(tmp_path: Path):
                                   "--policies", "kale,hpa"])
     assert one_day.exit_code == 0, one_day.output
     assert "24.0 h of arrivals before it and kale needs 48.3 h" in one_day.output
-    assert "first 24.3 h kale scales by its threshold fallback alone" in one_day.output
+    assert ("first 24.3 h kale scales out by its threshold fallback alone and in to what the last 3 hours' "
+            "busiest 20 minutes need") in one_day.output
     relaxed = runner.invoke(app, ["sim", "online", "--trace", str(trace), "--days", "1", "--peak-workers", "10",
                                   "--policies", "adequate", "--bound-violations", "0.03", "--json", str(out)])
     assert relaxed.exit_code == 0, relaxed.output

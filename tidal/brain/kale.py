@@ -499,7 +499,7 @@ class KalePlanner:
     * the arrival history, averaged into planning bins of ``plan_interval_s`` (Kale's case
       study plans every 10 minutes), on which a forecaster (``forecaster``, any name of
       ``tidal.brain.forecast``) is fitted once ``min_history_bins`` exist and refitted every
-      ``refit_every_s``;
+      ``refit_every_s`` (until then the plan only scales in, to ``_unforecast_level``);
     * the measured ``(workers, samples/s)`` pairs, on which Kale's sync model (Eq. 6) is fitted
       by NNLS once ``min_distinct_workers`` different counts have been measured; before that,
       and wherever the fit is poor, throughput is taken as proportional to the workers at

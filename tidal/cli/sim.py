@@ -169,7 +169,9 @@ def online(
         wait = sim.forecast_wait_s(name, cfg, had_s)
         if wait > 0:
             late.setdefault(wait, []).append(name)
-    meanwhile = {"kale": "kale scales by its threshold fallback alone", "madu": "madu keeps its count"}
+    meanwhile = {"kale": "kale scales out by its threshold fallback alone and in to what the last 3 hours' "
+                         "busiest 20 minutes need",
+                 "madu": "madu keeps its count"}
     for wait, who in late.items():
         what = "; ".join(meanwhile.get(name, f"{name} has no forecast") for name in who)
         typer.echo(f"note: the window has {had_s / 3600:.1f} h of arrivals before it and {' and '.join(who)} "

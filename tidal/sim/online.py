@@ -672,7 +672,8 @@ def forecast_wait_s(name: str, cfg: SimConfig, history_s: float) -> float:
     seconds of arrivals before it: a forecasting planner fits its forecaster once it has seen
     ``min_history_bins`` planning bins (kale's and madu's Holt-Winters: two days and two bins of
     10 minutes); 0 for a planner that forecasts nothing or has history enough. Until then kale
-    scales by its threshold fallback alone and madu keeps its count."""
+    scales out by its threshold fallback alone (and in to what the last 3 hours' busiest
+    20 minutes need) and madu keeps its count."""
     planner = planner_factory(name, cfg, MIGRATIONS[cfg.migration])()
     bins, every = getattr(planner, "min_history_bins", None), getattr(planner, "plan_interval_s", None)
     if bins is None or every is None:
