@@ -979,7 +979,8 @@ class KalePlanner:
         18 hours against none) and the SLO violation passed 3% on two of the six volume-like
         draws. To the busiest 20 minutes of the last 1 / 2 / 3 / 6 hours: 3 hours kept every
         draw's SLO violation under restart as it was, the worker-hours lower on four of six and
-        none higher (1.41-1.90x the lower bound -> 1.41-1.73x); seamless, lower on three, 0.008x
+        none higher (1.41-1.90x the lower bound -> 1.41-1.73x; 2 hours within 0.006x of it, 1 hour
+        over 3% on one draw, 6 hours held too long); seamless, lower on three, 0.008x
         higher on one (1.21-1.31x -> 1.22-1.31x). Traces with two days of history: unchanged."""
         window = max(1, round(NOW_WINDOW_S / self._interval_s))
         recent = list(self._recent)[-(round(UNFORECAST_WINDOW_S / self._interval_s) + window):]
