@@ -348,7 +348,9 @@ def run(
         help="With --stream: the stream's past traffic, seeded into the planner's forecaster before its first "
              "decision (kale and madu keep an arrival history; other planners refuse it). A trace CSV as "
              "`tidal produce --trace` reads it (time, then a count per interval), in trace time and in the "
-             "stream's records: e.g. the days before the one produced, scaled as it is."),
+             "stream's records: e.g. the days before the one produced, scaled as it is. Kale fits its forecaster "
+             "once two days of arrivals are known; until then it scales out by its threshold fallback alone and "
+             "in to what the last 3 hours' busiest 20 minutes need."),
     traffic_column: str | None = typer.Option(
         None, "--traffic-column", metavar="NAME", help="The count column of --traffic-history (default: the second)."),
     history: str | None = typer.Option(
