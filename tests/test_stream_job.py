@@ -277,7 +277,7 @@ def test_a_stream_planner_scales_a_live_job_from_its_backlog_and_busy_share(tmp_
 def test_kale_runs_live_on_a_stream_job(tmp_path: Path) -> None:
     """Kale is the default planner of a stream job: it plans from the live observation (arrivals,
     backlog, lag, busy share) without failing; with no traffic history its forecaster is not fitted
-    yet, so its threshold fallback is what acts (section 3.4.3)."""
+    yet, so its threshold fallback (section 3.4.3) is what scales out, and the plan only scales in."""
     with redis_server(tmp_path / "redis") as server:
         url = server.url("clicks")
         produce(url, 2, [3000, 3000])
