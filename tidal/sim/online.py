@@ -331,6 +331,14 @@ def oracle_worker_hours(arrivals: np.ndarray, cfg: SimConfig, *, violations: flo
         min sum_t w_t   s.t.   c_t <= noise_t * hull(w_t),   0 <= w_t <= peak_workers,
                                b_t = b_{t-1} + a_t - c_t,     0 <= b_t <= a(t - 20 min, t],
 
+    solved in the hull's segments: above the floor's capacity (free, paid as the floor) each
+    interval fills segment k's capacity at its own price in workers per sample, which rises with k
+    (the hull is concave), so the cheapest fill is the hull's inverse and each w_t is read off
+    the shares; no row per segment and interval, only the balance (a week of minutes: 17.5 s ->
+    1.7 s, the same bound within 2e-7 of it; 3% violations 61 s -> 50 s). Equations are in
+    worker-intervals of capacity, not samples: in samples the prices were below the solver's cost
+    tolerance, and it stopped at 1.3-1.9x the optimum.
+
     with c_t the samples trained and b_t the samples waiting at the end of interval t; FIFO
     makes "lag <= 20 minutes" the same as "no more waiting than arrived in the last 20
     minutes" (arrivals spread evenly within an interval, as the simulator counts them).
@@ -356,46 +364,51 @@ def oracle_worker_hours(arrivals: np.ndarray, cfg: SimConfig, *, violations: flo
         while len(hull) >= 2 and (cap[hull[-1]] - cap[hull[-2]]) * (w - hull[-2]) <= (cap[w] - cap[hull[-2]]) * (hull[-1] - hull[-2]):
             hull.pop()
         hull.append(w)
+    lo = min(min_workers, top)
+    hull_cap = lambda w: float(np.interp(w, hull, cap[hull]))  # noqa: E731
+    # the hull above the floor in segments (workers, capacity): each filled in turn, the first cheapest
+    corners = [lo] + [h for h in hull if h > lo]
+    segments = [(k1 - k0, hull_cap(k1) - hull_cap(k0)) for k0, k1 in itertools.pairwise(corners)
+                if hull_cap(k1) > hull_cap(k0)]
+    unit = hull_cap(top) / top  # samples: the equations in worker-intervals, for the solver's tolerances
     noise = throughput_noise(cfg, n)
     k_viol = int(violations * n)
-    nv = 4 * n if k_viol else 3 * n  # columns: c_t, w_t, b_t[, v_t]
+    m = len(segments)
+    # columns, each a share in [0, 1]: the floor's capacity used, each segment's used; then b_t[, v_t]
     t = np.arange(n)
-    c_, w_, b_, v_ = t, n + t, 2 * n + t, 3 * n + t
-
-    def per_interval(*terms: tuple[np.ndarray, np.ndarray | float]) -> sparse.csr_matrix:
-        """One row per interval t; each ``(columns, coefficients)`` term puts coefficient t at column t."""
-        cols = [col for col, _ in terms]
-        vals = [np.broadcast_to(np.asarray(val, dtype=float), (n,)) for _, val in terms]
-        return sparse.csr_matrix((np.concatenate(vals), (np.tile(t, len(terms)), np.concatenate(cols))), shape=(n, nv))
-
-    rows, rhs = [], []
-    for k0, k1 in itertools.pairwise(hull):  # w_t >= k0 + (c_t / noise_t - cap[k0]) / slope
-        slope = (cap[k1] - cap[k0]) / (k1 - k0)
-        rows.append(per_interval((c_, 1.0 / (slope * noise)), (w_, -1.0)))
-        rhs.append(np.full(n, cap[k0] / slope - k0))
-    cum = np.concatenate([[0.0], np.cumsum(a)])
-    ends = (t + 1) * dt
-    at = lambda s: np.interp(s, np.arange(n + 1) * dt, cum, left=0.0)  # noqa: E731  cumulative arrivals
-    within = slo_allowance(a, dt)
-    bounds = [(0.0, None)] * n + [(float(min(min_workers, top)), float(top))] * n + [(0.0, float(x)) for x in within]
-    if k_viol:  # b_t - v_t * extra_t <= within_t,  sum v_t <= K
-        extra = at(ends - SLO_LAG_S) - at(ends - SLO_LAG_S - k_viol * dt)
-        bounds[2 * n :] = [(0.0, None)] * n + [(0.0, 1.0)] * n
-        rows.append(per_interval((b_, 1.0), (v_, -extra)))
-        rhs.append(within)
-        rows.append(sparse.csr_matrix((np.ones(n), (np.zeros(n, dtype=int), v_)), shape=(1, nv)))
-        rhs.append(np.array([float(k_viol)]))
-    balance = per_interval((b_, 1.0), (c_, 1.0))  # b_t - b_{t-1} + c_t = a_t
-    balance += sparse.csr_matrix((-np.ones(n - 1), (t[1:], b_[:-1])), shape=(n, nv))
+    b_, v_ = (1 + m) * n + t, (2 + m) * n + t
+    nv = (3 + m) * n if k_viol else (2 + m) * n
+    widths = [hull_cap(lo)] + [width for _, width in segments]
+    balance = sparse.csr_matrix(  # b_t - b_{t-1} + noise_t * (capacity used) = a_t
+        (np.concatenate([noise * (w / unit) for w in widths] + [np.ones(n), -np.ones(n - 1)]),
+         (np.concatenate([t] * (1 + m) + [t, t[1:]]),
+          np.concatenate([k * n + t for k in range(1 + m)] + [b_, b_[:-1]]))),
+        shape=(n, nv))
+    within = slo_allowance(a, dt) / unit
+    upper = np.ones(nv)
+    upper[b_] = within
     cost = np.zeros(nv)
-    cost[n : 2 * n] = dt / 3600.0
-    res = linprog(cost, A_ub=sparse.vstack(rows).tocsr(), b_ub=np.concatenate(rhs), A_eq=balance, b_eq=a,
-                  bounds=bounds, method="highs")
+    for k, (workers, _) in enumerate(segments):
+        cost[(1 + k) * n + t] = workers * dt / 3600.0
+    a_ub = b_ub = None
+    if k_viol:  # b_t - v_t * extra_t <= within_t,  sum v_t <= K
+        cum = np.concatenate([[0.0], np.cumsum(a)])
+        ends = (t + 1) * dt
+        at = lambda s: np.interp(s, np.arange(n + 1) * dt, cum, left=0.0)  # noqa: E731  cumulative arrivals
+        extra = (at(ends - SLO_LAG_S) - at(ends - SLO_LAG_S - k_viol * dt)) / unit
+        upper[b_] = np.inf
+        a_ub = sparse.vstack([
+            sparse.csr_matrix((np.concatenate([np.ones(n), -extra]), (np.concatenate([t, t]), np.concatenate([b_, v_]))),
+                              shape=(n, nv)),
+            sparse.csr_matrix((np.ones(n), (np.zeros(n, dtype=int), v_)), shape=(1, nv))]).tocsr()
+        b_ub = np.concatenate([within, [float(k_viol)]])
+    res = linprog(cost, A_ub=a_ub, b_ub=b_ub, A_eq=balance, b_eq=a / unit,
+                  bounds=np.column_stack([np.zeros(nv), upper]), method="highs")
     if res.status == 2:  # infeasible: even peak_workers cannot keep the lag
         return math.inf
     if res.status != 0:
         raise RuntimeError(f"the lower bound's linear program failed: {res.message}")
-    return float(res.fun)
+    return float(res.fun) + lo * n * dt / 3600.0
 
 
 def _busy_reading(shares: list[float], dt: float, window_s: float | None) -> float:
