@@ -339,12 +339,12 @@ class MaduPlanner:
         current = obs.current_workers
         if self._target is None:
             self._target = current
-        rate = self.rate()
+        every = max(1, round(self.decide_every_s / self.plan_interval_s))
+        if obs.ready and self._last_bin >= 0 and len(self._bins) < self._last_bin + every:
+            return ResourcePlan(workers=self._target, reason="madu: hold")
+        rate = self.rate()  # the medians only where the plan decides: every minute they took half a simulated week
         if not obs.ready or self._fc is None or rate <= 0:
             return ResourcePlan(workers=self._target, reason="madu: waiting")
-        every = max(1, round(self.decide_every_s / self.plan_interval_s))
-        if self._last_bin >= 0 and len(self._bins) < self._last_bin + every:
-            return ResourcePlan(workers=self._target, reason="madu: hold")
         self._last_bin = len(self._bins)
         steps = max(1, math.ceil(self.lead_s / self.plan_interval_s)) + 1
         load = float(np.max(self._fc.predict(steps))) + stream.backlog / self.drain_s
