@@ -331,14 +331,6 @@ def oracle_worker_hours(arrivals: np.ndarray, cfg: SimConfig, *, violations: flo
         min sum_t w_t   s.t.   c_t <= noise_t * hull(w_t),   0 <= w_t <= peak_workers,
                                b_t = b_{t-1} + a_t - c_t,     0 <= b_t <= a(t - 20 min, t],
 
-    solved in the hull's segments: above the floor's capacity (free, paid as the floor) each
-    interval fills segment k's capacity at its own price in workers per sample, which rises with k
-    (the hull is concave), so the cheapest fill is the hull's inverse and each w_t is read off
-    the shares; no row per segment and interval, only the balance (a week of minutes: 17.5 s ->
-    1.7 s, the same bound within 2e-7 of it; 3% violations 61 s -> 50 s). Equations are in
-    worker-intervals of capacity, not samples: in samples the prices were below the solver's cost
-    tolerance, and it stopped at 1.3-1.9x the optimum.
-
     with c_t the samples trained and b_t the samples waiting at the end of interval t; FIFO
     makes "lag <= 20 minutes" the same as "no more waiting than arrived in the last 20
     minutes" (arrivals spread evenly within an interval, as the simulator counts them).
@@ -350,6 +342,14 @@ def oracle_worker_hours(arrivals: np.ndarray, cfg: SimConfig, *, violations: flo
     arrived since the last interval within it, at most ``K = violations * n`` intervals
     earlier: ``b_t <= a(t - 20 min, t] + v_t * a(t - 20 min - K, t - 20 min]`` with
     ``v_t`` in [0, 1] and ``sum v_t <= K`` (the relaxation of "v_t is 0 or 1": still a bound).
+
+    The program is solved in the hull's segments: above the floor's capacity (free, paid as the
+    floor) each interval fills segment k's capacity at its own price in workers per sample, which
+    rises with k (the hull is concave), so the cheapest fill is the hull's inverse and each w_t is
+    read off the shares; no row per segment and interval, only the balance (a week of minutes:
+    17.5 s -> 1.7 s, the same bound within 2e-7 of it; 3% violations 61 s -> 50 s). Equations are
+    in worker-intervals of capacity, not samples: in samples the prices were below the solver's
+    cost tolerance, and it stopped at 1.3-1.9x the optimum.
     """
     from scipy import sparse
     from scipy.optimize import linprog
