@@ -291,3 +291,32 @@ def test_kale_runs_live_on_a_stream_job(tmp_path: Path) -> None:
             job.kill_all()
         assert "planner kale failed" not in job.output(), job.output()[-3000:]
         assert audit(job, url).returncode == 0
+
+
+def test_kale_plans_over_an_hour_live_in_minute_steps(tmp_path: Path) -> None:
+    """``--program-hours``: kale's lag-priced program runs in a live job whose arrivals are counted
+    every 5 trace seconds (``--planner-interval 0.5`` at ``--time-scale 10``), summed into minute
+    steps; handed a job of one worker with 24,000 records waiting (appended before it started: no
+    arrival it saw, so aged from the stream's lag) it buys the lag down with a second, the decision
+    is the program's, and every record is trained once."""
+    with redis_server(tmp_path / "redis") as server:
+        url = server.url("clicks")
+        produce(url, 2, [12000, 12000])
+        job = Job(tmp_path, "1:2", ["--batch-size", "128", "--step-sleep", "0.1", "--log-every", "0"], run_args=[
+            "--planner", "kale", "--initial", "1", "--time-scale", "10", "--planner-interval", "0.5", "--stream", url,
+            "--program-hours", "1", "--stop-when-drained", "3"]).start()
+        try:
+            job.wait_status(lambda s: any(w["stream_capacity"] > 0 for w in s["workers"]), 60, "a capacity")
+            info = job.info()  # --initial 1 held the count; the planner is handed it with a backlog
+            httpx.post(info["url"] + "/v1/scale", json={"auto": True}, timeout=5,
+                       headers={"Authorization": f"Bearer {info['token']}"}).raise_for_status()
+            st = job.wait_status(lambda s: s["planner"] is not None and s["planner"]["last"] is not None, 60,
+                                 "the program's first decision")
+            last = st["planner"]["last"]
+            assert last["reason"].startswith("program: 2 workers at "), last
+            assert (last["from_workers"], last["to_workers"]) == (1, 2), last
+            assert job.wait(300) == 0, job.output()[-3000:]
+        finally:
+            job.kill_all()
+        assert "planner kale failed" not in job.output(), job.output()[-3000:]
+        assert audit(job, url).returncode == 0

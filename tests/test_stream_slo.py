@@ -118,6 +118,10 @@ def run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
         (None, ["--planner", "hpa", "--lag-price", "5"], "--load-headroom and --lag-price are kale's; planner hpa"),
         (None, ["--planned-lag", "0"], "--planned-lag must be between"),
         (None, ["--planner", "hpa", "--planned-lag", "90"], "--planned-lag is kale's; planner hpa has none"),
+        (None, ["--program-hours", "0"], "--program-hours must be in (0, 24], got 0"),
+        (None, ["--program-lag-ratio", "0.3"], "--program-lag-ratio needs --program-hours"),
+        (None, ["--program-hours", "3", "--program-lag-price", "-1"], "--program-lag-price needs --program-hours and"),
+        (None, ["--planner", "hpa", "--program-hours", "3"], "--program-hours is kale's; planner hpa has none"),
     ],
 )
 def test_bad_traffic_history_or_slo_is_one_line(tmp_path: Path, csv: str | None, options: list[str],
@@ -143,6 +147,8 @@ def test_the_stream_options_need_a_stream(tmp_path: Path) -> None:
         out = run(*options, str(script), cwd=tmp_path)
         assert out.returncode == 2 and out.stderr.strip() == (
             "tidal: error: --lag-slo, --traffic-history and --traffic-column need --stream"), out.stderr
+    out = run("--program-hours", "3", str(script), cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr.strip() == "tidal: error: --program-hours needs --stream", out.stderr
     for options in (["--lag-price", "5"], ["--planned-lag", "90"]):
         out = run(*options, str(script), cwd=tmp_path)
         assert out.returncode == 2 and out.stderr.strip() == (

@@ -149,3 +149,42 @@ def test_a_low_price_keeps_the_slo_only_with_its_penalty() -> None:
     assert unpenalized is None or unpenalized > 120
     moved = first_move(900.0)
     assert moved is not None and (moved + len(PHASES)) * 30.0 / 130.0 < 15.0  # minutes of age when its workers come
+
+
+
+def _diurnal_program(interval_s: float) -> tuple[sim.PolicyResult, KalePlanner]:
+    """Kale planning over an hour on a diurnal trace, two days of history and 3 hours scored, its
+    traffic counted every ``interval_s`` (the same rates whatever the interval: scaled as the
+    simulator scales the trace counted per minute)."""
+    def rate(interval: float) -> np.ndarray:
+        t = np.arange(int(2.125 * 86400 / interval)) * interval
+        return 1.0 + 0.8 * np.sin(2 * np.pi * t / 86400.0) ** 2 + 0.3 * (np.sin(2 * np.pi * t / 5400.0) > 0.7)
+
+    per_minute = rate(60.0)[int(2 * 86400 / 60.0):] * 60.0
+    factor = float(sim.scale_to_peak(per_minute, sim.SimConfig()).max() / per_minute.max())
+    cfg = sim.SimConfig(migration="seamless", interval_s=interval_s, noise=0.0, program_horizon_s=3600.0)
+    counts, split = rate(interval_s) * interval_s * factor, int(2 * 86400 / interval_s)
+    made: list[KalePlanner] = []
+    make = sim.planner_factory("kale", cfg, sim.MIGRATIONS["seamless"])
+
+    def keep() -> KalePlanner:
+        made.append(make())
+        return made[-1]
+
+    return sim.simulate(counts[split:], {"kale": keep}, cfg, history=counts[:split])["kale"], made[0]
+
+
+def test_a_live_job_s_seconds_are_summed_into_minute_steps_for_the_program() -> None:
+    """A live job counts arrivals every planner interval (a second at ``tidal run``'s defaults):
+    the program sums them into minute steps, so an hour is 60 steps to solve over (3,600 before,
+    a solve that took minutes), and plans as it does on the same traffic counted per minute."""
+    by_minute, _ = _diurnal_program(60.0)
+    by_second, kale = _diurnal_program(1.0)
+    assert kale._policy is not None
+    mig = sim.MIGRATIONS["seamless"]
+    phases = lag_program.action_phases(mig.prep_s, mig.pause_s, 60.0, lambda since, span: 0.0)
+    assert len(kale._policy.keep) == 60 - len(phases) + 1  # decisions over the hour's minute steps
+    assert by_second.scaling_actions == by_minute.scaling_actions
+    assert by_second.worker_hours == pytest.approx(by_minute.worker_hours, rel=0.02)
+    assert by_second.accumulated_lag_min == pytest.approx(by_minute.accumulated_lag_min, rel=0.25)
+    assert by_second.slo_violation_rate == by_minute.slo_violation_rate == 0.0

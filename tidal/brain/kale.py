@@ -421,6 +421,12 @@ DEADLINE_NOW_S = 300.0
 DEADLINE_ROUNDING = 0.1
 # planning over hours (``program_horizon_s``): worker-minutes per lag-minute
 PROGRAM_LAG_PRICE = 12.0
+#: the program's interval is at least this long: a live job's arrivals (an interval a second, at
+#: ``tidal run``'s defaults) are summed into steps of it, so that three hours are 180 steps to
+#: solve over, not 10,800
+PROGRAM_STEP_S = 60.0
+#: the past a program looks up its oldest waiting sample in
+PROGRAM_PAST_S = 3600.0
 #: with ``program_lag_ratio``: the price moves by this much of log(lag / target) per hour (dual ascent),
 #: within PROGRAM_PRICE_RANGE; PROGRAM_LAG_SLACK_MIN of accumulated lag (lag-minutes x minutes) on both
 #: sides of the ratio, so that the first quiet hours do not swing it. Chosen on issue 22's tune split
@@ -481,6 +487,25 @@ def deadline_workers(throughput: Callable[[int], float], counts: Sequence[float]
         if fallback is None and trained_by(w, f_w, ends[-1]) >= due[-1]:
             fallback = w
     return max(current, hi if fallback is None else fallback)
+
+
+def _step_intervals(interval_s: float) -> int:
+    """Intervals of ``interval_s`` a program step sums (``PROGRAM_STEP_S``; one, if it is longer)."""
+    return max(1, round(PROGRAM_STEP_S / interval_s))
+
+
+def _explained(past: np.ndarray, backlog: float, lag_s: float, step_s: float) -> np.ndarray:
+    """``past`` (arrivals per step of ``step_s``, the latest last) with what waits beyond them, the
+    ``backlog`` they do not hold, arrived ``lag_s`` ago (the oldest waiting sample's age): records
+    appended before the job started, or longer ago than ``past`` reaches, are no arrivals a program
+    looks their age up in, and it took them for new (no lag, so no worker worth adding)."""
+    unexplained = backlog - float(np.sum(past))
+    if unexplained <= 0:
+        return past
+    back = max(1, math.ceil(lag_s / step_s))
+    out = np.concatenate([np.zeros(max(0, back - len(past))), past])
+    out[len(out) - back] += unexplained
+    return out
 
 
 def _raised(forecast: Sequence[float] | np.ndarray, bins: int, rate: float) -> np.ndarray:
@@ -625,8 +650,10 @@ class KalePlanner:
     ``_program_plan``. For a job whose lag must stay near a threshold autoscaler's at a few more
     workers: on issue 22's eval split (seamless, 3 hours, price 12) 1.16-1.30x the lower bound at
     0.21-0.42x hpa's lag on the smooth traces, 1.36-1.62x on spiky ones (bench/RESULTS.md,
-    twenty-fifth pass). Simulation only so far: a live master's one-second arrivals make a
-    horizon of hours 10,800 intervals long.
+    twenty-fifth pass). Live (``tidal run --program-hours``) arrivals counted more often than a
+    minute are summed into minute steps (``PROGRAM_STEP_S``): at the master's one-second intervals
+    three hours were 10,800 steps to solve over, minutes each time. A backlog the arrivals seen do
+    not hold (appended before the job started) is aged from the stream's lag (``_explained``).
 
     ``program_lag_ratio`` (with ``program_horizon_s``; off by default): the price is not fixed but
     set by the job: it starts at ``program_lag_price`` and moves by dual ascent so that the job's
@@ -733,6 +760,10 @@ class KalePlanner:
         self._priced_at_s: float | None = None
         self._policy: lag_program.Policy | None = None
         self._policy_at = 0  # self._seen when the policy was solved
+        # the arrivals of each program step (PROGRAM_STEP_S or one interval, if longer), the latest
+        # last, and of the step being filled: what a program looks up ages in where intervals are short
+        self._steps: deque[float] = deque(maxlen=math.ceil(PROGRAM_PAST_S / PROGRAM_STEP_S))
+        self._step_partial: list[float] = []
         self._fewer_asks = 0  # deadline sizing: intervals in a row that asked for fewer workers
         self.track_error = track_error
         self.surge_ratio = surge_ratio
@@ -778,6 +809,11 @@ class KalePlanner:
             self._partial.append(float(a))
             self._note_surges(float(a) / interval_s)
             self._recent.append(float(a) / interval_s)
+            if self.program_horizon_s is not None:
+                self._step_partial.append(float(a))
+                if len(self._step_partial) >= _step_intervals(interval_s):
+                    self._steps.append(sum(self._step_partial))
+                    self._step_partial = []
             if len(self._partial) >= per_bin:
                 new_bins.append(sum(self._partial) / (per_bin * interval_s))
                 self._partial = []
@@ -1241,34 +1277,41 @@ class KalePlanner:
         if not self._measured:
             return self._resource_plan(current, "program: no throughput measured yet")
         assert self.program_horizon_s is not None  # plan() calls this only then
-        horizon = max(2, round(self.program_horizon_s / dt))
-        k = self._seen - self._policy_at
+        per = _step_intervals(dt)  # the program's step: per intervals of the stream (1 where they are long)
+        step = per * dt
+        horizon = max(2, round(self.program_horizon_s / step))
+        k = (self._seen - self._policy_at) // per
         if replan or self._policy is None or not self._policy.covers(k, current):
             self._last_plan_bin = len(self._bins)
             if self._forecaster is not None:
-                bins = math.ceil((horizon + len(self._partial)) * dt / self.plan_interval_s) + 1
+                bins = math.ceil((horizon * per + len(self._partial)) * dt / self.plan_interval_s) + 1
                 window = max(1, math.ceil(self.lead_s / self.plan_interval_s)) + 1
                 fc, _, _ = self._forecast(max(bins, self.horizon_bins), dt, window, surge, now_rate)
                 per_bin = max(1, round(self.plan_interval_s / dt))
-                ahead = np.repeat(fc, per_bin)[len(self._partial) : len(self._partial) + horizon] * dt
+                fine = np.repeat(fc, per_bin)[len(self._partial) : len(self._partial) + horizon * per] * dt
+                ahead = fine.reshape(horizon, per).sum(axis=1)
             else:
-                ahead = np.full(horizon, self._traffic_now() * dt)
+                ahead = np.full(horizon, self._program_traffic_now(per, dt) * step)
             prep = max(0.0, self.lead_s - self.pause_s)
-            phases = lag_program.action_phases(prep, self.pause_s, dt,
+            phases = lag_program.action_phases(prep, self.pause_s, step,
                                                lambda since, span: min(1.0, max(0.0, (prep - since) / span)))
             if len(ahead) <= len(phases):
                 return self._resource_plan(current, "program: horizon shorter than an action")
             believed = [0.0] + [self.throughput(w) for w in range(1, hi + 2)]
-            a, b = lag_program.count_range(believed, dt, current, ahead, hi)
+            a, b = lag_program.count_range(believed, step, current, ahead, hi)
             a, b = max(a, lo), min(b, hi)
-            past = np.asarray(list(itertools.islice(reversed(self._recent), round(3600.0 / dt)))[::-1]) * dt
+            if per == 1:
+                past = np.asarray(list(itertools.islice(reversed(self._recent), round(PROGRAM_PAST_S / dt)))[::-1]) * dt
+            else:
+                past = np.asarray(self._steps, dtype=float)
+            past = _explained(past, stream.backlog, stream.lag_s, step)
             if not a <= current <= b:
                 self._policy = None
                 return self._resource_plan(current, "program: the job's count is outside its range")
             self._reprice(obs.now_s)
-            self._policy = lag_program.solve(believed, dt, phases, True, self.lag_price_now, past, ahead,
+            self._policy = lag_program.solve(believed, step, phases, True, self.lag_price_now, past, ahead,
                                              stream.backlog, a, b, slo_s=self.fallback.lag_bound_s)
-            self._policy_at, k = self._seen, 0
+            self._policy_at, k = self._seen, 0  # its steps counted from now, as ``ahead``'s are
         target = self._policy.decide(k, current, stream.backlog)
         self._target = self._planned = target
         if target != current:
@@ -1276,6 +1319,15 @@ class KalePlanner:
             self._action_since = obs.now_s
         return self._resource_plan(target, f"program: {target} workers at {stream.backlog:.0f} samples waiting, "
                                            f"{self.lag_price_now:.3g} worker-min per lag-min")
+
+    def _program_traffic_now(self, per: int, dt: float) -> float:
+        """``_traffic_now`` at the program's step where a step sums ``per`` intervals: the higher of
+        the last whole step's rate and the mean over ``NOW_WINDOW_S`` of the steps (a second's
+        arrivals alone are noise)."""
+        if per == 1 or not self._steps:
+            return self._traffic_now()
+        steps = list(itertools.islice(reversed(self._steps), max(1, round(NOW_WINDOW_S / (per * dt)))))
+        return max(steps[0], sum(steps) / len(steps)) / (per * dt)
 
     def _step_shadow(self, obs: JobObservation, stream: StreamObservation) -> None:
         """Feed the interval's arrivals to the shadow HPA (``tidal.brain.shadow``) and add the job's

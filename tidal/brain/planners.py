@@ -52,6 +52,9 @@ class PlannerContext:
         load_headroom, lag_price: kale's knobs for a lag far below the SLO (``KalePlanner``'s
             ``headroom`` and ``lag_price``; 1 and 0: off, the paper's Eq. 10).
         planned_lag_s: the lag kale acts before (trace time; None: a quarter of ``lag_slo_s``).
+        program_horizon_s, program_lag_price, program_lag_ratio: kale planning over that long
+            (trace time) with each lag-minute priced (``KalePlanner``'s; None: off, Eq. 10; the
+            price None: kale's own; the ratio None: the price fixed).
     """
 
     job_id: str = ""
@@ -64,6 +67,9 @@ class PlannerContext:
     load_headroom: float = 1.0
     lag_price: float = 0.0
     planned_lag_s: float | None = None
+    program_horizon_s: float | None = None
+    program_lag_price: float | None = None
+    program_lag_ratio: float | None = None
 
 
 class MaxWorkersPlanner:
@@ -85,7 +91,7 @@ def _builtin() -> dict[str, Callable[[PlannerContext], Planner]]:
         FixedWorkers,
         OptimusWorkers,
     )
-    from tidal.brain.kale import KalePlanner, ThresholdFallback
+    from tidal.brain.kale import PROGRAM_LAG_PRICE, KalePlanner, ThresholdFallback
 
     return {
         "max": lambda _: MaxWorkersPlanner(),
@@ -101,7 +107,9 @@ def _builtin() -> dict[str, Callable[[PlannerContext], Planner]]:
                                                                    utilization_lag_s=ctx.lag_slo_s / 4),
                                         lead_s=ctx.action_lead_s, pause_s=ctx.action_pause_s,
                                         headroom=ctx.load_headroom, lag_price=ctx.lag_price,
-                                        deadline_s=ctx.lag_slo_s * 3 / 4),
+                                        deadline_s=ctx.lag_slo_s * 3 / 4, program_horizon_s=ctx.program_horizon_s,
+                                        program_lag_price=PROGRAM_LAG_PRICE if ctx.program_lag_price is None
+                                        else ctx.program_lag_price, program_lag_ratio=ctx.program_lag_ratio),
         "hpa": lambda _: HPAPlanner(),
         "autopilot": lambda _: AutopilotPlanner(),
         "madu": lambda _: MaduPlanner(),

@@ -53,6 +53,16 @@ PLANNED_LAG_HELP = (
     "kale scales out when, as things are, the lag would pass SECONDS (trace time) within the time an action "
     "takes (default a quarter of --lag-slo: 300 at the default SLO). A job whose lag must stay far below the "
     "SLO sets it lower: kale then acts on a smaller shortfall, for more workers.")
+PROGRAM_HOURS_HELP = (
+    "kale plans over HOURS of its forecast with each lag-minute priced (--program-lag-price) instead of sizing "
+    "each 10-minute bin by Eq. 10: it sees a whole ramp and pays each move's pause where it falls, for a lag of "
+    "a few minutes at a few more workers (3 is a good start; default off)")
+PROGRAM_LAG_PRICE_HELP = (
+    "with --program-hours: worker-minutes one lag-minute is worth (default kale's, 12; higher: less lag, more "
+    "workers); with --program-lag-ratio, the price it starts at")
+PROGRAM_LAG_RATIO_HELP = (
+    "with --program-hours: kale sets its own price, keeping its accumulated lag at RATIO times what the "
+    "Kubernetes HPA would accumulate on the same traffic (simulated beside the job on kale's belief; e.g. 0.3)")
 LAG_PRICE_HELP = (
     "With --global-shuffle, kale weighs each minute a record waits in the busiest worker's local queue "
     "as WORKERS workers (default 0: off). A count that leaves one worker more partitions than it trains "
@@ -343,6 +353,14 @@ def run(
     lag_price: float = typer.Option(0.0, "--lag-price", metavar="WORKERS", help=LAG_PRICE_HELP),
     planned_lag: float | None = typer.Option(
         None, "--planned-lag", metavar="SECONDS", help="With --stream: " + PLANNED_LAG_HELP),
+    program_hours: float | None = typer.Option(
+        None, "--program-hours", metavar="HOURS",
+        help="With --stream: " + PROGRAM_HOURS_HELP + ". Arrivals counted more often than a minute (every "
+             "--planner-interval) are summed into minutes for it."),
+    program_lag_price: float | None = typer.Option(
+        None, "--program-lag-price", metavar="WORKER_MIN", help=PROGRAM_LAG_PRICE_HELP),
+    program_lag_ratio: float | None = typer.Option(
+        None, "--program-lag-ratio", metavar="RATIO", help=PROGRAM_LAG_RATIO_HELP),
     traffic_history: Path | None = typer.Option(
         None, "--traffic-history", metavar="CSV",
         help="With --stream: the stream's past traffic, seeded into the planner's forecaster before its first "
@@ -393,6 +411,9 @@ def run(
     if stream is None and (load_headroom != 1.0 or lag_price != 0.0 or planned_lag is not None):
         raise fail("--load-headroom, --lag-price and --planned-lag need --stream")
     check_kale_knobs(load_headroom, lag_price, planner, planned_lag)
+    if stream is None and program_hours is not None:
+        raise fail("--program-hours needs --stream")
+    check_program_knobs(program_hours, program_lag_price, program_lag_ratio, planner)
     if traffic_column is not None and traffic_history is None:
         raise fail("--traffic-column needs --traffic-history")
     seed: tuple[list[float], float] = ([], 60.0)
@@ -488,6 +509,8 @@ def run(
         stream_url=stream, stop_when_drained_s=stop_when_drained, trim_after_commit=trim_after_commit,
         time_scale=time_scale, lag_slo_s=1200.0 if lag_slo is None else lag_slo,
         load_headroom=load_headroom, lag_price=lag_price, planned_lag_s=planned_lag,
+        program_horizon_s=None if program_hours is None else program_hours * 3600.0,
+        program_lag_price=program_lag_price, program_lag_ratio=program_lag_ratio,
         traffic_history=seed[0], traffic_history_interval_s=seed[1], ps=ps, ps_max=ps_max, ps_shards=ps_shards,
         ps_memory=ps_memory, ps_oom_prevention=not no_ps_oom_prevention, ps_hot_balance=not no_ps_hot_balance,
         ps_oom_horizon_s=ps_oom_horizon, data_workers=data_low, data_workers_max=data_high,
@@ -534,6 +557,19 @@ def check_kale_knobs(load_headroom: float, lag_price: float, planner: str, plann
         raise fail(f"--load-headroom and --lag-price are kale's; planner {planner} has neither")
     if planner != "kale" and planned_lag is not None:
         raise fail(f"--planned-lag is kale's; planner {planner} has none")
+
+
+def check_program_knobs(hours: float | None, price: float | None, ratio: float | None, planner: str) -> None:
+    """``--program-hours``, ``--program-lag-price`` and ``--program-lag-ratio``: in range, the last
+    two only with the first, and only for kale, or a one-line error."""
+    if hours is not None and not 0 < hours <= 24:
+        raise fail(f"--program-hours must be in (0, 24], got {hours:g}")
+    if price is not None and (hours is None or not price > 0):
+        raise fail("--program-lag-price needs --program-hours and must be positive")
+    if ratio is not None and (hours is None or not ratio > 0):
+        raise fail("--program-lag-ratio needs --program-hours and must be positive")
+    if planner != "kale" and hours is not None:
+        raise fail(f"--program-hours is kale's; planner {planner} has none")
 
 
 def shuffle_thresholds(text: str) -> tuple[int, int]:

@@ -11,7 +11,16 @@ import typer
 
 from tidal.api import ConfigError
 from tidal.cli import app, fail
-from tidal.cli.job import LAG_PRICE_HELP, LOAD_HEADROOM_HELP, PLANNED_LAG_HELP, check_kale_knobs
+from tidal.cli.job import (
+    LAG_PRICE_HELP,
+    LOAD_HEADROOM_HELP,
+    PLANNED_LAG_HELP,
+    PROGRAM_HOURS_HELP,
+    PROGRAM_LAG_PRICE_HELP,
+    PROGRAM_LAG_RATIO_HELP,
+    check_kale_knobs,
+    check_program_knobs,
+)
 
 sim_app = typer.Typer(help="Evaluate scaling policies in simulation on real traces.", no_args_is_help=True)
 app.add_typer(sim_app, name="sim")
@@ -65,19 +74,11 @@ def online(
              "minutes; --no-time-share sizes every count from the forecast, for less lag"),
     program_hours: float | None = typer.Option(
         None, "--program-hours", metavar="HOURS",
-        help="kale plans over HOURS of its forecast with each lag-minute priced (--program-lag-price) instead of "
-             "sizing each 10-minute bin by Eq. 10: it sees a whole ramp and pays each move's pause where it falls, "
-             "for a lag of a few minutes at a few more workers (3 is a good start; a week of minutes takes 1-3 min "
-             "a policy instead of seconds)"),
+        help=PROGRAM_HOURS_HELP + "; a week of minutes takes 1-3 min a policy instead of seconds"),
     program_lag_price: float | None = typer.Option(
-        None, "--program-lag-price", metavar="WORKER_MIN",
-        help="with --program-hours: worker-minutes one lag-minute is worth (default kale's, 12; higher: less lag, "
-             "more workers); with --program-lag-ratio, the price it starts at"),
+        None, "--program-lag-price", metavar="WORKER_MIN", help=PROGRAM_LAG_PRICE_HELP),
     program_lag_ratio: float | None = typer.Option(
-        None, "--program-lag-ratio", metavar="RATIO",
-        help="with --program-hours: kale sets its own price, keeping its accumulated lag at RATIO times what "
-             "the Kubernetes HPA would accumulate on the same traffic (simulated beside the job on kale's "
-             "belief; e.g. 0.3)"),
+        None, "--program-lag-ratio", metavar="RATIO", help=PROGRAM_LAG_RATIO_HELP),
     policies: str = typer.Option("kale,hpa,autopilot,madu,adequate", "--policies"),
     bound_violations: float = typer.Option(
         0.0, "--bound-violations",
@@ -117,12 +118,7 @@ def online(
     if not 0 <= bound_violations < 1:
         raise fail("--bound-violations must be in [0, 1)")
     check_kale_knobs(load_headroom, lag_price, "kale", planned_lag)
-    if program_hours is not None and not 0 < program_hours <= 24:
-        raise fail(f"--program-hours must be in (0, 24], got {program_hours:g}")
-    if program_lag_price is not None and (program_hours is None or not program_lag_price > 0):
-        raise fail("--program-lag-price needs --program-hours and must be positive")
-    if program_lag_ratio is not None and (program_hours is None or not program_lag_ratio > 0):
-        raise fail("--program-lag-ratio needs --program-hours and must be positive")
+    check_program_knobs(program_hours, program_lag_price, program_lag_ratio, "kale")
     names = [p.strip() for p in policies.split(",") if p.strip()]
     if not names:
         raise fail("--policies is empty")

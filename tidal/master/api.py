@@ -129,6 +129,11 @@ class JobSpec:
     load_headroom: float = 1.0
     lag_price: float = 0.0
     planned_lag_s: float | None = None  # ``--planned-lag``: the lag kale acts before (None: a quarter of the SLO)
+    # ``--program-hours`` and its price: kale plans over this long with each lag-minute priced (None: Eq. 10);
+    # the price in worker-minutes a lag-minute (None: kale's), or set against a shadow HPA's lag at the ratio
+    program_horizon_s: float | None = None
+    program_lag_price: float | None = None
+    program_lag_ratio: float | None = None
     # the stream's past traffic (``--traffic-history``): records per interval of
     # ``traffic_history_interval_s`` trace seconds, oldest first; kept in the spec (and so in the
     # journal) so that a master that takes over seeds its planner with it again

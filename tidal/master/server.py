@@ -228,7 +228,8 @@ def planner_for(spec: JobSpec) -> tuple[Planner, str]:
         job_id=spec.job_id, features=job_features(spec), history=history, cpus=available_cpus(),
         lag_slo_s=spec.lag_slo_s, action_lead_s=ACTION_LEAD_S * spec.time_scale,
         action_pause_s=ACTION_PAUSE_S * spec.time_scale, load_headroom=spec.load_headroom, lag_price=spec.lag_price,
-        planned_lag_s=spec.planned_lag_s))
+        planned_lag_s=spec.planned_lag_s, program_horizon_s=spec.program_horizon_s,
+        program_lag_price=spec.program_lag_price, program_lag_ratio=spec.program_lag_ratio))
     warm = getattr(planner, "warm_from", "")
     return planner, (f"from {warm}" if warm else note)
 
