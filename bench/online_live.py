@@ -202,6 +202,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="kale's --lag-price in workers a lag-minute, live and simulated (0: off)")
     p.add_argument("--planned-lag", type=float, default=KALE_PLANNED_LAG_S,
                    help="kale's --planned-lag in trace seconds, live and simulated (300: its default at the SLO)")
+    p.add_argument("--program-hours", type=float, default=None,
+                   help="kale's --program-hours, live and simulated: it plans over HOURS with each lag-minute "
+                        "priced (default: off, Eq. 10)")
+    p.add_argument("--program-lag-ratio", type=float, default=None,
+                   help="kale's --program-lag-ratio, live and simulated: the price set to keep its lag at RATIO "
+                        "times a shadow HPA's (with --program-hours)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     p.add_argument("--by-hour", action="store_true",
@@ -218,6 +224,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--peak-workers must be at least 2 and at most --max-workers")
     if args.day < 1 or args.history_days < 0:
         p.error("--day must be at least 1 and --history-days not negative")
+    if args.program_hours is not None and not 0 < args.program_hours <= 24:
+        p.error("--program-hours must be in (0, 24]")
+    if args.program_lag_ratio is not None and (args.program_hours is None or not args.program_lag_ratio > 0):
+        p.error("--program-lag-ratio needs --program-hours and must be positive")
     return args
 
 
@@ -309,6 +319,10 @@ class LiveRun:
             if self.policy == "kale":
                 opts += ["--load-headroom", f"{a.load_headroom:g}", "--lag-price", f"{a.lag_price:g}",
                          "--planned-lag", f"{a.planned_lag:g}"]
+                if a.program_hours is not None:
+                    opts += ["--program-hours", f"{a.program_hours:g}"]
+                if a.program_lag_ratio is not None:
+                    opts += ["--program-lag-ratio", f"{a.program_lag_ratio:g}"]
             argv = [TIDAL, "run", "-q", "--workers", f"1:{a.max_workers}", "--initial", str(self.initial),
                     "--job-dir", str(job_dir), *opts, str(EXAMPLE), "--batch-size", str(a.batch_size),
                     "--device-ms-per-step", f"{a.device_ms_per_step:g}", "--log-every", "0", "--seed", str(a.seed)]
@@ -980,7 +994,9 @@ def main(argv: list[str] | None = None) -> int:
                             capacity_reading=1.0 / sustained,
                             busy_window_s=BUSY_WINDOW_S * scale,
                             load_headroom=args.load_headroom, lag_price=args.lag_price,
-                            planned_lag_s=args.planned_lag)
+                            planned_lag_s=args.planned_lag,
+                            program_horizon_s=None if args.program_hours is None else args.program_hours * 3600.0,
+                            program_lag_ratio=args.program_lag_ratio)
         floors = live_floors(live, lambda w: sim.true_throughput(cfg, w))
         cfg = dataclasses.replace(cfg, rest_lags=floors or None)
         results = sim.simulate(arrivals, [n for n in policies if n in live], cfg, history=past if len(past) else None)
@@ -1016,7 +1032,8 @@ def main(argv: list[str] | None = None) -> int:
                   "history_bins": {n: r["history_bins"] for n, r in live.items()},
                   "emulated_device_ms_per_step": args.device_ms_per_step, "batch_size": args.batch_size,
                   "kale_load_headroom": args.load_headroom, "kale_lag_price": args.lag_price,
-                  "kale_planned_lag_s": args.planned_lag},
+                  "kale_planned_lag_s": args.planned_lag, "kale_program_hours": args.program_hours,
+                  "kale_program_lag_ratio": args.program_lag_ratio},
         "errors": errors,
     }
     result["targets"] = targets(result["live"], simulated, bound)
@@ -1028,7 +1045,10 @@ def main(argv: list[str] | None = None) -> int:
         scale_in = migration.cost(scale_out=False)
         print(f"WorldCup98 day {args.day} in {args.minutes:g} min (x{scale:g}), EMULATED device time "
               f"{args.device_ms_per_step:g} ms/step, batch {args.batch_size}; kale --load-headroom "
-              f"{args.load_headroom:g} --lag-price {args.lag_price:g} --planned-lag {args.planned_lag:g}; "
+              f"{args.load_headroom:g} --lag-price {args.lag_price:g} --planned-lag {args.planned_lag:g}"
+              + ("" if args.program_hours is None else f" --program-hours {args.program_hours:g}")
+              + ("" if args.program_lag_ratio is None else f" --program-lag-ratio {args.program_lag_ratio:g}")
+              + "; "
               f"simulator: {how}; a scale-out "
               f"{migration.prep_s / 60:.1f} + {migration.pause_s / 60:.1f} trace min (prep + pause, measured live), "
               f"a scale-in {scale_in[0] / 60:.1f} + {scale_in[1] / 60:.1f}, then not ready for "

@@ -293,6 +293,7 @@ def test_kale_runs_live_on_a_stream_job(tmp_path: Path) -> None:
         assert audit(job, url).returncode == 0
 
 
+@pytest.mark.speed_free  # one decision, the first plan after the hand-over: no rate or pause measured
 def test_kale_plans_over_an_hour_live_in_minute_steps(tmp_path: Path) -> None:
     """``--program-hours``: kale's lag-priced program runs in a live job whose arrivals are counted
     every 5 trace seconds (``--planner-interval 0.5`` at ``--time-scale 10``), summed into minute

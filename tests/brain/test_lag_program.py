@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from tidal.api import ConfigError
+from tidal.api import ConfigError, JobObservation, StreamObservation
 from tidal.brain import lag_program
 from tidal.brain.kale import KalePlanner
 from tidal.sim import online as sim
@@ -188,3 +188,23 @@ def test_a_live_job_s_seconds_are_summed_into_minute_steps_for_the_program() -> 
     assert by_second.worker_hours == pytest.approx(by_minute.worker_hours, rel=0.02)
     assert by_second.accumulated_lag_min == pytest.approx(by_minute.accumulated_lag_min, rel=0.25)
     assert by_second.slo_violation_rate == by_minute.slo_violation_rate == 0.0
+
+
+def test_the_program_holds_while_its_action_forms() -> None:
+    """A live master asks every planner interval and may read the job ready before the new count
+    has begun to form: the program, which paid the action's lead before its next decision, holds
+    until that lead has passed, then decides again. Handed one worker with 24,000 samples waiting
+    (appended before it started: no arrival it saw holds them, so they are aged from the lag), it
+    adds a second."""
+    kale = KalePlanner(program_horizon_s=3600.0, lead_s=40.0, pause_s=5.0, measure_actions=False)
+    now, backlog, current, reasons = 0.0, 24_000.0, 1, []
+    for _ in range(12):
+        stream = StreamObservation(interval_s=5.0, arrivals=[0.0], measured=[(current, 128.0 * current)],
+                                   backlog=backlog, lag_s=now + 60.0, utilization=1.0)
+        plan = kale.plan(JobObservation(job_id="j", now_s=now, min_workers=1, max_workers=2, current_workers=current,
+                                        target_workers=current, ready=True, stream=stream))
+        reasons.append(plan.reason)
+        current, backlog, now = plan.workers, backlog - 128.0 * current * 5.0, now + 5.0
+    assert reasons[0].startswith("program: 2 workers at 24000 samples waiting")
+    assert reasons[1:8] == ["program: an action under way"] * 7  # 40 s of lead, asked every 5 s
+    assert reasons[8].startswith("program: ") and current == 2

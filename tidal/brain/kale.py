@@ -1277,6 +1277,10 @@ class KalePlanner:
         if not self._measured:
             return self._resource_plan(current, "program: no throughput measured yet")
         assert self.program_horizon_s is not None  # plan() calls this only then
+        if obs.now_s - self._last_change_s < self.lead_s:
+            # the program paid the action's lead before its next decision; a live master asks
+            # again within a second, before the new count has begun to form
+            return self._resource_plan(current, "program: an action under way")
         per = _step_intervals(dt)  # the program's step: per intervals of the stream (1 where they are long)
         step = per * dt
         horizon = max(2, round(self.program_horizon_s / step))
