@@ -151,7 +151,6 @@ def test_a_low_price_keeps_the_slo_only_with_its_penalty() -> None:
     assert moved is not None and (moved + len(PHASES)) * 30.0 / 130.0 < 15.0  # minutes of age when its workers come
 
 
-
 def _diurnal_program(interval_s: float) -> tuple[sim.PolicyResult, KalePlanner]:
     """Kale planning over an hour on a diurnal trace, two days of history and 3 hours scored, its
     traffic counted every ``interval_s`` (the same rates whatever the interval: scaled as the

@@ -1304,10 +1304,7 @@ class KalePlanner:
             believed = [0.0] + [self.throughput(w) for w in range(1, hi + 2)]
             a, b = lag_program.count_range(believed, step, current, ahead, hi)
             a, b = max(a, lo), min(b, hi)
-            if per == 1:
-                past = np.asarray(list(itertools.islice(reversed(self._recent), round(PROGRAM_PAST_S / dt)))[::-1]) * dt
-            else:
-                past = np.asarray(self._steps, dtype=float)
+            past = np.asarray(list(self._steps)[-max(1, round(PROGRAM_PAST_S / step)):], dtype=float)
             past = _explained(past, stream.backlog, stream.lag_s, step)
             if not a <= current <= b:
                 self._policy = None
